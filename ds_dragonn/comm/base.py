@@ -1,0 +1,48 @@
+"""The collective primitives every exchange scheme is written against.
+
+An exchange scheme (``ds_dragonn.exchange``) needs only these three collectives, so each transport —
+``deepspeed.comm`` (NCCL/gloo) or mpi4py — implements them once and every scheme runs on every
+transport unchanged (one signature for every backend; DeepSpeed's near-duplicate ``nccl.py``/``mpi.py``
+are the counter-example). Failures are re-raised as :class:`CommError` naming the rank.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import List, Sequence
+
+import torch
+
+
+class CommError(RuntimeError):
+    """A collective failed; the message names the rank and the operation."""
+
+
+class CommBackend(ABC):
+    """Collectives over one data-parallel group of ``world_size`` ranks."""
+
+    name: str = "base"
+
+    @property
+    @abstractmethod
+    def rank(self) -> int:
+        ...
+
+    @property
+    @abstractmethod
+    def world_size(self) -> int:
+        ...
+
+    @abstractmethod
+    def all_gather_ints(self, values: Sequence[int], device: torch.device) -> List[List[int]]:
+        """Gather a short list of ints (same length on every rank) from every rank: result[r] is rank r's."""
+
+    @abstractmethod
+    def all_gather_bytes(self, payload: torch.Tensor) -> torch.Tensor:
+        """Gather a (L,) uint8 tensor (same L on every rank) → (world_size, L) uint8 on payload's device."""
+
+    @abstractmethod
+    def all_reduce_sum_(self, tensor: torch.Tensor) -> None:
+        """In-place sum of a dense tensor over all ranks."""
+
+    def _fail(self, op: str, err: BaseException) -> CommError:
+        return CommError(f"[rank {self.rank}] {self.name} {op} failed: {err}")

@@ -1,0 +1,49 @@
+"""Collectives over ``deepspeed.comm`` (NCCL on GPU, gloo on CPU)."""
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence
+
+import torch
+import deepspeed.comm as dist
+
+from .base import CommBackend
+
+
+class TorchCommBackend(CommBackend):
+    """``deepspeed.comm`` collectives on ``group`` (None = the world group)."""
+
+    name = "torch"
+
+    def __init__(self, group: Optional[Any] = None):
+        self.group = group
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(group=self.group)
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(group=self.group)
+
+    def all_gather_ints(self, values: Sequence[int], device: torch.device) -> List[List[int]]:
+        local = torch.tensor(list(values), dtype=torch.int64, device=device)
+        out = torch.empty(self.world_size * local.numel(), dtype=torch.int64, device=device)
+        try:
+            dist.all_gather_into_tensor(out, local, group=self.group)
+        except Exception as err:  # noqa: BLE001 - re-raised with the rank
+            raise self._fail("all_gather_into_tensor(header)", err) from err
+        return out.view(self.world_size, -1).tolist()
+
+    def all_gather_bytes(self, payload: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(self.world_size * payload.numel(), dtype=torch.uint8, device=payload.device)
+        try:
+            dist.all_gather_into_tensor(out, payload, group=self.group)
+        except Exception as err:  # noqa: BLE001
+            raise self._fail("all_gather_into_tensor(payload)", err) from err
+        return out.view(self.world_size, -1)
+
+    def all_reduce_sum_(self, tensor: torch.Tensor) -> None:
+        try:
+            dist.all_reduce(tensor, group=self.group)
+        except Exception as err:  # noqa: BLE001
+            raise self._fail("all_reduce", err) from err

@@ -1,0 +1,108 @@
+"""The compressor interface shared by DRAGONN and the baselines (exact top-k, random-k).
+
+A compressor takes one flattened 1-D gradient buffer and returns a :class:`Selection`: the indices it
+keeps and their values. It never touches the residual: error feedback is applied around it
+(``ds_dragonn.feedback``), in the fixed order compensate → compress → update residual → exchange.
+"""
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from typing import NamedTuple, Optional
+
+import torch
+
+#: Marker of an empty hash-table slot. Out of range for every buffer (the prototype used 0, which made
+#: element 0 unsendable).
+EMPTY_SLOT = -1
+
+#: Buffers at least this long carry int64 indices; shorter ones int32 (half the index bytes on the wire).
+INT64_INDEX_NUMEL = 2**31
+
+
+class Selection(NamedTuple):
+    """What a compressor keeps from one buffer of ``numel`` elements.
+
+    Attributes:
+        indices: (count,) int32 (numel < 2^31) or int64, distinct positions in [0, numel).
+        values: (count,) the buffer's dtype, ``buffer[indices]``.
+        threshold: 0-d float32 tensor on the buffer's device; the magnitude cut used (0 for random-k).
+        k: target count, ``ceil(density * numel)`` (0 for an empty buffer).
+        capacity: most pairs this selection may hold (DRAGONN: hash-table size ``ceil(table_factor * k)``).
+    """
+    indices: torch.Tensor
+    values: torch.Tensor
+    threshold: torch.Tensor
+    k: int
+    capacity: int
+
+    @property
+    def count(self) -> int:
+        return int(self.indices.numel())
+
+
+def index_dtype(numel: int) -> torch.dtype:
+    """int32 for buffers shorter than 2^31 elements, int64 otherwise."""
+    return torch.int64 if numel >= INT64_INDEX_NUMEL else torch.int32
+
+
+def target_k(numel: int, density: float) -> int:
+    """``k = ceil(density * numel)``, at most numel; 0 for an empty buffer (no division by zero)."""
+    if numel <= 0:
+        return 0
+    # round() guards against 0.01 * 100 = 1.0000000000000002 -> 2
+    return min(numel, math.ceil(round(density * numel, 9)))
+
+
+def magnitude(flat: torch.Tensor) -> torch.Tensor:
+    """|flat| in float32, with NaN and ±Inf mapped to +Inf: non-finite entries always rank first.
+
+    Sending non-finite entries reproduces what the dense allreduce does (they reach every rank, where
+    DeepSpeed's overflow check sees them) instead of hiding them in the residual.
+    """
+    mag = flat.abs().float()
+    return torch.nan_to_num(mag, nan=math.inf)
+
+
+def empty_selection(flat: torch.Tensor, k: int = 0, capacity: int = 0) -> Selection:
+    return Selection(
+        indices=torch.empty(0, dtype=index_dtype(flat.numel()), device=flat.device),
+        values=torch.empty(0, dtype=flat.dtype, device=flat.device),
+        threshold=torch.zeros((), dtype=torch.float32, device=flat.device),
+        k=k,
+        capacity=capacity,
+    )
+
+
+class Compressor(ABC):
+    """Selects the pairs to send from one flattened buffer.
+
+    Args of :meth:`compress`:
+        flat: 1-D tensor (any float dtype, any device, contiguous or not) of ``numel`` elements.
+        seed: per-call seed; every rank derives it the same way (step, bucket), so runs are reproducible.
+    """
+
+    name: str = "base"
+
+    def __init__(self, density: float):
+        if not 0.0 < density <= 1.0:
+            raise ValueError(f"density must be in (0, 1], got {density}")
+        self.density = float(density)
+
+    @abstractmethod
+    def compress(self, flat: torch.Tensor, seed: int) -> Selection:
+        ...
+
+    @staticmethod
+    def _check_input(flat: torch.Tensor) -> torch.Tensor:
+        if flat.dim() != 1:
+            raise ValueError(f"compressors take a flattened 1-D buffer, got shape {tuple(flat.shape)}")
+        if not flat.is_floating_point():
+            raise TypeError(f"compressors take a floating-point buffer, got {flat.dtype}")
+        return flat
+
+    def private_generator(self, device: torch.device, seed: int) -> torch.Generator:
+        """A generator for this call only: never touches the global RNG (cf. PyTorch's PowerSGD)."""
+        gen = torch.Generator(device=device)
+        gen.manual_seed(int(seed) & 0xFFFF_FFFF_FFFF)
+        return gen

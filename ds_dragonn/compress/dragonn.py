@@ -1,0 +1,148 @@
+"""DRAGONN selection: sampled threshold + hashed index table (Wang et al., ICML 2022, Sec. 3).
+
+Per flattened buffer of ``n`` elements with target ``k = ceil(density * n)``:
+
+1. :func:`sample_threshold` — draw ``s = max(min_sample, ceil(sample_ratio * n))`` elements (capped at
+   n; all of them when s ≥ n, which makes the threshold exact) and take the ``ceil(density * s)``-th
+   largest magnitude. The threshold stays on the device: no host sync.
+2. :func:`build_table` — every element with ``|g| >= thr`` (and ``g != 0``) writes its index into slot
+   ``murmur3(index, seed) mod m`` of a table of ``m = ceil(table_factor * k)`` slots. No sort, no prefix
+   sum. On a collision the *largest index wins* (``scatter_reduce(amax)``, an atomic max on a GPU), so
+   every implementation produces the same table. Losers stay in the residual. When ``m >= n`` the
+   table is indexed directly (slot = index): a perfect hash, nothing collides.
+3. :func:`gather_table` — valid slots (≠ ``EMPTY_SLOT``) give the kept indices; values are gathered.
+
+Non-finite entries (NaN, ±Inf) count as infinitely large: they are always selected and so reach every
+rank as with the dense allreduce, and the threshold is estimated from the finite sample entries only.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .base import EMPTY_SLOT, Compressor, Selection, empty_selection, index_dtype, magnitude, target_k
+from .hashing import murmur3_index_hash
+
+
+def sample_size(numel: int, sample_ratio: float, min_sample: int) -> int:
+    """Threshold sample size ``s = min(numel, max(min_sample, ceil(sample_ratio * numel)))``."""
+    return min(numel, max(min_sample, math.ceil(sample_ratio * numel)))
+
+
+def table_capacity(k: int, table_factor: float) -> int:
+    """Hash-table slots ``m = ceil(table_factor * k)`` (0 when k == 0)."""
+    return math.ceil(table_factor * k) if k > 0 else 0
+
+
+def step_hash_seed(seed: int) -> int:
+    """32-bit hash seed derived from a call seed (decorrelated from the sampling generator's seed)."""
+    return (int(seed) * 0x9E3779B1 + 0x7F4A7C15) & 0xFFFFFFFF
+
+
+def sample_threshold(flat: torch.Tensor, density: float, num_samples: int,
+                     generator: torch.Generator | None = None) -> torch.Tensor:
+    """Estimate the top-k magnitude threshold from a random sample.
+
+    Args:
+        flat: (n,) float tensor, n ≥ 1.
+        density: fraction kept, in (0, 1].
+        num_samples: s in [1, n]; s == n uses every element (exact threshold, no randomness).
+        generator: private generator on ``flat.device`` for the sample positions.
+    Returns:
+        0-d float32 tensor on ``flat.device``: the ``ceil(density * s)``-th largest finite |sample|.
+    """
+    n = flat.numel()
+    if num_samples >= n:
+        sample = flat
+    else:
+        pos = torch.randint(0, n, (num_samples,), generator=generator, device=flat.device)
+        sample = flat[pos]
+    mag = sample.abs().float()
+    mag = torch.where(torch.isfinite(mag), mag, torch.zeros((), device=mag.device))
+    kk = target_k(mag.numel(), density)
+    return torch.topk(mag, kk, sorted=False).values.min()
+
+
+def selection_mask(flat: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    """(n,) bool: ``|g| >= threshold`` and ``g != 0``; NaN/±Inf always True."""
+    mag = magnitude(flat)
+    return (mag >= threshold) & (mag > 0)
+
+
+def hash_slots(indices: torch.Tensor, seed: int, capacity: int) -> torch.Tensor:
+    """Table slot of each index: ``murmur3_x86_32(index, seed) mod capacity`` (int64)."""
+    return murmur3_index_hash(indices, seed) % capacity
+
+
+def build_table(flat: torch.Tensor, threshold: torch.Tensor, capacity: int, seed: int) -> torch.Tensor:
+    """The hashed index table (reference implementation).
+
+    Args:
+        flat: (n,) float tensor.
+        threshold: 0-d float32 tensor (on the device).
+        capacity: m ≥ 1 slots; m ≥ n switches to direct indexing (slot = index).
+        seed: 32-bit hash seed.
+    Returns:
+        (m,) int64 table: a selected index per slot, ``EMPTY_SLOT`` where none; on a collision the
+        largest index wins.
+    """
+    n = flat.numel()
+    idx = torch.nonzero(selection_mask(flat, threshold)).squeeze(1)
+    table = torch.full((capacity,), EMPTY_SLOT, dtype=torch.int64, device=flat.device)
+    if capacity >= n:
+        slots = idx
+    else:
+        slots = hash_slots(idx, seed, capacity)
+    return table.scatter_reduce_(0, slots, idx, reduce="amax", include_self=True)
+
+
+def gather_table(flat: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Valid slots of ``table`` → (indices (c,) int32/int64 by buffer size, values (c,) flat.dtype)."""
+    idx = table[table != EMPTY_SLOT]
+    return idx.to(index_dtype(flat.numel())), flat[idx]
+
+
+class DragonnCompressor(Compressor):
+    """DRAGONN hash-sampled selection (see module docstring).
+
+    Args:
+        density: fraction kept, in (0, 1].
+        sample_ratio: fraction of the buffer sampled for the threshold.
+        min_sample: lower bound on the sample size.
+        table_factor: table slots per target element (paper: 4).
+    """
+
+    name = "dragonn"
+
+    def __init__(self, density: float, sample_ratio: float = 0.01, min_sample: int = 1024,
+                 table_factor: float = 4.0):
+        super().__init__(density)
+        if not 0.0 < sample_ratio <= 1.0:
+            raise ValueError(f"sample_ratio must be in (0, 1], got {sample_ratio}")
+        if min_sample < 1:
+            raise ValueError(f"min_sample must be >= 1, got {min_sample}")
+        if table_factor < 1.0:
+            raise ValueError(f"table_factor must be >= 1, got {table_factor}")
+        self.sample_ratio = float(sample_ratio)
+        self.min_sample = int(min_sample)
+        self.table_factor = float(table_factor)
+
+    def threshold(self, flat: torch.Tensor, seed: int) -> torch.Tensor:
+        n = flat.numel()
+        if target_k(n, self.density) >= n:
+            return torch.zeros((), dtype=torch.float32, device=flat.device)  # keep every nonzero
+        s = sample_size(n, self.sample_ratio, self.min_sample)
+        return sample_threshold(flat, self.density, s, self.private_generator(flat.device, seed))
+
+    def compress(self, flat: torch.Tensor, seed: int = 0) -> Selection:
+        flat = self._check_input(flat)
+        n = flat.numel()
+        k = target_k(n, self.density)
+        if k == 0:
+            return empty_selection(flat)
+        m = table_capacity(k, self.table_factor)
+        thr = self.threshold(flat, seed)
+        table = build_table(flat, thr, m, step_hash_seed(seed))
+        idx, vals = gather_table(flat, table)
+        return Selection(indices=idx, values=vals, threshold=thr, k=k, capacity=m)

@@ -1,0 +1,148 @@
+"""The ``"dragonn"`` block of a DeepSpeed config, validated with pydantic.
+
+The block sits at the top level of ``ds_config.json`` next to DeepSpeed's own sections (DeepSpeed keeps
+unknown top-level keys in ``engine.config``)::
+
+    "dragonn": {"enabled": true, "density": 0.01}
+
+Validation follows DeepSpeed's ``runtime/config_utils.DeepSpeedConfigModel``: unknown keys are rejected,
+every field is typed and bounded, choices are enums, and cross-field checks raise ``ValueError``.
+Errors surface as :class:`DragonnConfigError`, whose message names the bad key, the value given and what
+is allowed.
+"""
+from __future__ import annotations
+
+import json
+import os
+from enum import Enum
+from typing import Any, Mapping, Optional, Union
+
+from pydantic import Field, ValidationError, model_validator
+from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+
+DRAGONN_KEY = "dragonn"
+
+
+class DragonnConfigError(ValueError):
+    """Raised when the ``"dragonn"`` block is invalid; the message names the key, value and what is allowed."""
+
+
+class CommBackend(str, Enum):
+    torch = "torch"  # deepspeed.comm: NCCL on GPU, gloo on CPU
+    mpi = "mpi"  # mpi4py
+
+
+class ExchangeScheme(str, Enum):
+    allgather = "allgather"  # every rank gathers every rank's (index, value) pairs (DRAGONN paper, Sec. 4)
+
+
+class Compressor(str, Enum):
+    dragonn = "dragonn"  # sampled threshold + hashed index table (DRAGONN paper)
+    topk = "topk"  # exact top-k of |g| (baseline)
+    randomk = "randomk"  # uniform random k elements (baseline)
+
+
+class DragonnConfig(DeepSpeedConfigModel):
+    """Settings of DRAGONN gradient compression (all optional; defaults follow the DRAGONN paper)."""
+
+    model_config = {"extra": "forbid", "validate_assignment": True, "use_enum_values": False,
+                    "populate_by_name": True}
+
+    enabled: bool = False
+    """Switch compression on. When false (or the block is absent) the engine is not touched."""
+
+    density: float = Field(0.01, gt=0.0, le=1.0)
+    """Fraction of a buffer's elements kept per step, ``k = ceil(density * numel)``. 1.0 keeps everything."""
+
+    sample_ratio: float = Field(0.01, gt=0.0, le=1.0)
+    """Fraction of the buffer sampled to estimate the top-k threshold (``s = max(min_sample, ceil(r*numel))``)."""
+
+    min_sample: int = Field(1024, ge=1)
+    """Lower bound on the threshold sample size, in elements (capped at the buffer size)."""
+
+    table_factor: float = Field(4.0, ge=1.0)
+    """Hash-table capacity as a multiple of k: ``m = ceil(table_factor * k)`` slots (paper: 4)."""
+
+    min_compress_numel: int = Field(1 << 16, ge=0)
+    """Buffers with fewer elements go through DeepSpeed's dense allreduce (paper: 2^20 per tensor)."""
+
+    warmup_steps: int = Field(0, ge=0)
+    """Optimizer steps that use the dense allreduce before compression starts (paper: 200)."""
+
+    error_feedback: bool = True
+    """Keep what was not sent in a residual and add it back next step (nothing lost, only delayed)."""
+
+    compressor: Compressor = Compressor.dragonn
+    """Selection method: ``dragonn`` (product), ``topk`` or ``randomk`` (baselines for comparison)."""
+
+    comm_backend: CommBackend = CommBackend.torch
+    """Collectives: ``torch`` (deepspeed.comm; NCCL on GPU, gloo on CPU) or ``mpi`` (mpi4py)."""
+
+    cuda_aware: bool = False
+    """MPI only: hand device buffers to MPI directly (true) or stage them through host memory (false)."""
+
+    exchange: ExchangeScheme = ExchangeScheme.allgather
+    """How the selected pairs are exchanged: ``allgather`` (each rank gathers all ranks' pairs)."""
+
+    seed: int = Field(0, ge=0, lt=2**32)
+    """Base seed for threshold sampling and the hash; every rank advances it the same way each step."""
+
+    log_interval: int = Field(0, ge=0)
+    """Log compression statistics every this many compressed steps on rank 0 (0 = never)."""
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> "DragonnConfig":
+        if self.cuda_aware and self.comm_backend != CommBackend.mpi:
+            raise ValueError(f"'cuda_aware': true only applies to 'comm_backend': 'mpi' "
+                             f"(got 'comm_backend': '{self.comm_backend.value}')")
+        return self
+
+    @classmethod
+    def from_ds_config(cls, ds_config: Union[str, os.PathLike, Mapping[str, Any], None]) -> "DragonnConfig":
+        """Read and validate the ``"dragonn"`` block of a DeepSpeed config (dict or JSON path).
+
+        Returns a disabled config when the block is absent.
+
+        Raises:
+            DragonnConfigError: the block is not an object, has an unknown key or an invalid value.
+        """
+        cfg = load_ds_config(ds_config)
+        block = cfg.get(DRAGONN_KEY)
+        if block is None:
+            return cls()
+        if not isinstance(block, Mapping):
+            raise DragonnConfigError(f"'{DRAGONN_KEY}' must be a JSON object, got {type(block).__name__}: {block!r}")
+        try:
+            return cls(strict=True, **dict(block))
+        except ValidationError as err:
+            raise DragonnConfigError(_format_errors(err)) from None
+
+
+def load_ds_config(ds_config: Union[str, os.PathLike, Mapping[str, Any], None]) -> dict:
+    """Return a DeepSpeed config as a dict; ``ds_config`` is a dict, a JSON path or None (empty)."""
+    if ds_config is None:
+        return {}
+    if isinstance(ds_config, Mapping):
+        return dict(ds_config)
+    path = os.fspath(ds_config)
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise DragonnConfigError(f"DeepSpeed config file not found: {path}") from None
+    except json.JSONDecodeError as err:
+        raise DragonnConfigError(f"DeepSpeed config {path} is not valid JSON: {err}") from None
+
+
+def _format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<block>"
+        where = f"'{DRAGONN_KEY}.{key}'" if e["loc"] else f"'{DRAGONN_KEY}'"
+        if e["type"] == "extra_forbidden":
+            allowed = ", ".join(sorted(DragonnConfig.model_fields))
+            lines.append(f"{where}: unknown key (value {e['input']!r}); allowed keys: {allowed}")
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            lines.append(f"{where}: invalid value {e['input']!r}: {msg}")
+    return "invalid 'dragonn' config block:\n  " + "\n  ".join(lines)

@@ -1,0 +1,133 @@
+"""The DeepSpeed hook: DeepSpeed's flattened gradient buckets in, averaged gradients out.
+
+Hook point: ``DeepSpeedEngine.allreduce_bucket(bucket, dp_group, dp_world_size)`` is overridden on the
+engine *instance* (DeepSpeed 0.19.8 ``runtime/engine.py``: ``allreduce_gradients`` →
+``buffered_allreduce_fallback`` → ``allreduce_no_retain`` → ``allreduce_and_copy`` →
+``allreduce_bucket``). It receives same-dtype buckets of the ZeRO stage-0 path and must apply
+DeepSpeed's averaging (``gradient_predivide_factor``, ``prescale_gradients``) itself, which
+:func:`reduction_scales` reproduces. Warm-up steps and small buckets call DeepSpeed's own method.
+Every rank takes the same branch: the decision depends only on the step, the bucket size and the config.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Dict, Hashable, NamedTuple, Optional
+
+import torch
+from deepspeed.utils import log_dist
+
+from .comm import build_backend
+from .comm.base import CommBackend
+from .compress import build_compressor
+from .config import DragonnConfig
+from .feedback import ErrorFeedback
+from .pipeline import CompressedAllreduce
+from .telemetry import Telemetry, log_reduction
+
+
+class Scales(NamedTuple):
+    """Factors applied before (to the local buffer) and after (to the sum) the reduction."""
+    prescale: float
+    postscale: float
+
+
+def reduction_scales(engine: Any, dp_world_size: float) -> Scales:
+    """The scaling DeepSpeed's dense ``allreduce_bucket`` applies (0.19.8 ``runtime/engine.py``)."""
+    if not engine.gradient_average:
+        return Scales(1.0, 1.0)
+    if engine.postscale_gradients():
+        pre = engine.gradient_predivide_factor()
+        return Scales(1.0 / pre if pre != 1.0 else 1.0, pre / dp_world_size if pre != dp_world_size else 1.0)
+    return Scales(1.0 / dp_world_size, 1.0)
+
+
+def bucket_seed(seed: int, step: int, ordinal: int) -> int:
+    """Seed for (step, bucket): the same on every rank, different every step (paper: per-step hash seed)."""
+    return (seed * 1_000_003 + step * 7919 + ordinal) & 0xFFFF_FFFF_FFFF
+
+
+class DragonnHook:
+    """Per-engine DRAGONN state, installed as ``engine.dragonn``.
+
+    Fields: the config (``cfg``); the compressor, error-feedback store and transport per data-parallel
+    group; the bucket ordinal within the current step; :class:`Telemetry` totals.
+    """
+
+    def __init__(self, engine: Any, cfg: DragonnConfig):
+        self.engine = engine
+        self.cfg = cfg
+        self.compressor = build_compressor(cfg)
+        self.error_feedback = ErrorFeedback(cfg.error_feedback)
+        self.telemetry = Telemetry()
+        self._pipelines: Dict[int, CompressedAllreduce] = {}
+        self._dense_allreduce_bucket = engine.allreduce_bucket  # DeepSpeed's bound method
+        self._step = -1
+        self._ordinal = 0
+
+    # -- installation -------------------------------------------------------------------------------
+    def install(self) -> "DragonnHook":
+        self.engine.allreduce_bucket = self.allreduce_bucket
+        self.engine.dragonn = self
+        log_dist(f"DRAGONN enabled: compressor={self.compressor.name} density={self.cfg.density} "
+                 f"sample_ratio={self.cfg.sample_ratio} table_factor={self.cfg.table_factor} "
+                 f"min_compress_numel={self.cfg.min_compress_numel} warmup_steps={self.cfg.warmup_steps} "
+                 f"error_feedback={self.cfg.error_feedback} comm_backend={self.cfg.comm_backend.value} "
+                 f"exchange={self.cfg.exchange.value}", ranks=[0])
+        return self
+
+    def _pipeline(self, dp_group: Any) -> CompressedAllreduce:
+        key = id(dp_group)
+        if key not in self._pipelines:
+            backend: CommBackend = build_backend(self.cfg, dp_group)
+            self._pipelines[key] = CompressedAllreduce(self.compressor, backend, self.error_feedback)
+        return self._pipelines[key]
+
+    # -- the hook -----------------------------------------------------------------------------------
+    def allreduce_bucket(self, bucket, dp_group, dp_world_size=None):
+        """Drop-in for ``DeepSpeedEngine.allreduce_bucket``: returns the reduced flat tensor."""
+        engine = self.engine
+        step = int(engine.global_steps)
+        if step != self._step:
+            self._step, self._ordinal = step, 0
+        ordinal = self._ordinal
+        self._ordinal += 1
+
+        numel = sum(t.numel() for t in bucket)
+        comm_dtype = engine.communication_data_type
+        pipeline = self._pipeline(dp_group)
+        world = pipeline.backend.world_size
+        if step < self.cfg.warmup_steps or numel < max(self.cfg.min_compress_numel, 1):
+            self.telemetry.record_dense(numel, torch.empty((), dtype=comm_dtype).element_size(), world)
+            return self._dense_allreduce_bucket(bucket, dp_group, dp_world_size)
+
+        tensor = engine.flatten(bucket)
+        work = tensor if comm_dtype == tensor.dtype else tensor.to(comm_dtype)
+        if dp_world_size is None:
+            dp_world_size = world
+        scales = reduction_scales(engine, dp_world_size)
+        key: Hashable = (ordinal, str(work.dtype), numel)
+        stats = pipeline(work, key, bucket_seed(self.cfg.seed, step, ordinal), scales.prescale, scales.postscale)
+        if work is not tensor:
+            tensor.copy_(work)
+        self.telemetry.record_compressed(stats)
+        if self.cfg.log_interval and self.telemetry.compressed_reductions % self.cfg.log_interval == 0:
+            log_reduction(step, stats, getattr(engine, "monitor", None))
+        return tensor
+
+    # -- state --------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Residuals and counters, for ``engine.save_checkpoint(client_state=...)``."""
+        return {"error_feedback": self.error_feedback.state_dict(), "telemetry": self.telemetry.summary()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.error_feedback.load_state_dict(state["error_feedback"])
+
+
+def check_hook_point(engine_cls: Optional[type] = None) -> None:
+    """Fail loudly if a DeepSpeed upgrade no longer routes ZeRO-0 buckets through ``allreduce_bucket``."""
+    if engine_cls is None:
+        from deepspeed.runtime.engine import DeepSpeedEngine as engine_cls
+    src = inspect.getsource(engine_cls.allreduce_and_copy)
+    if "self.allreduce_bucket(" not in src:
+        raise RuntimeError("this DeepSpeed version no longer calls DeepSpeedEngine.allreduce_bucket from "
+                           "allreduce_and_copy; ds_dragonn's hook would be bypassed (tested with 0.19.8)")
