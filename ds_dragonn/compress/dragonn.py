@@ -7,9 +7,12 @@ Per flattened buffer of ``n`` elements with target ``k = ceil(density * n)``:
    largest magnitude. The threshold stays on the device: no host sync.
 2. :func:`build_table` — every element with ``|g| >= thr`` (and ``g != 0``) writes its index into slot
    ``murmur3(index, seed) mod m`` of a table of ``m = ceil(table_factor * k)`` slots. No sort, no prefix
-   sum. On a collision the *largest index wins* (``scatter_reduce(amax)``, an atomic max on a GPU), so
-   every implementation produces the same table. Losers stay in the residual. When ``m >= n`` the
-   table is indexed directly (slot = index): a perfect hash, nothing collides.
+   sum. Each slot stores a *priority key* (:func:`priority_keys`: magnitude bits above the index bits)
+   and a collision keeps the largest key (``scatter_reduce(amax)``; an atomic max on a GPU): the
+   larger magnitude wins, ties go to the larger index. The winner is defined, so every implementation
+   produces the same table, and it does not depend on position (element 0 is not disadvantaged).
+   Losers stay in the residual. When ``m >= n`` the table is indexed directly (slot = index): a
+   perfect hash, nothing collides.
 3. :func:`gather_table` — valid slots (≠ ``EMPTY_SLOT``) give the kept indices; values are gathered.
 
 Non-finite entries (NaN, ±Inf) count as infinitely large: they are always selected and so reach every
@@ -75,8 +78,33 @@ def hash_slots(indices: torch.Tensor, seed: int, capacity: int) -> torch.Tensor:
     return murmur3_index_hash(indices, seed) % capacity
 
 
+def index_bits(numel: int) -> int:
+    """Bits reserved for the index in a priority key: 32, or more for buffers of 2^32+ elements."""
+    return max(32, (max(numel, 1) - 1).bit_length())
+
+
+def priority_keys(mag: torch.Tensor, indices: torch.Tensor, numel: int) -> torch.Tensor:
+    """int64 collision-priority keys ``(magnitude bits >> shift) << b | index`` (all ≥ 0).
+
+    Args:
+        mag: (c,) float32 magnitudes (≥ 0, +Inf allowed) of the candidates.
+        indices: (c,) int64 candidate positions.
+        numel: buffer length; ``b = index_bits(numel)`` and ``shift = b - 32`` keep the key in 63 bits.
+    Returns:
+        (c,) int64; the larger key has the larger magnitude (ties: larger index).
+    """
+    b = index_bits(numel)
+    mbits = mag.float().view(torch.int32).to(torch.int64) >> (b - 32)  # non-negative float: bits order = value order
+    return (mbits << b) | indices
+
+
+def key_to_index(keys: torch.Tensor, numel: int) -> torch.Tensor:
+    """Index part of :func:`priority_keys` (int64)."""
+    return keys & ((1 << index_bits(numel)) - 1)
+
+
 def build_table(flat: torch.Tensor, threshold: torch.Tensor, capacity: int, seed: int) -> torch.Tensor:
-    """The hashed index table (reference implementation).
+    """The hashed table of priority keys (reference implementation).
 
     Args:
         flat: (n,) float tensor.
@@ -84,23 +112,23 @@ def build_table(flat: torch.Tensor, threshold: torch.Tensor, capacity: int, seed
         capacity: m ≥ 1 slots; m ≥ n switches to direct indexing (slot = index).
         seed: 32-bit hash seed.
     Returns:
-        (m,) int64 table: a selected index per slot, ``EMPTY_SLOT`` where none; on a collision the
-        largest index wins.
+        (m,) int64 table: per slot the largest :func:`priority_keys` key that hashed there, or
+        ``EMPTY_SLOT`` (-1) where none did. :func:`gather_table` turns it into indices.
     """
     n = flat.numel()
-    idx = torch.nonzero(selection_mask(flat, threshold)).squeeze(1)
+    mag = magnitude(flat)
+    idx = torch.nonzero((mag >= threshold) & (mag > 0)).squeeze(1)
+    keys = priority_keys(mag[idx], idx, n)
     table = torch.full((capacity,), EMPTY_SLOT, dtype=torch.int64, device=flat.device)
-    if capacity >= n:
-        slots = idx
-    else:
-        slots = hash_slots(idx, seed, capacity)
-    return table.scatter_reduce_(0, slots, idx, reduce="amax", include_self=True)
+    slots = idx if capacity >= n else hash_slots(idx, seed, capacity)
+    return table.scatter_reduce_(0, slots, keys, reduce="amax", include_self=True)
 
 
 def gather_table(flat: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Valid slots of ``table`` → (indices (c,) int32/int64 by buffer size, values (c,) flat.dtype)."""
-    idx = table[table != EMPTY_SLOT]
-    return idx.to(index_dtype(flat.numel())), flat[idx]
+    n = flat.numel()
+    idx = key_to_index(table[table != EMPTY_SLOT], n)
+    return idx.to(index_dtype(n)), flat[idx]
 
 
 class DragonnCompressor(Compressor):
