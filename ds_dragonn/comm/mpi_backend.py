@@ -1,0 +1,190 @@
+"""Collectives over MPI through mpi4py (``"comm_backend": "mpi"``).
+
+``torch.distributed`` has no MPI backend in pip builds, so this transport calls mpi4py directly, as
+DeepSpeed's former ``runtime/comm/mpi.py`` did. It implements only the primitives of
+:class:`~ds_dragonn.comm.base.CommBackend`; packing, padding and the agreement check on buffer sizes live
+in the exchange scheme (``ds_dragonn.exchange``) and are shared with the torch transport, so for the same
+inputs both transports move the same bytes and return bit-identical results.
+
+Buffers go to MPI through the buffer protocol / DLPack (mpi4py accepts torch tensors as they are):
+
+* CPU tensors are always passed without a copy.
+* Device (CUDA) tensors with ``cuda_aware=False`` are staged: copied to host memory, exchanged, and the
+  result copied back to the device.
+* Device tensors with ``cuda_aware=True`` are handed to MPI directly after the current stream is
+  synchronised (MPI is not stream-aware). The MPI library must be CUDA-aware (e.g. Open MPI or MPICH
+  built with CUDA/UCX); the ``mpich`` wheel on PyPI is not.
+
+The collectives run on a duplicate of ``MPI_COMM_WORLD`` (the user's own MPI traffic cannot interleave
+with ours). Every MPI failure is raised as :class:`~ds_dragonn.comm.base.CommError` whose message starts
+with ``[rank r]``.
+"""
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from .base import CommBackend, CommError
+
+try:
+    from mpi4py import MPI
+except ImportError as _err:  # pragma: no cover - depends on the install
+    MPI = None
+    _IMPORT_ERROR: Optional[ImportError] = _err
+else:
+    _IMPORT_ERROR = None
+
+# MPI has no reduction for these; all_reduce_sum_ sums them in float32.
+_UPCAST = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
+
+
+class MPIWorldMismatchError(CommError):
+    """The MPI world and the data-parallel group of ``torch.distributed`` are not the same processes."""
+
+
+class MPICommBackend(CommBackend):
+    """mpi4py collectives over all processes of the MPI job.
+
+    Args:
+        cuda_aware: hand device buffers to MPI directly (True) or stage them through host memory (False).
+        comm: the MPI communicator to duplicate (default ``MPI.COMM_WORLD``).
+        group: the ``torch.distributed`` process group this transport stands in for (None = the default
+            group). When ``torch.distributed`` is initialised, its size and this process's rank in it must
+            equal the MPI ones.
+    Raises:
+        ImportError: mpi4py is not installed.
+        MPIWorldMismatchError: MPI and ``torch.distributed`` disagree on the world size or on this
+            process's rank (e.g. the job was started by a non-MPI launcher: every process is then its
+            own MPI world of size 1).
+    """
+
+    name = "mpi"
+
+    def __init__(self, cuda_aware: bool = False, comm: Optional[Any] = None, group: Optional[Any] = None):
+        if MPI is None:
+            raise ImportError("'comm_backend': 'mpi' needs mpi4py and an MPI library: "
+                              "pip install 'ds_dragonn[mpi]' (mpi4py + mpich)") from _IMPORT_ERROR
+        base = MPI.COMM_WORLD if comm is None else comm
+        self.cuda_aware = bool(cuda_aware)
+        self._rank = base.Get_rank()
+        self._world_size = base.Get_size()
+        _check_same_world(self._rank, self._world_size, group)
+        try:
+            self.comm = base.Dup()
+        except MPI.Exception as err:
+            raise self._fail("Comm.Dup", err) from err
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    # -- primitives ---------------------------------------------------------------------------------
+    def all_gather_ints(self, values: Sequence[int], device: torch.device) -> List[List[int]]:
+        """Gather ``len(values)`` int64s from every rank: ``result[r]`` is rank r's list.
+
+        ``device`` is ignored (the ints travel through host memory). Every rank must pass the same
+        number of values.
+        """
+        local = np.asarray(list(values), dtype=np.int64)
+        out = np.empty((self._world_size, local.size), dtype=np.int64)
+        self._call("Allgather(ints)", self.comm.Allgather, local, out)
+        return out.tolist()
+
+    def all_gather_bytes(self, payload: torch.Tensor) -> torch.Tensor:
+        """Gather a (L,) uint8 tensor from every rank.
+
+        Args:
+            payload: (L,) uint8, any device; L must be equal on every rank.
+        Returns:
+            (world_size, L) uint8 on ``payload``'s device; row r is rank r's payload.
+        Raises:
+            TypeError: ``payload`` is not a 1-D uint8 tensor.
+            CommError: on every rank, when ranks pass different L (checked with one int64 allgather
+                first, so a mismatch never truncates or hangs), or when MPI fails.
+        """
+        if payload.dtype != torch.uint8 or payload.dim() != 1:
+            raise TypeError(f"[rank {self._rank}] all_gather_bytes takes a 1-D uint8 tensor, "
+                            f"got {payload.dtype} of shape {tuple(payload.shape)}")
+        lengths = [row[0] for row in self.all_gather_ints([payload.numel()], payload.device)]
+        if len(set(lengths)) > 1:
+            per_rank = ", ".join(f"rank {r}: {n}" for r, n in enumerate(lengths))
+            raise CommError(f"[rank {self._rank}] mpi all_gather_bytes: ranks pass payloads of different "
+                            f"lengths ({per_rank} bytes)")
+        send, staged = self._to_mpi(payload.contiguous())
+        out = torch.empty((self._world_size, payload.numel()), dtype=torch.uint8,
+                          device=send.device)
+        self._call("Allgather(bytes)", self.comm.Allgather, send, out)
+        return out.to(payload.device) if staged else out
+
+    def all_reduce_sum_(self, tensor: torch.Tensor) -> None:
+        """In-place sum over ranks of a dense tensor (any shape, contiguous; any device).
+
+        fp16/bf16 are summed in float32 and rounded once (MPI has no reduction for them). Floating-point
+        sums follow MPI's reduction order, which may differ from NCCL/gloo in the last bit.
+
+        Raises:
+            ValueError: ``tensor`` is not contiguous.
+            CommError: MPI failed.
+        """
+        if not tensor.is_contiguous():
+            raise ValueError(f"[rank {self._rank}] all_reduce_sum_ needs a contiguous tensor")
+        work = tensor.to(_UPCAST[tensor.dtype]) if tensor.dtype in _UPCAST else tensor
+        buf, staged = self._to_mpi(work)
+        self._call("Allreduce(sum)", self.comm.Allreduce, MPI.IN_PLACE, buf, MPI.SUM)
+        if staged or buf is not tensor:
+            tensor.copy_(buf)
+
+    # -- helpers ------------------------------------------------------------------------------------
+    def _to_mpi(self, t: torch.Tensor):
+        """(buffer MPI may read/write, whether it is a host copy of a device tensor)."""
+        if t.device.type == "cpu":
+            return t, False
+        if self.cuda_aware:
+            if t.device.type == "cuda":
+                torch.cuda.current_stream(t.device).synchronize()
+            return t, False
+        return t.to("cpu"), True  # synchronous copy: complete when MPI reads it
+
+    def _call(self, op: str, fn, *args) -> None:
+        try:
+            fn(*args)
+        except MPI.Exception as err:
+            raise self._fail(op, MPIErrorText(err)) from err
+
+    def free(self) -> None:
+        """Release the duplicated communicator (collective; optional, MPI frees it at finalisation)."""
+        if self.comm != MPI.COMM_NULL:
+            self.comm.Free()
+
+
+class MPIErrorText(Exception):
+    """An ``MPI.Exception`` rendered with its error class and MPI's own message."""
+
+    def __init__(self, err: Any):
+        try:
+            text = f"{err.Get_error_string().strip()} (MPI error class {err.Get_error_class()})"
+        except Exception:  # noqa: BLE001 - best effort; the original error is chained anyway
+            text = str(err)
+        super().__init__(text)
+
+
+def _check_same_world(mpi_rank: int, mpi_size: int, group: Optional[Any]) -> None:
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    t_size = torch.distributed.get_world_size(group=group)
+    t_rank = torch.distributed.get_rank(group=group)
+    if (t_size, t_rank) != (mpi_size, mpi_rank):
+        raise MPIWorldMismatchError(
+            f"[rank {t_rank}] 'comm_backend': 'mpi' needs the data-parallel group to be the MPI job: "
+            f"torch.distributed has world size {t_size} (this process is rank {t_rank}), MPI has world size "
+            f"{mpi_size} (rank {mpi_rank}). Launch every rank with mpirun/mpiexec (e.g. 'mpirun -np "
+            f"{t_size} python train.py ...' or 'deepspeed --launcher mpich ...'), or use 'comm_backend': 'torch'")
+
+
+__all__ = ["MPICommBackend", "MPIWorldMismatchError"]
