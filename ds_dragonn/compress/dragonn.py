@@ -4,7 +4,11 @@ Per flattened buffer of ``n`` elements with target ``k = ceil(density * n)``:
 
 1. :func:`sample_threshold` — draw ``s = max(min_sample, ceil(sample_ratio * n))`` elements (capped at
    n; all of them when s ≥ n, which makes the threshold exact) and take the ``ceil(density * s)``-th
-   largest magnitude. The threshold stays on the device: no host sync.
+   largest magnitude. The threshold stays on the device: no host sync. The compressor draws a
+   *stratified hashed* sample (:func:`sample_positions`): one element per stratum ``[j·n/s, (j+1)·n/s)``
+   at ``murmur3(j, seed) mod`` the stratum length — every element equally likely, every layer of a bucket
+   sampled in proportion, positions computable by any kernel (so all kernels get the same threshold),
+   and reads in ascending order (cheap on a CPU).
 2. :func:`build_table` — every element with ``|g| >= thr`` (and ``g != 0``) writes its index into slot
    ``murmur3(index, seed) mod m`` of a table of ``m = ceil(table_factor * k)`` slots. No sort, no prefix
    sum. Each slot stores a *priority key* (:func:`priority_keys`: magnitude bits above the index bits)
@@ -17,6 +21,10 @@ Per flattened buffer of ``n`` elements with target ``k = ceil(density * n)``:
 
 Non-finite entries (NaN, ±Inf) count as infinitely large: they are always selected and so reach every
 rank as with the dense allreduce, and the threshold is estimated from the finite sample entries only.
+
+Steps 1–3 have three implementations that give identical results (``DragonnCompressor(kernel=...)``):
+``reference`` (the pure-PyTorch functions below), ``cpu`` (C++ one-pass library, ``kernels/cpu_table``)
+and ``triton`` (GPU kernels, ``kernels/triton_table``); ``auto`` picks the fastest available.
 """
 from __future__ import annotations
 
@@ -43,21 +51,49 @@ def step_hash_seed(seed: int) -> int:
     return (int(seed) * 0x9E3779B1 + 0x7F4A7C15) & 0xFFFFFFFF
 
 
+def step_sample_seed(seed: int) -> int:
+    """32-bit seed of the threshold sample positions, decorrelated from :func:`step_hash_seed`."""
+    return (int(seed) * 0x85EBCA77 + 0x165667B1) & 0xFFFFFFFF
+
+
+def sample_positions(numel: int, num_samples: int, seed: int, device=None) -> torch.Tensor:
+    """Stratified hashed sample: position ``j`` is drawn from stratum ``[j·n//s, (j+1)·n//s)``.
+
+    ``pos_j = start_j + murmur3(j, seed) mod (end_j − start_j)``, with ``start_j = j·q + (j·r)//s``
+    (``q, r = divmod(n, s)``, exact in int64 for s < 3·10^9). Every element has inclusion probability
+    ≈ s/n; positions ascend. The CPU and Triton kernels compute the same positions.
+
+    Args:
+        numel: n ≥ 1. num_samples: s in [1, n]. seed: 32-bit seed (see :func:`step_sample_seed`).
+    Returns:
+        (s,) int64 positions in [0, n), strictly increasing.
+    """
+    q, r = divmod(int(numel), int(num_samples))
+    j = torch.arange(num_samples + 1, dtype=torch.int64, device=device)
+    bounds = j * q + (j * r) // num_samples
+    start, length = bounds[:-1], bounds[1:] - bounds[:-1]
+    return start + murmur3_index_hash(j[:-1], seed) % length
+
+
 def sample_threshold(flat: torch.Tensor, density: float, num_samples: int,
-                     generator: torch.Generator | None = None) -> torch.Tensor:
+                     generator: torch.Generator | None = None, *, seed: int | None = None) -> torch.Tensor:
     """Estimate the top-k magnitude threshold from a random sample.
 
     Args:
         flat: (n,) float tensor, n ≥ 1.
         density: fraction kept, in (0, 1].
         num_samples: s in [1, n]; s == n uses every element (exact threshold, no randomness).
-        generator: private generator on ``flat.device`` for the sample positions.
+        generator: private generator on ``flat.device``: s positions uniform with replacement.
+        seed: instead of ``generator``: the stratified hashed sample of :func:`sample_positions`
+            (what the compressor and its kernels use).
     Returns:
         0-d float32 tensor on ``flat.device``: the ``ceil(density * s)``-th largest finite |sample|.
     """
     n = flat.numel()
     if num_samples >= n:
         sample = flat
+    elif seed is not None:
+        sample = flat[sample_positions(n, num_samples, seed, flat.device)]
     else:
         pos = torch.randint(0, n, (num_samples,), generator=generator, device=flat.device)
         sample = flat[pos]
@@ -139,13 +175,16 @@ class DragonnCompressor(Compressor):
         sample_ratio: fraction of the buffer sampled for the threshold.
         min_sample: lower bound on the sample size.
         table_factor: table slots per target element (paper: 4).
+        kernel: ``auto`` (Triton on CUDA, the C++ library on CPU, else the reference), ``reference``
+            (pure PyTorch), ``cpu`` or ``triton``. All give identical selections for the same seed.
     """
 
     name = "dragonn"
 
     def __init__(self, density: float, sample_ratio: float = 0.01, min_sample: int = 1024,
-                 table_factor: float = 4.0):
+                 table_factor: float = 4.0, kernel: str = "auto"):
         super().__init__(density)
+        from .kernels import check_kernel
         if not 0.0 < sample_ratio <= 1.0:
             raise ValueError(f"sample_ratio must be in (0, 1], got {sample_ratio}")
         if min_sample < 1:
@@ -155,22 +194,26 @@ class DragonnCompressor(Compressor):
         self.sample_ratio = float(sample_ratio)
         self.min_sample = int(min_sample)
         self.table_factor = float(table_factor)
+        self.kernel = check_kernel(getattr(kernel, "value", kernel))
 
-    def threshold(self, flat: torch.Tensor, seed: int) -> torch.Tensor:
+    def threshold(self, flat: torch.Tensor, seed: int, kernel: str = "reference") -> torch.Tensor:
+        from .kernels import sample_threshold_fast
         n = flat.numel()
         if target_k(n, self.density) >= n:
             return torch.zeros((), dtype=torch.float32, device=flat.device)  # keep every nonzero
         s = sample_size(n, self.sample_ratio, self.min_sample)
-        return sample_threshold(flat, self.density, s, self.private_generator(flat.device, seed))
+        return sample_threshold_fast(flat, self.density, s, step_sample_seed(seed), kernel)
 
     def compress(self, flat: torch.Tensor, seed: int = 0) -> Selection:
+        from .kernels import build_table_fast, gather_table_fast, resolve_kernel
         flat = self._check_input(flat)
         n = flat.numel()
         k = target_k(n, self.density)
         if k == 0:
             return empty_selection(flat)
+        kernel = resolve_kernel(self.kernel, flat)
         m = table_capacity(k, self.table_factor)
-        thr = self.threshold(flat, seed)
-        table = build_table(flat, thr, m, step_hash_seed(seed))
-        idx, vals = gather_table(flat, table)
+        thr = self.threshold(flat, seed, kernel)
+        table = build_table_fast(flat, thr, m, step_hash_seed(seed), kernel)
+        idx, vals = gather_table_fast(flat, table, kernel)
         return Selection(indices=idx, values=vals, threshold=thr, k=k, capacity=m)

@@ -1,0 +1,127 @@
+"""Fast implementations of the DRAGONN selection steps, and the dispatcher that picks one.
+
+Three implementations of threshold sampling, table building and table gathering give identical
+results for the same input, threshold and seed (tests/test_kernels.py checks them element by element):
+
+``reference``  the pure-PyTorch functions of ``ds_dragonn.compress.dragonn`` (any device, any float dtype).
+``cpu``        ``cpu_table``: a C++ library (one pass, vectorised integer compare, only selected elements
+               hashed and stored with an atomic max), CPU tensors of fp32/fp16/bf16/fp64.
+``triton``     ``triton_table``: Triton kernels, one program per block of elements, ``tl.atomic_max`` into
+               the int64 table; the threshold is read on the device (no host sync), no sort, no
+               ``nonzero`` over the buffer. CUDA tensors; CPU tensors under ``TRITON_INTERPRET=1`` (tests).
+
+``auto`` resolves per buffer: ``triton`` for CUDA tensors when Triton imports, ``cpu`` for CPU tensors
+when the C++ library builds, else ``reference``.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from . import cpu_table
+
+KERNELS = ("auto", "reference", "cpu", "triton")
+
+
+def check_kernel(kernel: str) -> str:
+    """Validate a kernel name (raises ValueError naming the choices)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown DRAGONN kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
+    if kernel == "triton" and not triton_available():
+        raise ValueError("kernel 'triton' needs the triton package (pip install triton)")
+    return kernel
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means "not available"
+        return False
+    return True
+
+
+def triton_interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def resolve_kernel(kernel: str, flat: torch.Tensor) -> str:
+    """The concrete implementation for ``flat`` ("reference", "cpu" or "triton").
+
+    Raises:
+        ValueError: an explicit kernel cannot run on this buffer (e.g. ``cpu`` for a CUDA tensor,
+            ``triton`` for a CPU tensor without ``TRITON_INTERPRET=1``).
+    """
+    if kernel == "reference":
+        return kernel
+    dev = flat.device.type
+    if kernel == "auto":
+        if dev == "cuda" and flat.dtype in TRITON_DTYPES and triton_available():
+            return "triton"
+        if cpu_table.supports(flat) and cpu_table.available():
+            return "cpu"
+        return "reference"
+    if kernel == "cpu":
+        if not cpu_table.supports(flat):
+            raise ValueError(f"kernel 'cpu' takes CPU tensors of fp32/fp16/bf16/fp64, got {flat.dtype} on {dev}")
+        cpu_table.load()  # raises RuntimeError with the build error
+        return kernel
+    if kernel == "triton":
+        if flat.dtype not in TRITON_DTYPES:
+            raise ValueError(f"kernel 'triton' takes fp32/fp16/bf16/fp64 buffers, got {flat.dtype}")
+        if dev != "cuda" and not (dev == "cpu" and triton_interpret()):
+            raise ValueError(f"kernel 'triton' needs a CUDA tensor (or TRITON_INTERPRET=1 on CPU), got {dev}")
+        return kernel
+    raise ValueError(f"unknown DRAGONN kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
+
+
+TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def sample_threshold_fast(flat: torch.Tensor, density: float, num_samples: int, seed: int,
+                          kernel: str = "auto") -> torch.Tensor:
+    """``dragonn.sample_threshold(flat, density, num_samples, seed=seed)`` by the chosen kernel."""
+    from .. import dragonn
+    from ..base import target_k
+    kernel = resolve_kernel(kernel, flat)
+    n = flat.numel()
+    s = min(num_samples, n)
+    if kernel == "cpu":
+        return cpu_table.sample_kth(flat, s, target_k(s, density), seed)
+    if kernel == "triton" and s < n:
+        from . import triton_table
+        mag = triton_table.sample_magnitudes(flat, s, seed)
+        return torch.topk(mag, target_k(s, density), sorted=False).values.min()
+    return dragonn.sample_threshold(flat, density, s, seed=seed)
+
+
+def build_table_fast(flat: torch.Tensor, threshold: torch.Tensor, capacity: int, seed: int,
+                     kernel: str = "auto") -> torch.Tensor:
+    """``dragonn.build_table`` by the chosen kernel: triton on CUDA, the C++ library on CPU, else reference."""
+    from .. import dragonn
+    kernel = resolve_kernel(kernel, flat)
+    if kernel == "cpu":
+        return cpu_table.build_table(flat, threshold, capacity, seed, dragonn.index_bits(flat.numel()))
+    if kernel == "triton":
+        from . import triton_table
+        return triton_table.build_table(flat, threshold, capacity, seed)
+    return dragonn.build_table(flat, threshold, capacity, seed)
+
+
+def gather_table_fast(flat: torch.Tensor, table: torch.Tensor, kernel: str = "auto"
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dragonn.gather_table`` (valid slots, in slot order) by the chosen kernel."""
+    from .. import dragonn
+    from ..base import index_dtype
+    kernel = resolve_kernel(kernel, flat)
+    if kernel == "cpu":
+        n = flat.numel()
+        return cpu_table.gather_table(flat, table, dragonn.index_bits(n), index_dtype(n))
+    return dragonn.gather_table(flat, table)
+
+
+__all__ = ["KERNELS", "check_kernel", "resolve_kernel", "triton_available", "sample_threshold_fast",
+           "build_table_fast", "gather_table_fast"]

@@ -1,0 +1,182 @@
+"""The fast CPU path: a small C++ library (``cpu_table.cpp``) loaded with ctypes.
+
+One pass over the buffer tests blocks of elements with a vectorised integer compare (magnitude bit
+patterns against the threshold's), and only the ~density fraction that passes is hashed and stored with
+an atomic max. The threshold sample and the table compaction run in the same library. Results equal
+the pure-PyTorch reference in ``dragonn.py`` bit for bit (tests/test_kernels.py).
+
+The library has no torch headers, so it builds in about a second with the system C++ compiler; it is
+cached under ``$TORCH_EXTENSIONS_DIR/ds_dragonn_cpu/`` (default ``~/.cache/torch_extensions``), keyed by a
+hash of the source, the compiler and the CPU's feature flags, and written atomically (ranks that build at
+once do not race). Without a compiler :func:`available` is False and callers fall back to the reference.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_table.cpp")
+CXXFLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fno-math-errno"]
+
+#: dtype codes of the C++ side
+DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
+
+_lock = threading.Lock()
+_lib: Optional[ctypes.CDLL] = None
+_error: Optional[str] = None
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                                    "torch_extensions")
+    return Path(root) / "ds_dragonn_cpu"
+
+
+def _compiler() -> Optional[str]:
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def library_path(cxx: str) -> Path:
+    """Where the library built by ``cxx`` from the current source lives in the cache."""
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    h = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(CXXFLAGS).encode(), version.encode(), platform.machine().encode(),
+                 _cpu_flags().encode()):
+        h.update(part)
+    return _cache_dir() / f"dragonn_cpu_{h.hexdigest()[:16]}.so"
+
+
+def _build(cxx: str, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cxx, *CXXFLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True,
+                              timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cxx} failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
+        os.replace(tmp, out)  # atomic: a concurrent builder's copy is identical
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load() -> ctypes.CDLL:
+    """The compiled library (built on first use). Raises RuntimeError when it cannot be built."""
+    global _lib, _error
+    with _lock:
+        if _lib is not None:
+            return _lib
+        if _error is not None:
+            raise RuntimeError(_error)
+        try:
+            cxx = _compiler()
+            if cxx is None:
+                raise RuntimeError("no C++ compiler found (set CXX or install g++)")
+            path = library_path(cxx)
+            if not path.exists():
+                logger.info("building the DRAGONN CPU kernel: %s", path)
+                _build(cxx, path)
+            lib = ctypes.CDLL(str(path))
+        except Exception as err:  # noqa: BLE001 - remembered and re-raised with the cause
+            _error = f"DRAGONN CPU kernel unavailable: {err}"
+            raise RuntimeError(_error) from err
+        vp, i64, i32, u32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint32, ctypes.c_float
+        lib.dragonn_sample_kth.argtypes = [vp, i32, i64, i64, i64, u32, vp, i32]
+        lib.dragonn_sample_kth.restype = f32
+        lib.dragonn_build_table.argtypes = [vp, i32, i64, f32, i64, u32, i32, vp, i32]
+        lib.dragonn_build_table.restype = None
+        lib.dragonn_gather.argtypes = [vp, i64, i32, vp, i32, vp, i32, vp, i32]
+        lib.dragonn_gather.restype = i64
+        _lib = lib
+        return lib
+
+
+def available() -> bool:
+    """True when the library is (or can be) built and loaded on this machine."""
+    try:
+        load()
+        return True
+    except RuntimeError:
+        return False
+
+
+def supports(flat: torch.Tensor) -> bool:
+    return flat.device.type == "cpu" and flat.dtype in DTYPE_CODES
+
+
+def _check(flat: torch.Tensor) -> torch.Tensor:
+    if not supports(flat):
+        raise ValueError(f"the CPU kernel takes a CPU tensor of {sorted(str(d) for d in DTYPE_CODES)}, "
+                         f"got {flat.dtype} on {flat.device}")
+    return flat.contiguous()
+
+
+def sample_kth(flat: torch.Tensor, num_samples: int, kk: int, seed: int) -> torch.Tensor:
+    """The ``kk``-th largest finite magnitude of the stratified hashed sample (see ``dragonn.sample_positions``).
+
+    Returns a 0-d float32 tensor; equals ``dragonn.sample_threshold(flat, ..., seed=seed)`` exactly.
+    """
+    flat = _check(flat)
+    n = flat.numel()
+    if not 1 <= kk <= num_samples <= n:
+        raise ValueError(f"need 1 <= kk <= num_samples <= numel, got {kk}, {num_samples}, {n}")
+    scratch = torch.empty(num_samples, dtype=torch.int32)
+    thr = load().dragonn_sample_kth(flat.data_ptr(), DTYPE_CODES[flat.dtype], n, num_samples, kk,
+                                    int(seed) & 0xFFFFFFFF, scratch.data_ptr(), torch.get_num_threads())
+    return torch.tensor(thr, dtype=torch.float32)
+
+
+def build_table(flat: torch.Tensor, threshold: torch.Tensor, capacity: int, seed: int, index_bits: int
+                ) -> torch.Tensor:
+    """Same contract as ``dragonn.build_table``; ``index_bits`` is ``dragonn.index_bits(numel)``."""
+    flat = _check(flat)
+    thr = float(threshold)
+    if capacity < 1:
+        raise ValueError(f"capacity must be >= 1, got {capacity}")
+    if thr != thr:  # NaN threshold: the reference's comparisons are all False
+        return torch.full((capacity,), -1, dtype=torch.int64)
+    table = torch.empty(capacity, dtype=torch.int64)
+    load().dragonn_build_table(flat.data_ptr(), DTYPE_CODES[flat.dtype], flat.numel(), thr, capacity,
+                               int(seed) & 0xFFFFFFFF, index_bits, table.data_ptr(), torch.get_num_threads())
+    return table
+
+
+def gather_table(flat: torch.Tensor, table: torch.Tensor, index_bits: int, index_dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as ``dragonn.gather_table`` (valid slots in slot order)."""
+    flat = _check(flat)
+    table = table.contiguous()
+    m = table.numel()
+    idx = torch.empty(m, dtype=index_dtype)
+    vals = torch.empty(m, dtype=flat.dtype)
+    count = load().dragonn_gather(table.data_ptr(), m, index_bits, flat.data_ptr(), flat.element_size(),
+                                  idx.data_ptr(), int(index_dtype == torch.int64), vals.data_ptr(),
+                                  torch.get_num_threads())
+    return idx[:count], vals[:count]

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The whole test suite: set-up (first run only), then pytest. Multi-process tests (gloo via the
+# deepspeed launcher, MPI via mpiexec) are spawned by pytest itself with timeouts.
+set -euo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# shellcheck disable=SC1091
+. "$REPO/launch/setup_env.sh"
+cd "$REPO"
+exec python -m pytest tests -q -p no:cacheprovider "$@"

@@ -1,0 +1,31 @@
+"""ds_dragonn: DRAGONN hash-sampled gradient sparsification as a compressed allreduce for DeepSpeed."""
+import re
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+version = re.search(r'__version__ = "([^"]+)"', Path("ds_dragonn/__init__.py").read_text()).group(1)
+
+setup(
+    name="ds_dragonn",
+    version=version,
+    description="DRAGONN hash-sampled gradient sparsification for DeepSpeed's gradient allreduce",
+    long_description=Path("README.md").read_text() if Path("README.md").exists() else "",
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["ds_dragonn", "ds_dragonn.*"]),
+    python_requires=">=3.9",
+    # torch is not pinned: a machine that has torch keeps it (launch/setup_env.sh pins the CPU build
+    # only where no torch is installed and no GPU is present).
+    install_requires=[
+        "torch>=2.1",
+        "deepspeed>=0.19.8,<0.20",  # the allreduce_bucket hook is verified against 0.19.8
+        "pydantic>=2",
+        "scikit-learn",  # the main job's bundled real data set (UCI digits)
+        "matplotlib",  # benchmark plots
+    ],
+    extras_require={
+        "mpi": ["mpi4py>=4", "mpich"],
+        "test": ["pytest>=8", "pytest-timeout", "mmh3"],
+        "gpu": ["triton"],
+    },
+)

@@ -1,0 +1,119 @@
+"""Functions executed inside each rank by ``tests.multiproc.run_ranks`` (not collected by pytest)."""
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import torch
+
+SIZES = [0, 1, 7, 1000, 65_537, (1 << 20) + 3]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+EXCHANGE_CASES = [
+    dict(numel=n, dtype=d, density=dens, compressor=c)
+    for n, d, dens, c in itertools.product(SIZES, DTYPES, [0.01, 1.0], ["dragonn"])
+] + [dict(numel=n, dtype=torch.float32, density=0.01, compressor=c)
+     for n, c in itertools.product([7, 65_537], ["topk", "randomk"])]
+STEPS = 2
+SCALE = 0.5  # postscale applied to the decoded sum (1/world_size for 2 ranks)
+
+
+def case_id(c: dict) -> str:
+    return f"{c['compressor']}-n{c['numel']}-{str(c['dtype']).replace('torch.', '')}-d{c['density']}"
+
+
+def rank_input(case_index: int, rank: int, step: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Deterministic per (case, rank, step) input; the parent regenerates the same tensors."""
+    g = torch.Generator().manual_seed(1_000_003 * case_index + 1009 * rank + step)
+    x = torch.randn(numel, generator=g) * torch.rand(numel, generator=g).pow(4)  # heavy-ish tail
+    return x.to(dtype)
+
+
+def _init():
+    import deepspeed
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+
+
+def exchange_cases(rank: int, world: int, out_dir: str) -> None:
+    _init()
+    from ds_dragonn.comm.torch_backend import TorchCommBackend
+    from ds_dragonn.compress import DragonnCompressor, RandomKCompressor, TopKCompressor
+    from ds_dragonn.feedback import ErrorFeedback
+    from ds_dragonn.pipeline import CompressedAllreduce
+
+    backend = TorchCommBackend()
+    results = []
+    for i, case in enumerate(EXCHANGE_CASES):
+        comp = {"dragonn": lambda d: DragonnCompressor(d, min_sample=64), "topk": TopKCompressor,
+                "randomk": RandomKCompressor}[case["compressor"]](case["density"])
+        ef = ErrorFeedback(True)
+        pipe = CompressedAllreduce(comp, backend, ef)
+        steps = []
+        for step in range(STEPS):
+            x = rank_input(i, rank, step, case["numel"], case["dtype"])
+            buf = x.clone()
+            stats = pipe(buf, key="b", seed=100 + step, postscale=SCALE)
+            res = ef.residuals.get("b")
+            steps.append(dict(out=buf, residual=None if res is None else res.clone(), stats=stats._asdict()))
+        results.append(steps)
+    # ranks that disagree on the buffer size must all get the same clear error, not a hang
+    try:
+        CompressedAllreduce(DragonnCompressor(0.5), backend, ErrorFeedback())(torch.randn(10 + rank), "x", 0)
+        mismatch = None
+    except ValueError as err:
+        mismatch = str(err)
+    torch.save({"results": results, "mismatch": mismatch}, Path(out_dir) / f"exchange_rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+# -- engine -------------------------------------------------------------------------------------------
+def _engine_config(dragonn: dict | None, bf16: bool = False, predivide: float | None = None) -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
+           "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}},
+           "zero_optimization": {"stage": 0}, "steps_per_print": 10**6}
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    if predivide is not None:
+        cfg["gradient_predivide_factor"] = predivide
+    if dragonn is not None:
+        cfg["dragonn"] = dragonn
+    return cfg
+
+
+ENGINE_RUNS = {
+    "dense": _engine_config(None),
+    "dragonn_d1": _engine_config({"enabled": True, "density": 1.0, "min_compress_numel": 1}),
+    "dragonn_d1_predivide": _engine_config({"enabled": True, "density": 1.0, "min_compress_numel": 1}, predivide=2.0),
+    "dense_predivide": _engine_config(None, predivide=2.0),
+    "dragonn_d001": _engine_config({"enabled": True, "density": 0.01, "min_compress_numel": 1}),
+    "dragonn_warmup": _engine_config({"enabled": True, "density": 0.01, "min_compress_numel": 1,
+                                      "warmup_steps": 3}),
+    "dragonn_disabled": _engine_config({"enabled": False, "density": 0.01}),
+    "dense_bf16": _engine_config(None, bf16=True),
+    "dragonn_bf16": _engine_config({"enabled": True, "density": 0.05, "min_compress_numel": 1}, bf16=True),
+}
+ENGINE_STEPS = 5
+
+
+def engine_runs(rank: int, world: int, out_dir: str) -> None:
+    _init()
+    import ds_dragonn
+
+    out = {}
+    for name, cfg in ENGINE_RUNS.items():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+        engine, *_ = ds_dragonn.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        dtype = next(engine.module.parameters()).dtype
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(ENGINE_STEPS):
+            x = torch.randn(8, 32, generator=g).to(dtype)
+            y = torch.randint(0, 4, (8,), generator=g)
+            loss = torch.nn.functional.cross_entropy(engine(x).float(), y)
+            engine.backward(loss)
+            engine.step()
+        hook = getattr(engine, "dragonn", None)
+        out[name] = {"params": [p.detach().float().clone() for p in engine.module.parameters()],
+                     "telemetry": hook.telemetry.summary() if hook else None,
+                     "hooked": hook is not None and engine.allreduce_bucket == hook.allreduce_bucket}
+    torch.save(out, Path(out_dir) / f"engine_rank{rank}.pt")
+    torch.distributed.destroy_process_group()

@@ -1,0 +1,177 @@
+"""Compressor properties on CPU, against independent references (exact sort, mmh3, brute force)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ds_dragonn.compress import (EMPTY_SLOT, DragonnCompressor, RandomKCompressor, TopKCompressor, index_dtype,
+                                 target_k)
+from ds_dragonn.compress.dragonn import build_table, gather_table, hash_slots, selection_mask, step_hash_seed
+from ds_dragonn.compress.hashing import murmur3_index_hash, murmur3_reference
+
+SIZES = [0, 1, 2, 7, 99, 100, 1001, 65_537, (1 << 20) + 1]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+def fresh(n: int, dtype=torch.float32) -> torch.Tensor:
+    return (torch.randn(n) * torch.rand(n).pow(3)).to(dtype)  # fresh random input every call
+
+
+def test_hash_matches_mmh3_library():
+    mmh3 = pytest.importorskip("mmh3")
+    idx = [0, 1, 2, 255, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**40 + 17] + torch.randint(0, 2**62, (500,)).tolist()
+    for seed in (0, 1, 0xDEADBEEF):
+        got = murmur3_index_hash(torch.tensor(idx), seed).tolist()
+        want = [mmh3.hash(int(i).to_bytes(8, "little"), seed, signed=False) for i in idx]
+        assert got == want
+        assert want[:20] == [murmur3_reference(i, seed) for i in idx[:20]]
+
+
+@pytest.mark.parametrize("n", [0, 1, 3, 99, 100, 101, 10**6])
+@pytest.mark.parametrize("density", [0.001, 0.01, 0.3, 1.0])
+def test_target_k(n, density):
+    k = target_k(n, density)
+    assert k == (0 if n == 0 else min(n, max(1, math.ceil(density * n - 1e-9))))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("density", [0.01, 0.1])
+def test_dragonn_selection_properties(n, dtype, density):
+    x = fresh(n, dtype)
+    comp = DragonnCompressor(density, min_sample=256)
+    sel = comp.compress(x, seed=n + 3)
+    k = target_k(n, density)
+    assert sel.k == k
+    assert sel.capacity == math.ceil(4 * k)
+    assert sel.indices.dtype == index_dtype(n) == torch.int32
+    assert sel.values.dtype == dtype
+    assert sel.count <= sel.capacity
+    idx = sel.indices.long()
+    assert idx.unique().numel() == idx.numel()
+    if idx.numel():
+        assert int(idx.min()) >= 0 and int(idx.max()) < n
+    assert torch.equal(sel.values, x[idx])
+    assert bool((sel.values.abs().float() >= sel.threshold).all())
+    assert bool((sel.values != 0).all())
+    if n == 0:
+        assert sel.count == 0
+        return
+    # brute-force reference of the table: every above-threshold index is kept unless it lost its slot
+    # to a larger magnitude (ties: larger index) — the defined collision winner
+    mask = selection_mask(x, sel.threshold)
+    cand = torch.nonzero(mask).squeeze(1)
+    m = sel.capacity
+    slots = cand if m >= n else hash_slots(cand, step_hash_seed(n + 3), m)
+    mags = x.abs().float().nan_to_num(nan=math.inf)
+    winner = {}
+    for i, s in zip(cand.tolist(), slots.tolist()):
+        if s not in winner or (float(mags[i]), i) > (float(mags[winner[s]]), winner[s]):
+            winner[s] = i
+    assert sorted(idx.tolist()) == sorted(winner.values())
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 50, 99])
+def test_small_buffers_threshold_is_exact(n):
+    """numel < 1/density: k = 1, the sample is the whole buffer and the largest element is sent."""
+    x = fresh(n)
+    sel = DragonnCompressor(0.01).compress(x, seed=1)
+    assert sel.k == 1
+    assert int(x.abs().argmax()) in sel.indices.tolist()
+
+
+def test_element_zero_can_be_sent():
+    x = torch.zeros(10_000)
+    x[0] = 5.0
+    x[1:20] = 1.0
+    for seed in range(5):
+        assert 0 in DragonnCompressor(0.001).compress(x, seed).indices.tolist()
+
+
+def test_non_contiguous_input_same_as_contiguous():
+    base = fresh(20_000)
+    view = base[::2]
+    assert not view.is_contiguous()
+    a = DragonnCompressor(0.01, min_sample=64).compress(view, 7)
+    b = DragonnCompressor(0.01, min_sample=64).compress(view.contiguous(), 7)
+    assert torch.equal(a.indices, b.indices) and torch.equal(a.values, b.values)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_entries_are_always_sent(bad):
+    x = fresh(50_000)
+    pos = torch.randperm(50_000)[:5]
+    x[pos] = bad
+    sel = DragonnCompressor(0.01, min_sample=64).compress(x, 3)
+    assert math.isfinite(float(sel.threshold))
+    assert set(pos.tolist()) <= set(sel.indices.tolist())
+
+
+def test_all_zero_buffer_sends_nothing():
+    sel = DragonnCompressor(0.01).compress(torch.zeros(4096), 0)
+    assert sel.count == 0
+
+
+def test_density_one_sends_every_nonzero():
+    x = fresh(5000)
+    x[::7] = 0
+    sel = DragonnCompressor(1.0).compress(x, 0)
+    assert sorted(sel.indices.tolist()) == torch.nonzero(x).squeeze(1).tolist()
+
+
+def test_rejects_non_flat_or_integer_input():
+    with pytest.raises(ValueError, match="1-D"):
+        DragonnCompressor(0.1).compress(torch.zeros(3, 3), 0)
+    with pytest.raises(TypeError, match="floating"):
+        DragonnCompressor(0.1).compress(torch.zeros(9, dtype=torch.int32), 0)
+    with pytest.raises(ValueError, match="density"):
+        DragonnCompressor(0.0)
+
+
+def test_table_empty_marker_is_out_of_range():
+    x = torch.zeros(1000)
+    x[0] = 1.0
+    table = build_table(x, torch.tensor(0.5), 40, seed=0)
+    assert (table == EMPTY_SLOT).sum() == 39 and EMPTY_SLOT < 0
+    assert gather_table(x, table)[0].tolist() == [0]
+
+
+def test_quality_against_exact_topk():
+    """At 2^20 elements, density 0.01: close to k kept and most of the exact top-k's mass captured."""
+    x = torch.randn(1 << 20)
+    sel = DragonnCompressor(0.01).compress(x, 11)
+    top = torch.topk(x.abs(), sel.k).values
+    captured = float((sel.values.float() ** 2).sum() / (top ** 2).sum())
+    assert 0.6 <= sel.count / sel.k <= 1.5
+    assert captured >= 0.8
+    # collisions: about 4(1 - e^-1/4) = 88% of ~k candidates survive in 4k slots
+    cand = int(selection_mask(x, sel.threshold).sum())
+    assert 0.8 <= sel.count / cand <= 0.95
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 1000, 65_537])
+def test_topk_matches_sort(n):
+    x = fresh(n)
+    sel = TopKCompressor(0.01).compress(x)
+    k = target_k(n, 0.01)
+    want = torch.sort(x.abs(), descending=True).indices[:k]
+    assert sorted(sel.indices.tolist()) == sorted(i for i in want.tolist() if x[i] != 0)
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 1000])
+def test_randomk_distinct_and_reproducible(n):
+    x = fresh(n)
+    a, b = RandomKCompressor(0.3).compress(x, 5), RandomKCompressor(0.3).compress(x, 5)
+    assert a.count == target_k(n, 0.3) == len(set(a.indices.tolist()))
+    assert torch.equal(a.indices, b.indices)
+
+
+def test_compressors_do_not_touch_global_rng():
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    DragonnCompressor(0.01, min_sample=16).compress(fresh(100_000), 1)
+    RandomKCompressor(0.01).compress(torch.ones(100), 1)
+    torch.manual_seed(123)
+    assert torch.equal(before, torch.get_rng_state())

@@ -1,0 +1,71 @@
+"""The "dragonn" block: pydantic validation with messages naming the key, the value and what is allowed."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import ds_dragonn
+from ds_dragonn.config import CommBackend, DragonnConfig, DragonnConfigError
+
+
+def test_defaults_when_absent():
+    cfg = DragonnConfig.from_ds_config({"train_batch_size": 8})
+    assert not cfg.enabled and cfg.density == 0.01 and cfg.table_factor == 4 and cfg.error_feedback
+    assert cfg.comm_backend == CommBackend.torch and cfg.exchange.value == "allgather"
+
+
+def test_reads_json_path(tmp_path):
+    p = tmp_path / "ds.json"
+    p.write_text(json.dumps({"dragonn": {"enabled": True, "density": 0.05, "comm_backend": "torch"}}))
+    cfg = DragonnConfig.from_ds_config(str(p))
+    assert cfg.enabled and cfg.density == 0.05
+
+
+@pytest.mark.parametrize("block, needles", [
+    ({"densty": 0.1}, ["dragonn.densty", "unknown key", "density"]),
+    ({"density": 0}, ["dragonn.density", "0", "greater than 0"]),
+    ({"density": 1.5}, ["dragonn.density", "1.5", "less than or equal to 1"]),
+    ({"density": "lots"}, ["dragonn.density", "lots"]),
+    ({"table_factor": 0.5}, ["dragonn.table_factor", "0.5"]),
+    ({"warmup_steps": -1}, ["dragonn.warmup_steps", "-1"]),
+    ({"comm_backend": "nccl"}, ["dragonn.comm_backend", "nccl", "torch", "mpi"]),
+    ({"exchange": "ring"}, ["dragonn.exchange", "ring", "allgather"]),
+    ({"enabled": "maybe"}, ["dragonn.enabled", "maybe"]),
+    ({"cuda_aware": True}, ["cuda_aware", "mpi"]),
+])
+def test_bad_blocks_name_key_value_and_allowed(block, needles):
+    with pytest.raises(DragonnConfigError) as err:
+        DragonnConfig.from_ds_config({"dragonn": block})
+    for needle in needles:
+        assert needle in str(err.value), str(err.value)
+
+
+def test_block_must_be_an_object():
+    with pytest.raises(DragonnConfigError, match="JSON object"):
+        DragonnConfig.from_ds_config({"dragonn": True})
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(DragonnConfigError, match="not found"):
+        DragonnConfig.from_ds_config(str(tmp_path / "nope.json"))
+
+
+def test_initialize_rejects_bad_block_before_deepspeed_starts():
+    with pytest.raises(DragonnConfigError, match="dragonn.densty"):
+        ds_dragonn.initialize(model=None, config={"train_batch_size": 1, "dragonn": {"densty": 0.1}})
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_initialize_rejects_zero_stages(stage):
+    cfg = {"train_batch_size": 1, "zero_optimization": {"stage": stage}, "dragonn": {"enabled": True}}
+    with pytest.raises(ds_dragonn.DragonnUnsupportedError, match="zero_optimization.stage"):
+        ds_dragonn.initialize(model=None, config=cfg)
+
+
+def test_initialize_reads_args_deepspeed_config(tmp_path):
+    import argparse
+    p = tmp_path / "ds.json"
+    p.write_text(json.dumps({"train_batch_size": 1, "dragonn": {"enabled": True, "density": 7}}))
+    with pytest.raises(DragonnConfigError, match="dragonn.density"):
+        ds_dragonn.initialize(args=argparse.Namespace(deepspeed_config=str(p)), model=None)

@@ -1,0 +1,73 @@
+"""DeepSpeed integration on 2 gloo ranks: the hook is reached, averages like DeepSpeed, and compresses."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ds_dragonn.engine import check_hook_point
+from tests.dist_cases import ENGINE_RUNS, ENGINE_STEPS
+from tests.multiproc import run_ranks
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("engine")
+    run_ranks("tests.dist_cases:engine_runs", 2, out, timeout=400)
+    return [torch.load(out / f"engine_rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def _params_equal(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("name", list(ENGINE_RUNS))
+def test_ranks_stay_in_sync(runs, name):
+    assert _params_equal(runs[0][name]["params"], runs[1][name]["params"])
+    assert all(bool(torch.isfinite(p).all()) for p in runs[0][name]["params"])
+
+
+@pytest.mark.parametrize("dense, dragonn", [("dense", "dragonn_d1"), ("dense_predivide", "dragonn_d1_predivide"),
+                                            ("dense", "dragonn_disabled")])
+def test_density_one_equals_dense_engine(runs, dense, dragonn):
+    """Density 1.0 goes through the sparse path (allgather + index_add + averaging) and must give the
+    dense engine's parameters bit for bit over several steps (sum of 2 addends is order-free)."""
+    for r in range(2):
+        assert _params_equal(runs[r][dense]["params"], runs[r][dragonn]["params"])
+    if dragonn != "dragonn_disabled":
+        t = runs[0][dragonn]["telemetry"]
+        assert runs[0][dragonn]["hooked"] and t["compressed_reductions"] == ENGINE_STEPS
+
+
+def test_disabled_block_leaves_engine_untouched(runs):
+    assert not runs[0]["dragonn_disabled"]["hooked"] and runs[0]["dragonn_disabled"]["telemetry"] is None
+
+
+def test_low_density_goes_through_hook_and_sends_less(runs):
+    t = runs[0]["dragonn_d001"]["telemetry"]
+    assert runs[0]["dragonn_d001"]["hooked"]
+    assert t["compressed_reductions"] == ENGINE_STEPS and t["dense_reductions"] == 0
+    assert 0 < t["bytes_sent"] < 0.1 * t["dense_bytes_equivalent"]
+    assert not _params_equal(runs[0]["dense"]["params"], runs[0]["dragonn_d001"]["params"])
+
+
+def test_warmup_uses_dense_allreduce_first(runs):
+    t = runs[0]["dragonn_warmup"]["telemetry"]
+    assert t["dense_reductions"] == 3 and t["compressed_reductions"] == ENGINE_STEPS - 3
+
+
+def test_bf16_engine_reaches_hook(runs):
+    t = runs[0]["dragonn_bf16"]["telemetry"]
+    assert runs[0]["dragonn_bf16"]["hooked"] and t["compressed_reductions"] == ENGINE_STEPS
+    assert t["bytes_sent"] < t["dense_bytes_equivalent"]
+
+
+def test_hook_point_guard():
+    """Fails if a DeepSpeed upgrade stops routing ZeRO-0 buckets through allreduce_bucket."""
+    check_hook_point()  # the installed DeepSpeed
+
+    class Bypassing:
+        def allreduce_and_copy(self, small_bucket, dp_group, dp_world_size=None):
+            return self.some_new_path(small_bucket)
+
+    with pytest.raises(RuntimeError, match="bypassed"):
+        check_hook_point(Bypassing)
