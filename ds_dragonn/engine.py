@@ -14,7 +14,7 @@ import inspect
 from typing import Any, Dict, Hashable, NamedTuple, Optional
 
 import torch
-from deepspeed.utils import log_dist
+from deepspeed.utils.logging import print_dist
 
 from .comm import build_backend
 from .comm.base import CommBackend
@@ -68,7 +68,7 @@ class DragonnHook:
     def install(self) -> "DragonnHook":
         self.engine.allreduce_bucket = self.allreduce_bucket
         self.engine.dragonn = self
-        log_dist(f"DRAGONN enabled: compressor={self.compressor.name} density={self.cfg.density} "
+        print_dist(f"DRAGONN enabled: compressor={self.compressor.name} density={self.cfg.density} "
                  f"sample_ratio={self.cfg.sample_ratio} table_factor={self.cfg.table_factor} "
                  f"min_compress_numel={self.cfg.min_compress_numel} warmup_steps={self.cfg.warmup_steps} "
                  f"error_feedback={self.cfg.error_feedback} comm_backend={self.cfg.comm_backend.value} "

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import List, Optional
 
-from deepspeed.utils import log_dist
+from deepspeed.utils.logging import print_dist
 
 from .pipeline import ReduceStats, dense_allreduce_bytes
 
@@ -62,7 +62,7 @@ class Telemetry:
 def log_reduction(step: int, s: ReduceStats, monitor: Optional[object] = None) -> None:
     """One line per compressed reduction on rank 0, plus monitor events when DeepSpeed's monitor is on."""
     ratio = s.bytes_sent / s.dense_bytes if s.dense_bytes else 0.0
-    log_dist(f"DRAGONN step={step} numel={s.numel} kept={s.kept} k={s.k} kept/k={s.kept / max(s.k, 1):.3f} "
+    print_dist(f"DRAGONN step={step} numel={s.numel} kept={s.kept} k={s.k} kept/k={s.kept / max(s.k, 1):.3f} "
              f"bytes={s.bytes_sent} dense_bytes={s.dense_bytes} ratio={ratio:.4f} "
              f"compress_ms={s.compress_ms:.2f}", ranks=[0])
     if monitor is not None and getattr(monitor, "enabled", False):

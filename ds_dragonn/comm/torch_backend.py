@@ -1,12 +1,16 @@
 """Collectives over ``deepspeed.comm`` (NCCL on GPU, gloo on CPU)."""
 from __future__ import annotations
 
+import warnings
 from typing import Any, List, Optional, Sequence
 
 import torch
 import deepspeed.comm as dist
 
 from .base import CommBackend
+
+# deepspeed.comm 0.19.8 calls torch's all_gather_into_tensor, which torch 2.13 flags on every call
+warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
 
 
 class TorchCommBackend(CommBackend):

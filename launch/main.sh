@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The main job: set-up (first run only), then the same training run twice with the deepspeed launcher,
+# dense allreduce vs DRAGONN, and a side-by-side comparison. Extra arguments go to launch/train.py.
+#   NUM_RANKS (default 2)   ranks on this host
+#   OUT (default runs/main) where the summaries and comparison.json go
+set -euo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# shellcheck disable=SC1091
+. "$REPO/launch/setup_env.sh"
+cd "$REPO"
+OUT="${OUT:-runs/main}"
+NUM_RANKS="${NUM_RANKS:-2}"
+mkdir -p "$OUT"
+for name in dense dragonn; do
+  port="$(python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+  echo "== $name: deepspeed --num_gpus $NUM_RANKS launch/train.py --deepspeed_config configs/$name.json"
+  deepspeed --num_gpus "$NUM_RANKS" --master_addr 127.0.0.1 --master_port "$port" \
+    launch/train.py --deepspeed_config "configs/$name.json" --summary "$OUT/$name.json" "$@" 2>&1 \
+    | grep -v -E "^\[[0-9-]+ [0-9:,]+\] \[(INFO|WARNING)\]|FutureWarning|return func\(\*args"
+done
+python launch/compare.py "$OUT/dense.json" "$OUT/dragonn.json" --json "$OUT/comparison.json"

@@ -1,0 +1,49 @@
+"""The main job under the real ``deepspeed`` launcher on 2 local ranks (short run)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.multiproc import REPO, free_port
+
+KEYS = {"world_size", "steps", "dragonn_enabled", "density", "test_accuracy", "final_loss", "bytes_sent",
+        "dense_bytes_equivalent", "compress_ms_mean"}
+
+
+@pytest.mark.timeout(420)
+def test_deepspeed_launcher_runs_main_job(tmp_path):
+    launcher = shutil.which("deepspeed") or os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    summary = tmp_path / "summary.json"
+    cmd = [launcher, "--num_gpus", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+           "launch/train.py", "--deepspeed_config", "configs/dragonn.json", "--steps", "60",
+           "--log-interval", "20", "--summary", str(summary)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
+               PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "DRAGONN enabled" in proc.stdout + proc.stderr
+    s = json.loads(summary.read_text())
+    assert KEYS <= set(s)
+    assert s["world_size"] == 2 and s["steps"] == 60 and s["dragonn_enabled"] and s["density"] == 0.01
+    assert s["compressed_reductions"] == 60
+    assert 0 < s["bytes_sent"] <= 0.03 * s["dense_bytes_equivalent"]
+    assert s["test_accuracy"] > 0.5  # 60 steps of a 10-class problem: far above chance (0.1)
+
+
+def test_compare_flags_missed_targets(tmp_path):
+    base = {"world_size": 2, "steps": 10, "density": 1.0, "final_loss": 0.1, "compress_ms_mean": 0.0}
+    (tmp_path / "d.json").write_text(json.dumps(dict(base, test_accuracy=0.98, bytes_sent=100,
+                                                     dense_bytes_equivalent=100)))
+    (tmp_path / "c.json").write_text(json.dumps(dict(base, density=0.01, test_accuracy=0.95, bytes_sent=2,
+                                                     dense_bytes_equivalent=100)))
+    cmd = [sys.executable, "launch/compare.py", str(tmp_path / "d.json"), str(tmp_path / "c.json"),
+           "--json", str(tmp_path / "out.json")]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 1 and "MISSED" in proc.stdout
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert not out["accuracy_ok"] and out["bytes_ok"] and abs(out["accuracy_gap_pp"] - 3.0) < 1e-9
