@@ -179,12 +179,16 @@ def _check_same_world(mpi_rank: int, mpi_size: int, group: Optional[Any]) -> Non
         return
     t_size = torch.distributed.get_world_size(group=group)
     t_rank = torch.distributed.get_rank(group=group)
-    if (t_size, t_rank) != (mpi_size, mpi_rank):
-        raise MPIWorldMismatchError(
-            f"[rank {t_rank}] 'comm_backend': 'mpi' needs the data-parallel group to be the MPI job: "
-            f"torch.distributed has world size {t_size} (this process is rank {t_rank}), MPI has world size "
-            f"{mpi_size} (rank {mpi_rank}). Launch every rank with mpirun/mpiexec (e.g. 'mpirun -np "
-            f"{t_size} python train.py ...' or 'deepspeed --launcher mpich ...'), or use 'comm_backend': 'torch'")
+    if (t_size, t_rank) == (mpi_size, mpi_rank):
+        return
+    member = f"this process is its rank {t_rank}" if t_rank >= 0 else "this process is not in it"
+    hint = (f"launch every rank with MPI ('mpirun -np {mpi_size if t_size < 1 else t_size} python "
+            f"launch/train.py ...' or 'deepspeed --launcher mpich|openmpi --hostfile ...')"
+            if t_size != mpi_size else "launch with mpirun/mpiexec so that RANK is the MPI rank")
+    raise MPIWorldMismatchError(
+        f"[rank {mpi_rank}] 'comm_backend': 'mpi' exchanges over all {mpi_size} MPI ranks (this process is "
+        f"MPI rank {mpi_rank}), but the torch.distributed data-parallel group has {max(t_size, 0)} ranks "
+        f"({member}); {hint}, or use 'comm_backend': 'torch'")
 
 
 __all__ = ["MPICommBackend", "MPIWorldMismatchError"]
