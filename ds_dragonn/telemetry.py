@@ -24,6 +24,7 @@ class Telemetry:
     compressed_dense_bytes: int = 0
     kept: int = 0
     target_k: int = 0
+    compressed_numel: int = 0
     compress_ms: List[float] = field(default_factory=list)
 
     def record_dense(self, numel: int, itemsize: int, world_size: int) -> None:
@@ -40,11 +41,17 @@ class Telemetry:
         self.compressed_dense_bytes += s.dense_bytes
         self.kept += s.kept
         self.target_k += s.k
+        self.compressed_numel += s.numel
         self.compress_ms.append(s.compress_ms)
 
     @property
     def kept_over_k(self) -> float:
         return self.kept / self.target_k if self.target_k else 0.0
+
+    @property
+    def achieved_density(self) -> float:
+        """Pairs sent / elements of the compressed buffers (the configured density × kept/k)."""
+        return self.kept / self.compressed_numel if self.compressed_numel else 0.0
 
     @property
     def compress_ms_mean(self) -> float:
@@ -55,6 +62,7 @@ class Telemetry:
         d.pop("compress_ms")
         d["compress_ms_mean"] = self.compress_ms_mean
         d["kept_over_k"] = self.kept_over_k
+        d["achieved_density"] = self.achieved_density
         d["bytes_ratio"] = self.bytes_sent / self.dense_bytes_equivalent if self.dense_bytes_equivalent else 0.0
         return d
 

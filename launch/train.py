@@ -95,7 +95,7 @@ def main():
             line = f"step {step:5d} | loss {last_loss:.4f} | {(time.time() - t0) / step * 1e3:.1f} ms/step"
             if dragonn:
                 t = dragonn.telemetry
-                line += (f" | kept/k {t.kept_over_k:.3f} | bytes {t.bytes_sent / 1e6:.3f} MB"
+                line += (f" | density {t.achieved_density:.4f} (kept/k {t.kept_over_k:.3f}) | bytes {t.bytes_sent / 1e6:.3f} MB"
                          f" vs dense {t.dense_bytes_equivalent / 1e6:.3f} MB"
                          f" | compress {t.compress_ms_mean:.2f} ms")
             if rank == 0:
