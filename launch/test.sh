@@ -6,4 +6,4 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck disable=SC1091
 . "$REPO/launch/setup_env.sh"
 cd "$REPO"
-exec python -m pytest tests -q -p no:cacheprovider "$@"
+exec python -m pytest tests -q -p no:cacheprovider --timeout 900 "$@"
