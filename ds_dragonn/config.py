@@ -42,6 +42,13 @@ class Compressor(str, Enum):
     randomk = "randomk"  # uniform random k elements (baseline)
 
 
+class Kernel(str, Enum):
+    auto = "auto"  # triton on CUDA, the C++ library on CPU, else reference
+    reference = "reference"  # pure PyTorch (any device; the definition the others are tested against)
+    cpu = "cpu"  # C++ one-pass library (CPU tensors; needs a C++ compiler at first use)
+    triton = "triton"  # Triton kernels (CUDA tensors; needs the triton package)
+
+
 class DragonnConfig(DeepSpeedConfigModel):
     """Settings of DRAGONN gradient compression (all optional; defaults follow the DRAGONN paper)."""
 
@@ -74,6 +81,10 @@ class DragonnConfig(DeepSpeedConfigModel):
 
     compressor: Compressor = Compressor.dragonn
     """Selection method: ``dragonn`` (product), ``topk`` or ``randomk`` (baselines for comparison)."""
+
+    kernel: Kernel = Kernel.auto
+    """DRAGONN selection implementation: ``auto`` (``triton`` for CUDA buffers, ``cpu`` for CPU buffers, falling
+    back to ``reference``), ``reference``, ``cpu`` or ``triton``. All give identical selections for the same seed."""
 
     comm_backend: CommBackend = CommBackend.torch
     """Collectives: ``torch`` (deepspeed.comm; NCCL on GPU, gloo on CPU) or ``mpi`` (mpi4py)."""

@@ -11,7 +11,9 @@ def build_compressor(cfg) -> Compressor:
     """The compressor named by a :class:`ds_dragonn.config.DragonnConfig`."""
     name = cfg.compressor.value if hasattr(cfg.compressor, "value") else str(cfg.compressor)
     if name == "dragonn":
-        return DragonnCompressor(cfg.density, cfg.sample_ratio, cfg.min_sample, cfg.table_factor)
+        kernel = getattr(cfg, "kernel", "auto")
+        return DragonnCompressor(cfg.density, cfg.sample_ratio, cfg.min_sample, cfg.table_factor,
+                                 kernel=getattr(kernel, "value", kernel))
     if name not in COMPRESSORS:
         raise ValueError(f"unknown compressor {name!r}; choose one of {sorted(COMPRESSORS)}")
     return COMPRESSORS[name](cfg.density)
