@@ -21,6 +21,7 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
 import ds_dragonn
+from ds_dragonn.comm.mpi_env import setup_mpi_env
 
 # -- defaults (units in comments) -----------------------------------------------------------------------
 STEPS = 600            # optimizer steps
@@ -61,6 +62,7 @@ def build_model(in_features: int, classes: int) -> torch.nn.Module:
 
 def main():
     args = get_args()
+    setup_mpi_env()  # under mpirun: RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR=127.0.0.1/MASTER_PORT from MPI's vars
     deepspeed.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)

@@ -10,11 +10,11 @@ Results go to ``OUT_DIR/rank<r>.jsonl`` (``rankio.py``); the first failure abort
 from __future__ import annotations
 
 import hashlib
-import itertools
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cases import CHECKS as CHECK_NAMES, IDENTITY_CASES  # noqa: E402
 from rankio import RankLog, run_checks  # noqa: E402
 
 OUT_DIR = sys.argv[1]
@@ -47,8 +47,7 @@ MPI_BACKEND = MPICommBackend()
 TORCH_BACKEND = TorchCommBackend()
 CPU = torch.device("cpu")
 
-# -- identity cases: sizes (0, 1, 7 and 2^20+) x dtypes x compressors ---------------------------------
-SIZES = [0, 1, 7, 1000, (1 << 20) + 3]
+# -- identity cases: sizes (0, 1, 7 and 2^20+) x dtypes x compressors (names in cases.py) -------------
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 COMPRESSORS = {
     "dragonn": lambda: DragonnCompressor(0.01, min_sample=64),
@@ -57,9 +56,6 @@ COMPRESSORS = {
 }
 STEPS = 3  # residuals carry over between steps
 UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8}
-IDENTITY_CASES = [f"{c}-{d}-n{n}" for c, d, n in itertools.product(COMPRESSORS, DTYPES, SIZES)
-                  if not (c != "dragonn" and n > 1000)]  # the large size on the product compressor only
-IDENTITY_CASES.append("dragonn-float32-n4099-dense")  # density 0.5: many indices shared between ranks
 
 
 class Recorder:
@@ -268,6 +264,7 @@ CHECKS = {
     "world_mismatch": check_world_mismatch,
     "cuda_aware_flag_on_host": check_cuda_aware_flag_on_host,
 }
+assert list(CHECKS) == CHECK_NAMES, "cases.py and backend_checks.py list different checks"
 
 if __name__ == "__main__":
     selected = sys.argv[2:] or list(CHECKS)

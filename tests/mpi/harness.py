@@ -106,9 +106,14 @@ class MPIRun:
         missing = [r for r in range(self.world_size) if name not in self.ranks[r].results]
         bad = [r for r in range(self.world_size) if name in self.ranks[r].results
                and not self.ranks[r].results[name]["ok"]]
-        if missing or bad:
-            raise AssertionError(f"check {name!r} on {self.world_size} ranks: failed on ranks {bad}, "
-                                 f"no result from ranks {missing}\n{self.failure_report()}")
+        if bad:
+            raise AssertionError(f"check {name!r} on {self.world_size} ranks: failed on ranks {bad}"
+                                 f"\n{self.failure_report()}")
+        if missing:
+            report = self.failure_report() or ""
+            why = report.splitlines()[1] if report.count("\n") else "the job ended early"
+            raise AssertionError(f"check {name!r} on {self.world_size} ranks: no result from ranks {missing} "
+                                 f"(the job stopped before it: {why})\n{report}")
         return {r: self.ranks[r].results[name] for r in range(self.world_size)}
 
 
