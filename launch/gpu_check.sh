@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# One prepared GPU check: on a machine with a CUDA GPU, run the kernel tests on the GPU (Triton kernels
+# against the PyTorch reference, element by element) and the compression benchmark, and write everything
+# to one folder.
+#
+#   bash launch/gpu_check.sh [OUTDIR]        # OUTDIR defaults to $OUT, else runs/gpu_check
+#
+# Writes: env.txt (nvidia-smi, versions), test_kernels.log, bench.log, bench_compress.json,
+# bench_compress.png, bench_compress.md, status.txt (one line per step: ok / FAILED rc).
+# Budget: set-up 1-3 min on a fresh machine (torch wheel), tests < 1 min, benchmark ~3-5 min on an H200
+# (--budget-s bounds each method). Set GPU_CHECK_QUICK=1 for the 2^20/2^22/2^24 fp32 benchmark only.
+set -uo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+OUTDIR="${1:-${OUT:-$REPO/runs/gpu_check}}"
+mkdir -p "$OUTDIR"
+OUTDIR="$(cd "$OUTDIR" && pwd)"
+STATUS="$OUTDIR/status.txt"
+: > "$STATUS"
+step() {  # step NAME LOGFILE CMD...: run, record ok/FAILED, never abort the remaining steps
+  local name="$1" log="$2"; shift 2
+  echo "== $name" >&2
+  "$@" > "$log" 2>&1
+  local rc=$?
+  if [[ $rc -eq 0 ]]; then echo "$name ok" >> "$STATUS"; else echo "$name FAILED rc=$rc (see $log)" >> "$STATUS"; fi
+  tail -n 25 "$log" >&2
+  return $rc
+}
+
+if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
+  echo "no CUDA GPU here (nvidia-smi missing or failing): nothing to check" | tee -a "$STATUS" >&2
+  exit 2
+fi
+nvidia-smi > "$OUTDIR/env.txt" 2>&1
+
+cd "$REPO"
+# Python: an interpreter that already has CUDA torch (a GPU machine may have no network, so prefer what
+# is installed: $PYTHON, the active venv, .venv, python3), else the project's set-up (needs PyPI).
+has_cuda_torch() { "$1" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" >/dev/null 2>&1; }
+PY=""
+for cand in "${PYTHON:-}" "${VIRTUAL_ENV:+$VIRTUAL_ENV/bin/python}" "$REPO/.venv/bin/python" python3 python; do
+  if [[ -n "$cand" ]] && command -v "$cand" >/dev/null 2>&1 && has_cuda_torch "$cand"; then PY="$cand"; break; fi
+done
+if [[ -z "$PY" ]]; then
+  # shellcheck disable=SC1091
+  . "$REPO/launch/setup_env.sh" >> "$OUTDIR/env.txt" 2>&1 || echo "setup_env.sh FAILED" >> "$STATUS"
+  PY="$(command -v python)"
+fi
+echo "python: $PY" >> "$OUTDIR/env.txt"
+python() { "$PY" "$@"; }
+# this package's imports and the test tools; install what is missing (best effort: may be offline)
+for mod in deepspeed pydantic pytest mmh3 matplotlib triton; do
+  if ! python -c "import $mod" >/dev/null 2>&1; then
+    python -m pip install -q "$mod" >> "$OUTDIR/env.txt" 2>&1 || echo "pip install $mod FAILED" >> "$STATUS"
+  fi
+done
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$REPO/.cache/torch_extensions}"
+export DS_ACCELERATOR=cuda
+unset TRITON_INTERPRET  # compile the Triton kernels for the GPU, do not interpret them
+export OMP_NUM_THREADS="$(nproc)"
+
+python - <<'PY' >> "$OUTDIR/env.txt" 2>&1
+import torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+if torch.cuda.is_available():
+    print("device", torch.cuda.get_device_name())
+PY
+if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  echo "torch in $PY has no CUDA (a CPU build?): install the CUDA build, e.g." \
+       "pip install --force-reinstall torch" | tee -a "$STATUS" >&2
+  exit 3
+fi
+python -c "import triton; print('triton', triton.__version__)" >> "$OUTDIR/env.txt" 2>&1
+
+rc=0
+step test_kernels "$OUTDIR/test_kernels.log" \
+  python -m pytest tests/test_kernels.py -q -p no:cacheprovider -rs || rc=1
+# also the project's compressor tests on this machine (CPU tensors, reference + cpu kernel)
+step test_compress "$OUTDIR/test_compress.log" \
+  python -m pytest tests/test_compress.py -q -p no:cacheprovider || rc=1
+
+BENCH=(python launch/bench_compress.py --device cuda --json "$OUTDIR/bench_compress.json"
+       --plot "$OUTDIR/bench_compress.png" --markdown "$OUTDIR/bench_compress.md" --budget-s 5
+       --max-reference-exp 28)
+if [[ "${GPU_CHECK_QUICK:-0}" == "1" ]]; then BENCH+=(--quick); fi
+step bench_gpu "$OUTDIR/bench.log" "${BENCH[@]}" || rc=1
+echo "outputs in $OUTDIR:" >&2
+cat "$STATUS" >&2
+exit $rc
