@@ -181,3 +181,13 @@ def test_mpirun_train_compresses_through_mpi_and_learns(trained):
 def test_mpirun_train_matches_torch_transport_exactly(trained, key):
     """Same seed, same world size: the MPI and torch transports train bit-identical models."""
     assert trained["mpi"][1][key] == trained["torch"][1][key]
+
+
+def test_non_mpi_launch_with_mpi_backend_fails_clearly(tmp_path):
+    """Started without an MPI launcher (each process its own MPI world of 1): a clear error on every rank."""
+    from tests.multiproc import run_ranks
+    run_ranks("tests.mpi.non_mpi_launch:world_mismatch", 2, tmp_path, timeout=120)
+    for r in range(2):
+        msg = (tmp_path / f"rank{r}.err").read_text()
+        assert msg.startswith(f"[rank {r}]") and "all 1 MPI ranks" in msg and "group has 2 ranks" in msg, msg
+        assert "mpirun -np 2" in msg, msg

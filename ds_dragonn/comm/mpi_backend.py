@@ -186,7 +186,7 @@ def _check_same_world(mpi_rank: int, mpi_size: int, group: Optional[Any]) -> Non
             f"launch/train.py ...' or 'deepspeed --launcher mpich|openmpi --hostfile ...')"
             if t_size != mpi_size else "launch with mpirun/mpiexec so that RANK is the MPI rank")
     raise MPIWorldMismatchError(
-        f"[rank {mpi_rank}] 'comm_backend': 'mpi' exchanges over all {mpi_size} MPI ranks (this process is "
+        f"[rank {torch.distributed.get_rank()}] 'comm_backend': 'mpi' exchanges over all {mpi_size} MPI ranks (this process is "
         f"MPI rank {mpi_rank}), but the torch.distributed data-parallel group has {max(t_size, 0)} ranks "
         f"({member}); {hint}, or use 'comm_backend': 'torch'")
 
