@@ -47,8 +47,9 @@ def initialize(*args: Any, **kwargs: Any):
     ds_config = load_ds_config(_resolve_ds_config(bound))
     cfg = DragonnConfig.from_ds_config(ds_config)
     if cfg.enabled:
-        stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
-        if stage not in (0, None):
+        zero = ds_config.get("zero_optimization") or {}
+        stage = zero.get("stage", 0) if isinstance(zero, dict) else zero  # legacy form: true = ZeRO on
+        if stage not in (0, None, False):
             raise DragonnUnsupportedError(
                 f"'dragonn' compresses the ZeRO stage-0 gradient allreduce; 'zero_optimization.stage' is {stage}. "
                 f"Set the stage to 0 or 'dragonn.enabled' to false")

@@ -52,31 +52,32 @@ class Kernel(str, Enum):
 class DragonnConfig(DeepSpeedConfigModel):
     """Settings of DRAGONN gradient compression (all optional; defaults follow the DRAGONN paper)."""
 
+    # strict scalars: "true" or 1 is not a bool, true is not a density, "0.5" is not a number
     model_config = {"extra": "forbid", "validate_assignment": True, "use_enum_values": False,
-                    "populate_by_name": True}
+                    "populate_by_name": True, "allow_inf_nan": False}
 
-    enabled: bool = False
+    enabled: bool = Field(False, strict=True)
     """Switch compression on. When false (or the block is absent) the engine is not touched."""
 
-    density: float = Field(0.01, gt=0.0, le=1.0)
+    density: float = Field(0.01, gt=0.0, le=1.0, strict=True)
     """Fraction of a buffer's elements kept per step, ``k = ceil(density * numel)``. 1.0 keeps everything."""
 
-    sample_ratio: float = Field(0.01, gt=0.0, le=1.0)
+    sample_ratio: float = Field(0.01, gt=0.0, le=1.0, strict=True)
     """Fraction of the buffer sampled to estimate the top-k threshold (``s = max(min_sample, ceil(r*numel))``)."""
 
-    min_sample: int = Field(1024, ge=1)
+    min_sample: int = Field(1024, ge=1, strict=True)
     """Lower bound on the threshold sample size, in elements (capped at the buffer size)."""
 
-    table_factor: float = Field(4.0, ge=1.0)
+    table_factor: float = Field(4.0, ge=1.0, le=1024.0, strict=True)
     """Hash-table capacity as a multiple of k: ``m = ceil(table_factor * k)`` slots (paper: 4)."""
 
-    min_compress_numel: int = Field(1 << 16, ge=0)
+    min_compress_numel: int = Field(1 << 16, ge=0, strict=True)
     """Buffers with fewer elements go through DeepSpeed's dense allreduce (paper: 2^20 per tensor)."""
 
-    warmup_steps: int = Field(0, ge=0)
+    warmup_steps: int = Field(0, ge=0, strict=True)
     """Optimizer steps that use the dense allreduce before compression starts (paper: 200)."""
 
-    error_feedback: bool = True
+    error_feedback: bool = Field(True, strict=True)
     """Keep what was not sent in a residual and add it back next step (nothing lost, only delayed)."""
 
     compressor: Compressor = Compressor.dragonn
@@ -89,16 +90,16 @@ class DragonnConfig(DeepSpeedConfigModel):
     comm_backend: CommBackend = CommBackend.torch
     """Collectives: ``torch`` (deepspeed.comm; NCCL on GPU, gloo on CPU) or ``mpi`` (mpi4py)."""
 
-    cuda_aware: bool = False
+    cuda_aware: bool = Field(False, strict=True)
     """MPI only: hand device buffers to MPI directly (true) or stage them through host memory (false)."""
 
     exchange: ExchangeScheme = ExchangeScheme.allgather
     """How the selected pairs are exchanged: ``allgather`` (each rank gathers all ranks' pairs)."""
 
-    seed: int = Field(0, ge=0, lt=2**32)
+    seed: int = Field(0, ge=0, lt=2**32, strict=True)
     """Base seed for threshold sampling and the hash; every rank advances it the same way each step."""
 
-    log_interval: int = Field(0, ge=0)
+    log_interval: int = Field(0, ge=0, strict=True)
     """Log compression statistics every this many compressed steps on rank 0 (0 = never)."""
 
     @model_validator(mode="after")
@@ -130,19 +131,30 @@ class DragonnConfig(DeepSpeedConfigModel):
 
 
 def load_ds_config(ds_config: Union[str, os.PathLike, Mapping[str, Any], None]) -> dict:
-    """Return a DeepSpeed config as a dict; ``ds_config`` is a dict, a JSON path or None (empty)."""
+    """Return a DeepSpeed config as a dict, accepting what ``deepspeed.initialize`` accepts.
+
+    ``ds_config`` is a dict, a path to a JSON/HJSON file, a base64-encoded JSON string, or None (empty).
+    Parsing is DeepSpeed's own (``runtime/tensor_parallel/init_utils.load_ds_config``).
+
+    Raises:
+        DragonnConfigError: the file is missing or cannot be parsed.
+    """
     if ds_config is None:
         return {}
     if isinstance(ds_config, Mapping):
         return dict(ds_config)
-    path = os.fspath(ds_config)
+    from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config as ds_load
+    text = os.fspath(ds_config)
     try:
-        with open(path) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise DragonnConfigError(f"DeepSpeed config file not found: {path}") from None
-    except json.JSONDecodeError as err:
-        raise DragonnConfigError(f"DeepSpeed config {path} is not valid JSON: {err}") from None
+        cfg = ds_load(text)
+    except Exception as err:  # noqa: BLE001 - DeepSpeed raises ValueError / hjson errors
+        if not os.path.exists(text):
+            raise DragonnConfigError(f"DeepSpeed config not found (not a file, nor a base64 JSON string): "
+                                     f"{text[:200]}") from None
+        raise DragonnConfigError(f"DeepSpeed config {text[:200]} cannot be parsed: {err}") from None
+    if not isinstance(cfg, Mapping):
+        raise DragonnConfigError(f"DeepSpeed config {text[:200]} is not a JSON object")
+    return dict(cfg)
 
 
 def _format_errors(err: ValidationError) -> str:

@@ -66,6 +66,10 @@ class DragonnHook:
 
     # -- installation -------------------------------------------------------------------------------
     def install(self) -> "DragonnHook":
+        # build the transport for the engine's data-parallel group now, so a wrong launch (e.g. an MPI
+        # world that is not the data-parallel group) fails at initialize, not after the warm-up steps
+        from deepspeed.utils import groups
+        self._pipeline(groups._get_sequence_data_parallel_group())
         self.engine.allreduce_bucket = self.allreduce_bucket
         self.engine.dragonn = self
         print_dist(f"DRAGONN enabled: compressor={self.compressor.name} density={self.cfg.density} "

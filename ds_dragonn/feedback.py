@@ -68,5 +68,5 @@ class ErrorFeedback:
         return {"enabled": self.enabled, "residuals": {k: v.detach().clone() for k, v in self.residuals.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        self.enabled = bool(state["enabled"])
+        """Restore residuals (the ``enabled`` switch stays as configured)."""
         self.residuals = {k: v.clone() for k, v in state["residuals"].items()}

@@ -1,8 +1,8 @@
 """Counters of what gradient synchronisation cost, logged in DeepSpeed's style and sent to its monitor."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import List, Optional
+from dataclasses import asdict, dataclass
+from typing import Optional
 
 from deepspeed.utils.logging import print_dist
 
@@ -25,7 +25,7 @@ class Telemetry:
     kept: int = 0
     target_k: int = 0
     compressed_numel: int = 0
-    compress_ms: List[float] = field(default_factory=list)
+    compress_ms_total: float = 0.0
 
     def record_dense(self, numel: int, itemsize: int, world_size: int) -> None:
         b = dense_allreduce_bytes(numel, itemsize, world_size)
@@ -42,7 +42,7 @@ class Telemetry:
         self.kept += s.kept
         self.target_k += s.k
         self.compressed_numel += s.numel
-        self.compress_ms.append(s.compress_ms)
+        self.compress_ms_total += s.compress_ms
 
     @property
     def kept_over_k(self) -> float:
@@ -55,11 +55,10 @@ class Telemetry:
 
     @property
     def compress_ms_mean(self) -> float:
-        return sum(self.compress_ms) / len(self.compress_ms) if self.compress_ms else 0.0
+        return self.compress_ms_total / self.compressed_reductions if self.compressed_reductions else 0.0
 
     def summary(self) -> dict:
         d = asdict(self)
-        d.pop("compress_ms")
         d["compress_ms_mean"] = self.compress_ms_mean
         d["kept_over_k"] = self.kept_over_k
         d["achieved_density"] = self.achieved_density

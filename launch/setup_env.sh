@@ -22,6 +22,9 @@ if [[ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]]; then
     fi
   fi
   python -m pip install -q -e "$REPO[mpi,test]"
+  # build the C++ selection kernel now (cached), not in the first training step
+  TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$REPO/.cache/torch_extensions}" \
+    python -c "from ds_dragonn.compress.kernels import cpu_table; cpu_table.available()" || true
   echo "$WANT" > "$STAMP"
 fi
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"

@@ -36,6 +36,18 @@ def test_target_k(n, density):
     assert k == (0 if n == 0 else min(n, max(1, math.ceil(density * n - 1e-9))))
 
 
+@pytest.mark.parametrize("density", [1e-300, 1e-12, 1e-9])
+def test_tiny_density_still_keeps_one_element(density):
+    x = fresh(1000)
+    assert target_k(1000, density) == 1
+    assert DragonnCompressor(density).compress(x, 0).count == 1
+
+
+def test_density_one_table_is_capped_at_numel():
+    sel = DragonnCompressor(1.0).compress(fresh(10_000), 0)
+    assert sel.capacity == 10_000 and sel.count == 10_000
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("density", [0.01, 0.1])
@@ -45,7 +57,7 @@ def test_dragonn_selection_properties(n, dtype, density):
     sel = comp.compress(x, seed=n + 3)
     k = target_k(n, density)
     assert sel.k == k
-    assert sel.capacity == math.ceil(4 * k)
+    assert sel.capacity == min(math.ceil(4 * k), n)
     assert sel.indices.dtype == index_dtype(n) == torch.int32
     assert sel.values.dtype == dtype
     assert sel.count <= sel.capacity

@@ -33,12 +33,31 @@ def test_reads_json_path(tmp_path):
     ({"exchange": "ring"}, ["dragonn.exchange", "ring", "allgather"]),
     ({"enabled": "maybe"}, ["dragonn.enabled", "maybe"]),
     ({"cuda_aware": True}, ["cuda_aware", "mpi"]),
+    # no lax coercion: these would otherwise silently become density 1.0, enabled, 0.5, ...
+    ({"density": True}, ["dragonn.density", "True", "number"]),
+    ({"density": "0.5"}, ["dragonn.density", "0.5"]),
+    ({"enabled": "yes"}, ["dragonn.enabled", "yes", "boolean"]),
+    ({"enabled": 1}, ["dragonn.enabled", "1", "boolean"]),
+    ({"seed": True}, ["dragonn.seed", "True", "integer"]),
+    ({"min_sample": 2.5}, ["dragonn.min_sample", "2.5"]),
+    ({"table_factor": float("inf")}, ["dragonn.table_factor", "inf", "finite"]),
+    ({"density": float("nan")}, ["dragonn.density", "nan"]),
+    ({"table_factor": 1e9}, ["dragonn.table_factor", "1024"]),
 ])
 def test_bad_blocks_name_key_value_and_allowed(block, needles):
     with pytest.raises(DragonnConfigError) as err:
         DragonnConfig.from_ds_config({"dragonn": block})
     for needle in needles:
         assert needle in str(err.value), str(err.value)
+
+
+def test_reads_hjson_and_base64_like_deepspeed(tmp_path):
+    import base64
+    p = tmp_path / "ds.hjson"
+    p.write_text('{"train_batch_size": 8, // a comment\n "dragonn": {"enabled": true, "density": 0.02,},}')
+    assert DragonnConfig.from_ds_config(str(p)).density == 0.02
+    b64 = base64.urlsafe_b64encode(json.dumps({"dragonn": {"enabled": True, "density": 0.03}}).encode()).decode()
+    assert DragonnConfig.from_ds_config(b64).density == 0.03
 
 
 def test_block_must_be_an_object():
@@ -56,10 +75,10 @@ def test_initialize_rejects_bad_block_before_deepspeed_starts():
         ds_dragonn.initialize(model=None, config={"train_batch_size": 1, "dragonn": {"densty": 0.1}})
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_initialize_rejects_zero_stages(stage):
-    cfg = {"train_batch_size": 1, "zero_optimization": {"stage": stage}, "dragonn": {"enabled": True}}
-    with pytest.raises(ds_dragonn.DragonnUnsupportedError, match="zero_optimization.stage"):
+@pytest.mark.parametrize("zero", [{"stage": 1}, {"stage": 2}, {"stage": 3}, {"stage": "1"}, True])
+def test_initialize_rejects_zero_stages(zero):
+    cfg = {"train_batch_size": 1, "zero_optimization": zero, "dragonn": {"enabled": True}}
+    with pytest.raises(ds_dragonn.DragonnUnsupportedError, match="zero_optimization"):
         ds_dragonn.initialize(model=None, config=cfg)
 
 

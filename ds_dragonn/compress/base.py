@@ -50,8 +50,8 @@ def target_k(numel: int, density: float) -> int:
     """``k = ceil(density * numel)``, at most numel; 0 for an empty buffer (no division by zero)."""
     if numel <= 0:
         return 0
-    # round() guards against 0.01 * 100 = 1.0000000000000002 -> 2
-    return min(numel, math.ceil(round(density * numel, 9)))
+    # round() guards against 0.01 * 100 = 1.0000000000000002 -> 2; at least one element is kept
+    return max(1, min(numel, math.ceil(round(density * numel, 9))))
 
 
 def magnitude(flat: torch.Tensor) -> torch.Tensor:
@@ -61,7 +61,7 @@ def magnitude(flat: torch.Tensor) -> torch.Tensor:
     DeepSpeed's overflow check sees them) instead of hiding them in the residual.
     """
     mag = flat.abs().float()
-    return torch.nan_to_num(mag, nan=math.inf)
+    return torch.nan_to_num(mag, nan=math.inf, posinf=math.inf)
 
 
 def empty_selection(flat: torch.Tensor, k: int = 0, capacity: int = 0) -> Selection:
@@ -89,17 +89,24 @@ class Compressor(ABC):
             raise ValueError(f"density must be in (0, 1], got {density}")
         self.density = float(density)
 
-    @abstractmethod
-    def compress(self, flat: torch.Tensor, seed: int) -> Selection:
-        ...
+    def compress(self, flat: torch.Tensor, seed: int = 0) -> Selection:
+        """Select from ``flat``; an empty buffer gives an empty selection.
 
-    @staticmethod
-    def _check_input(flat: torch.Tensor) -> torch.Tensor:
+        Raises:
+            ValueError: ``flat`` is not 1-D. TypeError: ``flat`` is not floating point.
+        """
         if flat.dim() != 1:
             raise ValueError(f"compressors take a flattened 1-D buffer, got shape {tuple(flat.shape)}")
         if not flat.is_floating_point():
             raise TypeError(f"compressors take a floating-point buffer, got {flat.dtype}")
-        return flat
+        k = target_k(flat.numel(), self.density)
+        if k == 0:
+            return empty_selection(flat)
+        return self._select(flat, k, seed)
+
+    @abstractmethod
+    def _select(self, flat: torch.Tensor, k: int, seed: int) -> Selection:
+        """Select about ``k ≥ 1`` pairs from the non-empty 1-D float buffer ``flat``."""
 
     def private_generator(self, device: torch.device, seed: int) -> torch.Generator:
         """A generator for this call only: never touches the global RNG (cf. PyTorch's PowerSGD)."""

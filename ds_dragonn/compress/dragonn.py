@@ -2,15 +2,15 @@
 
 Per flattened buffer of ``n`` elements with target ``k = ceil(density * n)``:
 
-1. :func:`sample_threshold` — draw ``s = max(min_sample, ceil(sample_ratio * n))`` elements (capped at
-   n; all of them when s ≥ n, which makes the threshold exact) and take the ``ceil(density * s)``-th
+1. :func:`sample_threshold` — draw ``s = max(min_sample, ceil(sample_ratio * n), ceil(64 / density))``
+   elements (capped at n; all of them when s ≥ n, which makes the threshold exact) and take the ``ceil(density * s)``-th
    largest magnitude. The threshold stays on the device: no host sync. The compressor draws a
    *stratified hashed* sample (:func:`sample_positions`): one element per stratum ``[j·n/s, (j+1)·n/s)``
    at ``murmur3(j, seed) mod`` the stratum length — every element equally likely, every layer of a bucket
    sampled in proportion, positions computable by any kernel (so all kernels get the same threshold),
    and reads in ascending order (cheap on a CPU).
 2. :func:`build_table` — every element with ``|g| >= thr`` (and ``g != 0``) writes its index into slot
-   ``murmur3(index, seed) mod m`` of a table of ``m = ceil(table_factor * k)`` slots. No sort, no prefix
+   ``murmur3(index, seed) mod m`` of a table of ``m = min(ceil(table_factor * k), n)`` slots. No sort, no prefix
    sum. Each slot stores a *priority key* (:func:`priority_keys`: magnitude bits above the index bits)
    and a collision keeps the largest key (``scatter_reduce(amax)``; an atomic max on a GPU): the
    larger magnitude wins, ties go to the larger index. The winner is defined, so every implementation
@@ -19,8 +19,11 @@ Per flattened buffer of ``n`` elements with target ``k = ceil(density * n)``:
    perfect hash, nothing collides.
 3. :func:`gather_table` — valid slots (≠ ``EMPTY_SLOT``) give the kept indices; values are gathered.
 
-Non-finite entries (NaN, ±Inf) count as infinitely large: they are always selected and so reach every
-rank as with the dense allreduce, and the threshold is estimated from the finite sample entries only.
+Non-finite entries (NaN, ±Inf) count as infinitely large: they are always candidates and win every
+collision against finite values, so (as long as fewer than ~m of them) they reach every rank as with the
+dense allreduce, where DeepSpeed's overflow check sees them; the threshold is estimated from the finite
+sample entries only. Ties: every element equal to the threshold is a candidate, so a buffer of many
+equal magnitudes fills the table (up to m = table_factor·k pairs are sent).
 
 Steps 1–3 have three implementations that give identical results (``DragonnCompressor(kernel=...)``):
 ``reference`` (the pure-PyTorch functions below), ``cpu`` (C++ one-pass library, ``kernels/cpu_table``)
@@ -32,18 +35,29 @@ import math
 
 import torch
 
-from .base import EMPTY_SLOT, Compressor, Selection, empty_selection, index_dtype, magnitude, target_k
+from .base import EMPTY_SLOT, Compressor, Selection, index_dtype, magnitude, target_k
 from .hashing import murmur3_index_hash
 
 
-def sample_size(numel: int, sample_ratio: float, min_sample: int) -> int:
-    """Threshold sample size ``s = min(numel, max(min_sample, ceil(sample_ratio * numel)))``."""
-    return min(numel, max(min_sample, math.ceil(sample_ratio * numel)))
+#: The sample always holds at least this many expected above-threshold hits, so that the threshold
+#: quantile is estimated from more than a couple of elements (relative spread ~ 1/sqrt(hits)).
+MIN_SAMPLE_HITS = 64
 
 
-def table_capacity(k: int, table_factor: float) -> int:
-    """Hash-table slots ``m = ceil(table_factor * k)`` (0 when k == 0)."""
-    return math.ceil(table_factor * k) if k > 0 else 0
+def sample_size(numel: int, sample_ratio: float, min_sample: int, density: float = 1.0) -> int:
+    """Threshold sample size ``s = min(n, max(min_sample, ceil(sample_ratio·n), ceil(64/density)))``."""
+    return min(numel, max(min_sample, math.ceil(sample_ratio * numel), math.ceil(MIN_SAMPLE_HITS / density)))
+
+
+def table_capacity(k: int, table_factor: float, numel: int | None = None) -> int:
+    """Hash-table slots ``m = min(ceil(table_factor * k), numel)`` (0 when k == 0).
+
+    Capped at the buffer length: there a direct table (slot = index) holds every element.
+    """
+    if k <= 0:
+        return 0
+    m = math.ceil(table_factor * k)
+    return m if numel is None else min(m, numel)
 
 
 def step_hash_seed(seed: int) -> int:
@@ -201,18 +215,14 @@ class DragonnCompressor(Compressor):
         n = flat.numel()
         if target_k(n, self.density) >= n:
             return torch.zeros((), dtype=torch.float32, device=flat.device)  # keep every nonzero
-        s = sample_size(n, self.sample_ratio, self.min_sample)
+        s = sample_size(n, self.sample_ratio, self.min_sample, self.density)
         return sample_threshold_fast(flat, self.density, s, step_sample_seed(seed), kernel)
 
-    def compress(self, flat: torch.Tensor, seed: int = 0) -> Selection:
+    def _select(self, flat: torch.Tensor, k: int, seed: int) -> Selection:
         from .kernels import build_table_fast, gather_table_fast, resolve_kernel
-        flat = self._check_input(flat)
         n = flat.numel()
-        k = target_k(n, self.density)
-        if k == 0:
-            return empty_selection(flat)
         kernel = resolve_kernel(self.kernel, flat)
-        m = table_capacity(k, self.table_factor)
+        m = table_capacity(k, self.table_factor, n)
         thr = self.threshold(flat, seed, kernel)
         table = build_table_fast(flat, thr, m, step_hash_seed(seed), kernel)
         idx, vals = gather_table_fast(flat, table, kernel)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Compressor, Selection, empty_selection, index_dtype, target_k
+from .base import Compressor, Selection, index_dtype
 
 
 class RandomKCompressor(Compressor):
@@ -14,14 +14,17 @@ class RandomKCompressor(Compressor):
 
     name = "randomk"
 
-    def compress(self, flat: torch.Tensor, seed: int = 0) -> Selection:
-        flat = self._check_input(flat)
+    def _select(self, flat: torch.Tensor, k: int, seed: int) -> Selection:
         n = flat.numel()
-        k = target_k(n, self.density)
-        if k == 0:
-            return empty_selection(flat)
         gen = self.private_generator(flat.device, seed)
-        idx = torch.randperm(n, generator=gen, device=flat.device)[:k]
+        idx = torch.empty(0, dtype=torch.int64, device=flat.device)
+        if 4 * k <= n:  # O(k log k): oversample with replacement, drop duplicates, keep a random k of them
+            draw = torch.randint(0, n, (k + k // 4 + 16,), generator=gen, device=flat.device).unique()
+            if draw.numel() >= k:
+                keep = torch.randperm(draw.numel(), generator=gen, device=flat.device)[:k]
+                idx = draw[keep]
+        if idx.numel() < k:  # dense regime (or unlucky draw): a permutation of all n
+            idx = torch.randperm(n, generator=gen, device=flat.device)[:k]
         idx, _ = torch.sort(idx)
         return Selection(indices=idx.to(index_dtype(n)), values=flat[idx],
                          threshold=torch.zeros((), dtype=torch.float32, device=flat.device), k=k, capacity=k)

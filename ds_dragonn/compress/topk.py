@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Compressor, Selection, empty_selection, index_dtype, magnitude, target_k
+from .base import Compressor, Selection, index_dtype, magnitude
 
 
 class TopKCompressor(Compressor):
@@ -14,12 +14,8 @@ class TopKCompressor(Compressor):
 
     name = "topk"
 
-    def compress(self, flat: torch.Tensor, seed: int = 0) -> Selection:
-        flat = self._check_input(flat)
+    def _select(self, flat: torch.Tensor, k: int, seed: int) -> Selection:
         n = flat.numel()
-        k = target_k(n, self.density)
-        if k == 0:
-            return empty_selection(flat)
         mag = magnitude(flat)
         top = torch.topk(mag, k, sorted=False)
         keep = top.values > 0
