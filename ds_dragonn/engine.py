@@ -63,6 +63,7 @@ class DragonnHook:
         self._dense_allreduce_bucket = engine.allreduce_bucket  # DeepSpeed's bound method
         self._step = -1
         self._ordinal = 0
+        self._warned_small = False
 
     # -- installation -------------------------------------------------------------------------------
     def install(self) -> "DragonnHook":
@@ -100,7 +101,13 @@ class DragonnHook:
         comm_dtype = engine.communication_data_type
         pipeline = self._pipeline(dp_group)
         world = pipeline.backend.world_size
-        if step < self.cfg.warmup_steps or numel < max(self.cfg.min_compress_numel, 1):
+        small = numel < max(self.cfg.min_compress_numel, 1)
+        if small and not self._warned_small:
+            self._warned_small = True
+            print_dist(f"DRAGONN: a gradient bucket of {numel} elements is below min_compress_numel="
+                       f"{self.cfg.min_compress_numel}: it uses DeepSpeed's dense allreduce (lower "
+                       f"'dragonn.min_compress_numel' to compress it)", ranks=[0])
+        if step < self.cfg.warmup_steps or small:
             self.telemetry.record_dense(numel, torch.empty((), dtype=comm_dtype).element_size(), world)
             return self._dense_allreduce_bucket(bucket, dp_group, dp_world_size)
 

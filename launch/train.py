@@ -97,9 +97,9 @@ def main():
             line = f"step {step:5d} | loss {last_loss:.4f} | {(time.time() - t0) / step * 1e3:.1f} ms/step"
             if dragonn:
                 t = dragonn.telemetry
-                line += (f" | density {t.achieved_density:.4f} (kept/k {t.kept_over_k:.3f}) | bytes {t.bytes_sent / 1e6:.3f} MB"
-                         f" vs dense {t.dense_bytes_equivalent / 1e6:.3f} MB"
-                         f" | compress {t.compress_ms_mean:.2f} ms")
+                line += (f" | density {t.achieved_density:.4f} (kept/k {t.kept_over_k:.3f})"
+                         f" | sent so far {t.bytes_sent / 1e6:.3f} MB vs dense {t.dense_bytes_equivalent / 1e6:.3f} MB"
+                         f" | compress {t.compress_ms_mean:.2f} ms/step")
             if rank == 0:
                 print(line, flush=True)
             loss_sum, loss_n = 0.0, 0
