@@ -183,3 +183,47 @@ def test_bench_compress_quick_smoke(tmp_path):
     topk = [r for r in recs if r["method"] == "topk"]
     assert all(abs(r["topk_mass_captured"] - 1.0) < 1e-6 for r in topk)
     assert png.stat().st_size > 1000
+
+
+@need_cpu
+@pytest.mark.parametrize("block_bytes,bucket_cap", [(0, 0), (-1, 0), (64, 0), (4096, 3), (1 << 14, 1), (8, 1 << 20)])
+@pytest.mark.parametrize("n", [3000, 2048 * 33 + 17, (1 << 17) + 2047])
+def test_cpu_blocked_table_partitions_and_overflow(monkeypatch, block_bytes, bucket_cap, n):
+    """The cache-blocked table path: many partitions (tiny block_bytes), full buckets (tiny bucket_cap,
+    which falls back to the atomic path), blocking off (-1), and sizes off the scan's chunk boundaries."""
+    monkeypatch.setattr(cpu_table, "BLOCK_BYTES", block_bytes)
+    monkeypatch.setattr(cpu_table, "BUCKET_CAP", bucket_cap)
+    x = make(n, torch.float32, seed=n)
+    for density, capacity in ((0.01, 4 * math.ceil(0.01 * n)), (0.3, 7), (0.05, 1000), (0.01, n - 1)):
+        check_all_steps(x, "cpu", density, min(n, 4096), capacity, seed=n + capacity)
+    thr0 = torch.tensor(0.0)  # every nonzero is a candidate: far more than the table holds
+    want = ref.build_table(x, thr0, 513, 4)
+    assert torch.equal(build_table_fast(x, thr0, 513, 4, "cpu"), want)
+
+
+@need_cpu
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_cpu_kernel_thread_counts_and_gather_blocks(threads):
+    """Thread splits of the sample, the table and the gather; table sizes around the gather's blocks."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        n = (1 << 16) + 511
+        x = make(n, torch.float32, seed=threads)
+        for capacity in (511, 512, 513, 1025, 65_537 * 2 + 3):
+            check_all_steps(x, "cpu", 0.02, 40_000, capacity, seed=capacity)
+    finally:
+        torch.set_num_threads(old)
+
+
+@need_cpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_sample_strata(dtype):
+    """Stratum bounds computed incrementally: sample sizes from 1 to n, lengths q and q + 1, threads."""
+    n = (1 << 20) + 7
+    x = make(n, dtype, seed=5)
+    for s in (1, 2, 63, 64, 65, 1000, (1 << 15) - 1, (1 << 15) + 5, n // 3, n // 2 + 1, n - 1, n):
+        for kk_density in (0.01, 0.5):
+            want = ref.sample_threshold(x, kk_density, s, seed=s * 7 + 1)
+            got = sample_threshold_fast(x, kk_density, s, s * 7 + 1, "cpu")
+            assert same_bits(got.reshape(()), want.reshape(())), (s, kk_density)

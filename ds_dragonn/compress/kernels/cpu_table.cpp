@@ -13,6 +13,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <new>
 #include <thread>
 #include <vector>
 #if defined(__x86_64__)
@@ -84,16 +86,40 @@ inline void atomic_max(int64_t* p, int64_t v) {
   }
 }
 
+// Cache-blocked sink: the table is cut into P partitions of psize slots (each fits in L2); a thread appends
+// each selected element's (key, slot - p*psize) to its own bucket of partition p, in sequential memory.
+// A second phase then applies each partition's buckets with a plain max while that part of the table
+// is in cache (no atomics: one thread owns a partition). A full bucket sets *overflow (the caller then
+// falls back to the atomic path).
+struct Buckets {
+  int P = 0; int64_t psize = 0, cap = 0; uint64_t pdiv_c = 0;
+  int64_t* keys = nullptr; uint32_t* loc = nullptr; int64_t* count = nullptr;  // [nt][P][cap], [nt][P]
+  bool* overflow = nullptr;
+  inline int part(uint64_t slot) const {  // slot / psize, exact for slot < 2^32 (Lemire; psize 1: c = 0)
+    return pdiv_c ? (int)(((unsigned __int128)pdiv_c * slot) >> 64) : (int)slot;
+  }
+};
+
 // Selected elements are queued; a full queue is hashed, its table lines prefetched, then stored: the
 // random read-modify-writes into the table (larger than L2) overlap instead of stalling one by one.
+// With buckets bound (bind()), the queue goes to this thread's partition buckets instead.
 struct Store {
   static constexpr int Q = 64;
   const void* x; int dtype; int64_t m; bool direct; uint32_t seed; int ibits; int64_t* table;
   uint64_t fastmod_c;  // Lemire's exact 32-bit modulo: h % m = ((c * h) * m) >> 64, for m < 2^32
-  int64_t idx[Q]; uint64_t slot[Q]; int len = 0;
+  const Buckets* bk = nullptr; int64_t* bkeys = nullptr; uint32_t* bloc = nullptr; int64_t* bcount = nullptr;
+  int64_t idx[Q]; uint64_t slot[Q]; uint32_t mb[Q]; bool has_mb = false; int len = 0;
   Store(const void* x_, int dt, int64_t m_, bool d, uint32_t s, int ib, int64_t* t)
       : x(x_), dtype(dt), m(m_), direct(d), seed(s), ibits(ib), table(t),
         fastmod_c(m_ < (int64_t(1) << 32) ? ~uint64_t(0) / (uint64_t)m_ + 1 : 0) {}
+  Store bind(const Buckets* b, int t) const {
+    Store st = *this;
+    st.bk = b;
+    st.bkeys = b->keys + (int64_t)t * b->P * b->cap;
+    st.bloc = b->loc + (int64_t)t * b->P * b->cap;
+    st.bcount = b->count + (int64_t)t * b->P;
+    return st;
+  }
   inline uint64_t mod_m(uint32_t h) const {
     if (fastmod_c) return (uint64_t)(((unsigned __int128)(fastmod_c * h) * (uint64_t)m) >> 64);
     return h % (uint64_t)m;
@@ -102,9 +128,37 @@ struct Store {
     idx[len++] = i;
     if (len == Q) flush();
   }
+  // i with its magnitude bits (mag_bits(x, dtype, i)) already at hand: x is not read again.
+  inline void push(int64_t i, uint32_t bits) {
+    mb[len] = bits;
+    idx[len++] = i;
+    if (len == Q) flush();
+  }
   void flush() {
     if (direct) {  // slot = index: no two writers share a slot
       for (int q = 0; q < len; ++q) table[idx[q]] = key(idx[q]);
+    } else if (bk) {
+      // locals: the bucket stores (int64_t*) could otherwise alias these fields and force reloads
+      const int64_t cap = bk->cap, psize = bk->psize;
+      int64_t* const keys = bkeys; uint32_t* const loc = bloc; int64_t* const cnt = bcount;
+      int64_t kv[Q]; uint32_t lv[Q]; int pv[Q];
+      for (int q = 0; q < len; ++q) {
+        const uint64_t sl = mod_m(murmur_index((uint64_t)idx[q], seed));
+        const int p = bk->part(sl);
+        pv[q] = p;
+        lv[q] = (uint32_t)(sl - (uint64_t)p * psize);
+        kv[q] = has_mb ? key_of(idx[q], mb[q]) : key(idx[q]);
+      }
+      bool full = false;
+      for (int q = 0; q < len; ++q) {
+        const int p = pv[q];
+        const int64_t c = cnt[p];
+        if (c == cap) { full = true; continue; }
+        keys[(int64_t)p * cap + c] = kv[q];
+        loc[(int64_t)p * cap + c] = lv[q];
+        cnt[p] = c + 1;
+      }
+      if (full) *bk->overflow = true;
     } else {
       for (int q = 0; q < len; ++q) {
         slot[q] = mod_m(murmur_index((uint64_t)idx[q], seed));
@@ -114,9 +168,8 @@ struct Store {
     }
     len = 0;
   }
-  inline int64_t key(int64_t i) const {
-    return ((int64_t)(mag_bits(x, dtype, i) >> (ibits - 32)) << ibits) | i;
-  }
+  inline int64_t key(int64_t i) const { return key_of(i, mag_bits(x, dtype, i)); }
+  inline int64_t key_of(int64_t i, uint32_t bits) const { return ((int64_t)(bits >> (ibits - 32)) << ibits) | i; }
 };
 
 // Scan [lo, hi) of magnitude keys (sign bit masked off) against thr_key; on x86 16 keys at a time with
@@ -127,6 +180,9 @@ inline void scan_tail(const T* a, T mask, T thr_key, int64_t i, int64_t hi, Stor
     if ((T)(a[i] & mask) >= thr_key) st(i);
 }
 
+#ifndef PF_DIST
+#define PF_DIST 2048
+#endif
 #if defined(__x86_64__)
 __attribute__((target("avx2"))) void scan32_avx2(const int32_t* a, int32_t thr_key, int64_t lo, int64_t hi,
                                                  Store st) {
@@ -134,6 +190,8 @@ __attribute__((target("avx2"))) void scan32_avx2(const int32_t* a, int32_t thr_k
   const __m256i msk = _mm256_set1_epi32(0x7FFFFFFF), t = _mm256_set1_epi32(thr_key - 1);
   for (; i + 32 <= hi; i += 32) {
     const __m256i* p = (const __m256i*)(a + i);
+    _mm_prefetch((const char*)(a + i) + PF_DIST, _MM_HINT_T0);
+    _mm_prefetch((const char*)(a + i) + PF_DIST + 64, _MM_HINT_T0);
     __m256i c0 = _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_loadu_si256(p), msk), t);
     __m256i c1 = _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_loadu_si256(p + 1), msk), t);
     __m256i c2 = _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_loadu_si256(p + 2), msk), t);
@@ -151,8 +209,51 @@ __attribute__((target("avx2"))) void scan32_avx2(const int32_t* a, int32_t thr_k
 }
 #endif
 
+#if defined(__x86_64__)
+// AVX-512: branch-free. Each 16-key compare mask compresses the matching offsets into a small buffer
+// (no data-dependent branch per block, so the streaming loads are never squashed by a mispredict);
+// the buffer is handed to the store once per chunk of CH keys.
+__attribute__((target("avx512f,popcnt"))) void scan32_avx512(const int32_t* a, int32_t thr_key, int64_t lo,
+                                                              int64_t hi, Store st) {
+  constexpr int CH = 2048;
+  alignas(64) uint32_t off[CH + 16];
+  alignas(64) uint32_t mag[CH + 16];
+  st.has_mb = true;
+  const __m512i inf = _mm512_set1_epi32((int)kInfBits);
+  const __m512i msk = _mm512_set1_epi32(0x7FFFFFFF), t = _mm512_set1_epi32(thr_key - 1);
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i step = _mm512_set1_epi32(16);
+  int64_t i = lo;
+  for (; i + CH <= hi; i += CH) {
+    const int32_t* b = a + i;
+    __m512i id = iota;
+    uint32_t cnt = 0;
+    for (int j = 0; j < CH; j += 64) {
+      _mm_prefetch((const char*)(b + j) + PF_DIST, _MM_HINT_T0);
+      _mm_prefetch((const char*)(b + j) + PF_DIST + 64, _MM_HINT_T0);
+      _mm_prefetch((const char*)(b + j) + PF_DIST + 128, _MM_HINT_T0);
+      _mm_prefetch((const char*)(b + j) + PF_DIST + 192, _MM_HINT_T0);
+      for (int u = 0; u < 4; ++u) {
+        const __m512i v = _mm512_and_si512(_mm512_loadu_si512(b + j + 16 * u), msk);
+        __mmask16 k = _mm512_cmpgt_epi32_mask(v, t);
+        _mm512_storeu_si512(off + cnt, _mm512_maskz_compress_epi32(k, id));
+        _mm512_storeu_si512(mag + cnt, _mm512_maskz_compress_epi32(k, _mm512_min_epu32(v, inf)));  // NaN -> Inf
+        cnt += (uint32_t)__builtin_popcount((unsigned)k);
+        id = _mm512_add_epi32(id, step);
+      }
+    }
+    for (uint32_t c = 0; c < cnt; ++c) st.push(i + off[c], mag[c]);
+  }
+  st.flush();
+  st.has_mb = false;
+  scan_tail<int32_t>(a, 0x7FFFFFFF, thr_key, i, hi, st);
+  st.flush();
+}
+#endif
+
 void scan32(const int32_t* a, int32_t thr_key, int64_t lo, int64_t hi, Store st) {
 #if defined(__x86_64__)
+  if (__builtin_cpu_supports("avx512f")) return scan32_avx512(a, thr_key, lo, hi, st);
   if (__builtin_cpu_supports("avx2")) return scan32_avx2(a, thr_key, lo, hi, st);
 #endif
   int64_t i = lo;
@@ -206,22 +307,41 @@ extern "C" {
 float dragonn_sample_kth(const void* x, int dtype, int64_t n, int64_t s, int64_t kk, uint32_t seed,
                          uint32_t* scratch, int nthreads) {
   const int64_t q = n / s, r = n % s;
+  // Stratum bounds advance incrementally: start_{j+1} = start_j + q + [rem_j + r >= s] with
+  // rem_j = j*r mod s (one 128-bit division per thread, not two per sample); the stratum length is
+  // q or q + 1, reduced with Lemire's exact 32-bit modulo (h < 2^32; a length >= 2^32 leaves h as is).
+  const uint64_t c_q = q < (int64_t(1) << 32) ? ~uint64_t(0) / (uint64_t)q + 1 : 0;
+  const uint64_t c_q1 = q + 1 < (int64_t(1) << 32) ? ~uint64_t(0) / (uint64_t)(q + 1) + 1 : 0;
   parallel_for(s, s < (1 << 15) ? 1 : nthreads, 64, [&](int, int64_t lo, int64_t hi) {
-    constexpr int Q = 32;  // positions of a batch first, their lines prefetched, then the reads
-    int64_t pos[Q];
+    // Software pipeline: the positions of batch b+1 are computed and their lines prefetched before
+    // the reads of batch b, so about 2Q scattered reads are in flight.
+    constexpr int Q = 64;
+    int64_t pos[2][Q];
     const int esize = dtype == F64 ? 8 : (dtype == F32 ? 4 : 2);
-    for (int64_t j0 = lo; j0 < hi; j0 += Q) {
+    const __int128 jr = (__int128)lo * r;
+    int64_t start = lo * q + (int64_t)(jr / s), rem = (int64_t)(jr % s);
+    auto positions = [&](int64_t j0, int64_t* out) {
       const int cnt = (int)std::min<int64_t>(Q, hi - j0);
       for (int c = 0; c < cnt; ++c) {
-        const int64_t j = j0 + c;
-        const int64_t start = j * q + (int64_t)((__int128)j * r / s);
-        const int64_t end = (j + 1) * q + (int64_t)((__int128)(j + 1) * r / s);
-        pos[c] = start + (int64_t)(murmur_index((uint64_t)j, seed) % (uint64_t)(end - start));
-        __builtin_prefetch((const char*)x + pos[c] * esize);
+        const uint32_t h = murmur_index((uint64_t)(j0 + c), seed);
+        rem += r;
+        const bool carry = rem >= s;
+        if (carry) rem -= s;
+        const uint64_t len = (uint64_t)q + carry, cm = carry ? c_q1 : c_q;
+        const uint64_t off = cm ? (uint64_t)(((unsigned __int128)(cm * h) * len) >> 64)
+                                : (len > 0xFFFFFFFFull ? (uint64_t)h : h % len);
+        out[c] = start + (int64_t)off;
+        start += (int64_t)len;
+        __builtin_prefetch((const char*)x + out[c] * esize);
       }
+    };
+    if (lo < hi) positions(lo, pos[0]);
+    for (int64_t j0 = lo, b = 0; j0 < hi; j0 += Q, b ^= 1) {
+      if (j0 + Q < hi) positions(j0 + Q, pos[b ^ 1]);
+      const int cnt = (int)std::min<int64_t>(Q, hi - j0);
       for (int c = 0; c < cnt; ++c) {
-        const uint32_t b = mag_bits(x, dtype, pos[c]);
-        scratch[j0 + c] = b >= kInfBits ? 0u : b;  // non-finite -> 0; finite bits order = value order
+        const uint32_t v = mag_bits(x, dtype, pos[b][c]);
+        scratch[j0 + c] = v >= kInfBits ? 0u : v;  // non-finite -> 0; finite bits order = value order
       }
     }
   });
@@ -229,19 +349,16 @@ float dragonn_sample_kth(const void* x, int dtype, int64_t n, int64_t s, int64_t
   return bits2f(scratch[kk - 1]);
 }
 
-// Fill table[m] with -1, then store the key of every selected element (see the header comment).
-// thr must not be NaN (the caller handles that: nothing is selected).
-void dragonn_build_table(const void* x, int dtype, int64_t n, float thr, int64_t m, uint32_t seed, int ibits,
-                         int64_t* table, int nthreads) {
-  parallel_for(m, m < (1 << 16) ? 1 : nthreads, 8, [&](int, int64_t lo, int64_t hi) {
-    std::fill(table + lo, table + hi, (int64_t)-1);
-  });
-  Store st(x, dtype, m, m >= n, seed, ibits, table);
-  int nt = n < (1 << 16) ? 1 : nthreads;
+}  // extern "C"
+
+namespace {
+// One pass over x: every selected element goes to st (per thread: st_for(t)).
+template <typename StoreFor>
+void scan_all(const void* x, int dtype, int64_t n, float thr, int nt, StoreFor&& st_for) {
   uint32_t t32 = thr > 0.0f ? f2bits(thr) : 1u;  // thr <= 0: every nonzero (key >= 1)
   if (dtype == F32) {
-    parallel_for(n, nt, 64, [&](int, int64_t lo, int64_t hi) {
-      scan32((const int32_t*)x, (int32_t)t32, lo, hi, st);
+    parallel_for(n, nt, 64, [&](int t, int64_t lo, int64_t hi) {
+      scan32((const int32_t*)x, (int32_t)t32, lo, hi, st_for(t));
     });
   } else if (dtype == BF16 || dtype == F16) {
     // smallest 16-bit magnitude pattern whose float32 value is >= thr (patterns order = value order)
@@ -251,12 +368,79 @@ void dragonn_build_table(const void* x, int dtype, int64_t n, float thr, int64_t
       uint32_t b = dtype == BF16 ? (uint32_t)mid << 16 : half_abs_to_f32_bits((uint16_t)mid);
       if (b >= t32) hi = mid; else lo = mid + 1;
     }
-    parallel_for(n, nt, 64, [&](int, int64_t a, int64_t b) {
-      scan16((const int16_t*)x, (int16_t)lo, a, b, st);
+    parallel_for(n, nt, 64, [&](int t, int64_t a, int64_t b) {
+      scan16((const int16_t*)x, (int16_t)lo, a, b, st_for(t));
     });
   } else {
-    parallel_for(n, nt, 64, [&](int, int64_t lo, int64_t hi) { scan_f64((const double*)x, thr, lo, hi, st); });
+    parallel_for(n, nt, 64, [&](int t, int64_t lo, int64_t hi) {
+      scan_f64((const double*)x, thr, lo, hi, st_for(t));
+    });
   }
+}
+}  // namespace
+
+extern "C" {
+
+// Fill table[m] with -1, then store the key of every selected element (see the header comment).
+// thr must not be NaN (the caller handles that: nothing is selected).
+// block_bytes: target bytes of table per partition of the cache-blocked path (0: default, 1 MiB; < 0:
+// no blocking, atomic stores); bucket_cap: slots per (thread, partition) bucket (0: default). Both only
+// tune speed (tests use small values to reach the partition and overflow boundaries).
+void dragonn_build_table(const void* x, int dtype, int64_t n, float thr, int64_t m, uint32_t seed, int ibits,
+                         int64_t* table, int nthreads, int64_t block_bytes, int64_t bucket_cap) {
+  int nt = n < (1 << 16) ? 1 : std::max(1, nthreads);
+  Store st(x, dtype, m, m >= n, seed, ibits, table);
+  if (block_bytes == 0) block_bytes = int64_t(1) << 20;
+  const int64_t min_blocked = int64_t(1) << 15;  // below: the table is in L2 anyway
+  if (!st.direct && block_bytes > 0 && m < (int64_t(1) << 32) && (m >= min_blocked || bucket_cap > 0)) {
+    Buckets bk;
+    int64_t P = std::max<int64_t>(1, (m * 8 + block_bytes - 1) / block_bytes);
+    P = (P + nt - 1) / nt * nt;                 // whole partitions per thread in the apply phase
+    P = std::min<int64_t>(P, m);
+    bk.P = (int)P;
+    bk.psize = (m + P - 1) / P;
+    P = bk.P = (int)((m + bk.psize - 1) / bk.psize);
+    bk.pdiv_c = ~uint64_t(0) / (uint64_t)bk.psize + 1;
+    // Expected candidates ~ m / table_factor spread evenly over partitions; a bucket holds half a
+    // partition, so even one thread holding every candidate (up to ~2x the expected count) fits.
+    bk.cap = std::min(bucket_cap > 0 ? bucket_cap : bk.psize / 2 + 64, 2 * bk.psize + 64);
+    bool overflow = false;
+    bk.overflow = &overflow;
+    const int64_t nb = (int64_t)nt * P;
+    // not initialised: only the pages that receive candidates are touched
+    std::unique_ptr<int64_t[]> keys(new (std::nothrow) int64_t[nb * bk.cap]);
+    std::unique_ptr<uint32_t[]> loc(new (std::nothrow) uint32_t[nb * bk.cap]);
+    std::vector<int64_t> count(nb, 0);
+    if (!keys || !loc) goto atomic;  // no memory for the buckets: the atomic path needs none
+    bk.keys = keys.get(); bk.loc = loc.get(); bk.count = count.data();
+    scan_all(x, dtype, n, thr, nt, [&](int t) { return st.bind(&bk, t); });
+    if (!overflow) {
+      parallel_for(P, nt, 1, [&](int, int64_t plo, int64_t phi) {
+        for (int64_t p = plo; p < phi; ++p) {
+          int64_t* tb = table + p * bk.psize;
+          const int64_t len = std::min(bk.psize, m - p * bk.psize);
+          std::fill(tb, tb + len, (int64_t)-1);
+          for (int t = 0; t < nt; ++t) {
+            const int64_t b = (int64_t)t * P + p, c = count[b];
+            const int64_t* kk = bk.keys + b * bk.cap;
+            const uint32_t* ll = bk.loc + b * bk.cap;
+            for (int64_t i = 0; i < c; ++i) {
+              const int64_t v = kk[i];
+              int64_t& cell = tb[ll[i]];
+              cell = v > cell ? v : cell;
+            }
+          }
+        }
+      });
+      return;
+    }
+    // more candidates than the buckets hold (a threshold far below the k-th largest): atomic path
+  }
+atomic:
+  parallel_for(m, m < (1 << 16) ? 1 : nt, 8, [&](int, int64_t lo, int64_t hi) {
+    std::fill(table + lo, table + hi, (int64_t)-1);
+  });
+  scan_all(x, dtype, n, thr, nt, [&](int) { return st; });
 }
 
 // Valid slots in slot order -> indices (int32 or int64) and values (esize-byte elements). Returns count.
@@ -273,17 +457,41 @@ int64_t dragonn_gather(const int64_t* table, int64_t m, int ibits, const void* x
   });
   for (int t = 0; t < nt; ++t) counts[t + 1] += counts[t];
   parallel_for(m, nt, 1, [&](int t, int64_t lo, int64_t hi) {
-    int64_t o = counts[lo / chunk];
-    constexpr int D = 16;  // prefetch distance (slots) for the random reads of x[index]
-    for (int64_t i = lo; i < hi; ++i) {
-      if (i + D < hi && table[i + D] >= 0) __builtin_prefetch((const char*)x + (table[i + D] & imask) * esize);
-      int64_t v = table[i];
-      if (v < 0) continue;
-      int64_t idx = v & imask;
-      if (idx64) ((int64_t*)idx_out)[o] = idx; else ((int32_t*)idx_out)[o] = (int32_t)idx;
-      std::memcpy((char*)val_out + o * esize, (const char*)x + idx * esize, esize);
-      ++o;
+    // Software pipeline over blocks of B slots: compact block b (indices out, their lines of x
+    // prefetched), then copy the values of block b-1, whose reads have had a block's time to arrive.
+    constexpr int B = 512;
+    int64_t buf[2][B];
+    int cnt[2] = {0, 0};
+    int64_t o = counts[lo / chunk];  // output position of the pending block's first value
+    auto values = [&](const int64_t* ix, int c, int64_t at) {
+      for (int q = 0; q < c; ++q)
+        std::memcpy((char*)val_out + (at + q) * esize, (const char*)x + ix[q] * esize, esize);
+    };
+    int cur = 0;
+    int64_t w = o;  // output position for indices
+    for (int64_t b0 = lo; b0 < hi; b0 += B) {
+      const int64_t b1 = std::min(hi, b0 + B);
+      int c = 0;
+      for (int64_t i = b0; i < b1; ++i) {
+        const int64_t v = table[i];
+        if (v < 0) continue;
+        const int64_t idx = v & imask;
+        __builtin_prefetch((const char*)x + idx * esize);
+        buf[cur][c++] = idx;
+      }
+      if (idx64) {
+        std::memcpy((int64_t*)idx_out + w, buf[cur], c * sizeof(int64_t));
+      } else {
+        int32_t* out = (int32_t*)idx_out + w;
+        for (int q = 0; q < c; ++q) out[q] = (int32_t)buf[cur][q];
+      }
+      w += c;
+      cnt[cur] = c;
+      cur ^= 1;
+      if (cnt[cur]) { values(buf[cur], cnt[cur], o); o += cnt[cur]; cnt[cur] = 0; }
     }
+    cur ^= 1;
+    if (cnt[cur]) values(buf[cur], cnt[cur], o);
   });
   return counts[nt];
 }

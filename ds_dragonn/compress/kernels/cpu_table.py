@@ -34,6 +34,12 @@ CXXFLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fno-math-errn
 #: dtype codes of the C++ side
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
 
+#: Table building (speed only, results are identical): bytes of table per partition of the cache-blocked
+#: path (0: the library's default, 1 MiB; -1: no blocking, atomic stores) and candidates per
+#: (thread, partition) bucket (0: default). Tests set small values to cross the blocking boundaries.
+BLOCK_BYTES = 0
+BUCKET_CAP = 0
+
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
 _error: Optional[str] = None
@@ -110,7 +116,7 @@ def load() -> ctypes.CDLL:
         vp, i64, i32, u32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint32, ctypes.c_float
         lib.dragonn_sample_kth.argtypes = [vp, i32, i64, i64, i64, u32, vp, i32]
         lib.dragonn_sample_kth.restype = f32
-        lib.dragonn_build_table.argtypes = [vp, i32, i64, f32, i64, u32, i32, vp, i32]
+        lib.dragonn_build_table.argtypes = [vp, i32, i64, f32, i64, u32, i32, vp, i32, i64, i64]
         lib.dragonn_build_table.restype = None
         lib.dragonn_gather.argtypes = [vp, i64, i32, vp, i32, vp, i32, vp, i32]
         lib.dragonn_gather.restype = i64
@@ -164,7 +170,8 @@ def build_table(flat: torch.Tensor, threshold: torch.Tensor, capacity: int, seed
         return torch.full((capacity,), -1, dtype=torch.int64)
     table = torch.empty(capacity, dtype=torch.int64)
     load().dragonn_build_table(flat.data_ptr(), DTYPE_CODES[flat.dtype], flat.numel(), thr, capacity,
-                               int(seed) & 0xFFFFFFFF, index_bits, table.data_ptr(), torch.get_num_threads())
+                               int(seed) & 0xFFFFFFFF, index_bits, table.data_ptr(), torch.get_num_threads(),
+                               BLOCK_BYTES, BUCKET_CAP)
     return table
 
 
