@@ -448,21 +448,16 @@ int64_t dragonn_gather(const int64_t* table, int64_t m, int ibits, const void* x
                        int idx64, void* val_out, int nthreads) {
   const int64_t imask = (int64_t)((((uint64_t)1) << ibits) - 1);
   int nt = m < (1 << 16) ? 1 : std::max(1, nthreads);
-  std::vector<int64_t> counts(nt + 1, 0);
-  int64_t chunk = (m + nt - 1) / nt;
-  parallel_for(m, nt, 1, [&](int t, int64_t lo, int64_t hi) {
-    int64_t c = 0;
-    for (int64_t i = lo; i < hi; ++i) c += table[i] >= 0;
-    counts[t + 1] = c;
-  });
-  for (int t = 0; t < nt; ++t) counts[t + 1] += counts[t];
+  // One pass over the table: thread t compacts its slots [lo, hi) to output positions [lo, lo + c_t)
+  // (c_t <= hi - lo, so the threads' outputs never overlap); the parts then slide down in order.
+  std::vector<int64_t> counts(nt + 1, 0), starts(nt, 0);
   parallel_for(m, nt, 1, [&](int t, int64_t lo, int64_t hi) {
     // Software pipeline over blocks of B slots: compact block b (indices out, their lines of x
     // prefetched), then copy the values of block b-1, whose reads have had a block's time to arrive.
     constexpr int B = 512;
     int64_t buf[2][B];
     int cnt[2] = {0, 0};
-    int64_t o = counts[lo / chunk];  // output position of the pending block's first value
+    int64_t o = lo;  // output position of the pending block's first value
     auto values = [&](const int64_t* ix, int c, int64_t at) {
       for (int q = 0; q < c; ++q)
         std::memcpy((char*)val_out + (at + q) * esize, (const char*)x + ix[q] * esize, esize);
@@ -492,7 +487,18 @@ int64_t dragonn_gather(const int64_t* table, int64_t m, int ibits, const void* x
     }
     cur ^= 1;
     if (cnt[cur]) values(buf[cur], cnt[cur], o);
+    starts[t] = lo;
+    counts[t + 1] = w - lo;
   });
+  const int isz = idx64 ? 8 : 4;
+  for (int t = 0; t < nt; ++t) {
+    counts[t + 1] += counts[t];
+    const int64_t c = counts[t + 1] - counts[t];
+    if (c && starts[t] != counts[t]) {  // destination below the source: memmove, in thread order
+      std::memmove((char*)idx_out + counts[t] * isz, (char*)idx_out + starts[t] * isz, c * isz);
+      std::memmove((char*)val_out + counts[t] * esize, (char*)val_out + starts[t] * esize, c * esize);
+    }
+  }
   return counts[nt];
 }
 
