@@ -1,7 +1,8 @@
 """Error feedback: a residual per flattened buffer, so that nothing selected away is lost, only delayed.
 
-Order (fixed here and nowhere else, cf. GRACE's communicator template):
-``compensate`` (buffer + residual) → compress → ``update`` (residual = compensated − sent) → exchange.
+Order (fixed in ``ds_dragonn.pipeline`` and nowhere else, cf. GRACE's communicator template):
+``compensate`` (buffer + residual) → compress → exchange → ``update`` (residual = compensated − sent),
+the update only after the exchange succeeded.
 
 Invariant, exactly (tests check it): ``scatter(sent) + residual == compensated``. Residuals of
 fp16/bf16 buffers are kept in float32 so that small entries are not rounded away; what was actually

@@ -1,5 +1,7 @@
-"""The compressed allreduce of one flattened buffer: compensate → compress → update residual →
-exchange → decode → average. This is the only place that fixes that order.
+"""The compressed allreduce of one flattened buffer: compensate → compress → exchange → update residual
+→ decode → average. This is the only place that fixes that order. The residual is committed only once
+the exchange has succeeded, so a failed exchange (e.g. ranks that disagree on the buffer) leaves the
+residual as it was instead of recording pairs as sent that never left.
 """
 from __future__ import annotations
 
@@ -79,12 +81,15 @@ class CompressedAllreduce:
         compensated = self.error_feedback.compensate(key, flat)
         sel = self.compressor.compress(compensated, seed)
         wire_values = sel.values.to(flat.dtype)
-        self.error_feedback.update(key, compensated, sel.indices, wire_values)
         _sync(flat.device)
         compress_ms = (time.perf_counter() - t0) * 1e3
 
         sent = Selection(sel.indices, wire_values, sel.threshold, sel.k, sel.capacity)
         gathered = allgather_exchange(sent, n, flat.dtype, self.backend)
+        t1 = time.perf_counter()
+        self.error_feedback.update(key, compensated, sel.indices, wire_values)
+        _sync(flat.device)
+        compress_ms += (time.perf_counter() - t1) * 1e3
         out = decode_sum(n, gathered.indices, gathered.values, flat.dtype, flat.device)
         if postscale != 1.0:
             out.mul_(postscale)

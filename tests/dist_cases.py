@@ -55,13 +55,18 @@ def exchange_cases(rank: int, world: int, out_dir: str) -> None:
             res = ef.residuals.get("b")
             steps.append(dict(out=buf, residual=None if res is None else res.clone(), stats=stats._asdict()))
         results.append(steps)
-    # ranks that disagree on the buffer size must all get the same clear error, not a hang
+    # ranks that disagree on the buffer size must all get the same clear error, not a hang, and the
+    # residual must not record pairs as sent that never left
+    ef = ErrorFeedback()
+    ef.residuals["x"] = torch.full((10 + rank,), 0.25)
     try:
-        CompressedAllreduce(DragonnCompressor(0.5), backend, ErrorFeedback())(torch.randn(10 + rank), "x", 0)
+        CompressedAllreduce(DragonnCompressor(0.5), backend, ef)(torch.randn(10 + rank), "x", 0)
         mismatch = None
     except ValueError as err:
         mismatch = str(err)
-    torch.save({"results": results, "mismatch": mismatch}, Path(out_dir) / f"exchange_rank{rank}.pt")
+    residual_kept = bool(torch.equal(ef.residuals["x"], torch.full((10 + rank,), 0.25)))
+    torch.save({"results": results, "mismatch": mismatch, "residual_kept": residual_kept},
+               Path(out_dir) / f"exchange_rank{rank}.pt")
     torch.distributed.destroy_process_group()
 
 
@@ -115,5 +120,14 @@ def engine_runs(rank: int, world: int, out_dir: str) -> None:
         out[name] = {"params": [p.detach().float().clone() for p in engine.module.parameters()],
                      "telemetry": hook.telemetry.summary() if hook else None,
                      "hooked": hook is not None and engine.allreduce_bucket == hook.allreduce_bucket}
+    # the pipeline engine is refused at initialize
+    from deepspeed.pipe import PipelineModule
+    pipe = PipelineModule(layers=[torch.nn.Linear(4, 4)], num_stages=1)
+    try:
+        ds_dragonn.initialize(model=pipe, model_parameters=pipe.parameters(),
+                              config=_engine_config({"enabled": True}))
+        out["pipeline_error"] = None
+    except ds_dragonn.DragonnUnsupportedError as err:
+        out["pipeline_error"] = str(err)
     torch.save(out, Path(out_dir) / f"engine_rank{rank}.pt")
     torch.distributed.destroy_process_group()

@@ -61,6 +61,11 @@ def test_bf16_engine_reaches_hook(runs):
     assert t["bytes_sent"] < t["dense_bytes_equivalent"]
 
 
+def test_pipeline_engine_is_refused(runs):
+    for r in range(2):
+        assert runs[r]["pipeline_error"] is not None and "pipeline" in runs[r]["pipeline_error"]
+
+
 def test_hook_point_guard():
     """Fails if a DeepSpeed upgrade stops routing ZeRO-0 buckets through allreduce_bucket."""
     check_hook_point()  # the installed DeepSpeed

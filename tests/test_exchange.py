@@ -72,3 +72,4 @@ def test_disagreeing_ranks_all_get_a_clear_error(exchanged):
     for r in range(world):
         msg = ranks[r]["mismatch"]
         assert msg is not None and f"rank {r}" in msg and "disagree" in msg and "10 x float32" in msg
+        assert ranks[r]["residual_kept"], "a failed exchange must leave the residual untouched"

@@ -2,7 +2,7 @@
 
 A compressor takes one flattened 1-D gradient buffer and returns a :class:`Selection`: the indices it
 keeps and their values. It never touches the residual: error feedback is applied around it
-(``ds_dragonn.feedback``), in the fixed order compensate → compress → update residual → exchange.
+(``ds_dragonn.feedback``), in the fixed order compensate → compress → exchange → update residual.
 """
 from __future__ import annotations
 
