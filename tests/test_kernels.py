@@ -190,7 +190,7 @@ def test_bench_compress_quick_smoke(tmp_path):
 @pytest.mark.parametrize("n", [3000, 2048 * 33 + 17, (1 << 17) + 2047])
 def test_cpu_blocked_table_partitions_and_overflow(monkeypatch, block_bytes, bucket_cap, n):
     """The cache-blocked table path: many partitions (tiny block_bytes), full buckets (tiny bucket_cap,
-    which falls back to the atomic path), blocking off (-1), and sizes off the scan's chunk boundaries."""
+    which spills full buckets into the table with atomic max), blocking off (-1), and sizes off the scan's chunk boundaries."""
     monkeypatch.setattr(cpu_table, "BLOCK_BYTES", block_bytes)
     monkeypatch.setattr(cpu_table, "BUCKET_CAP", bucket_cap)
     x = make(n, torch.float32, seed=n)
@@ -227,3 +227,67 @@ def test_cpu_sample_strata(dtype):
             want = ref.sample_threshold(x, kk_density, s, seed=s * 7 + 1)
             got = sample_threshold_fast(x, kk_density, s, s * 7 + 1, "cpu")
             assert same_bits(got.reshape(()), want.reshape(())), (s, kk_density)
+
+
+@need_cpu
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_bucket_spill_all_candidates(threads, dtype):
+    """Threshold far below the k-th largest with the default bucket sizes: most elements are candidates,
+    the per-thread buckets fill up and spill into the table with atomic max during the scan (several
+    threads into one partition). Ties (equal magnitudes) resolve to the larger index, as in the reference."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        n = (1 << 18) + 77
+        x = make(n, dtype, seed=threads)
+        ones = torch.ones(n, dtype=dtype)
+        for data, thr, capacity in ((x, 0.0, (1 << 15) + 3), (ones, 1.0, 1 << 16), (x, 1e-6, 40_000),
+                                    (ones, 0.0, (1 << 15) * 3 + 1)):
+            t = torch.tensor(thr)
+            want = ref.build_table(data, t, capacity, 21)
+            got = build_table_fast(data, t, capacity, 21, "cpu")
+            diff = (got != want).nonzero().squeeze(1)
+            assert diff.numel() == 0, f"{diff.numel()} slots differ, first {diff[:5].tolist()}"
+            wi, wv = ref.gather_table(data, want)
+            gi, gv = gather_table_fast(data, got, "cpu")
+            assert torch.equal(gi, wi) and same_bits(gv, wv)
+    finally:
+        torch.set_num_threads(old)
+
+
+ISAS = ["avx512", "avx2", "sse2", "scalar"]
+
+
+@need_cpu
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_scan_paths_equal_reference(monkeypatch, isa, dtype):
+    """Every vector path of the scan this CPU has (forced with cpu_table.ISA / DS_DRAGONN_CPU_ISA), at
+    sizes off each path's block boundaries, with blocking on, off and spilling, against the reference."""
+    if cpu_table.isa_in_use(isa) != isa:
+        pytest.skip(f"this CPU has no {isa}")
+    monkeypatch.setattr(cpu_table, "ISA", isa)
+    for n in (15, 33, 2047, 2048 * 3 + 31, (1 << 16) + 2048 + 17):
+        x = make(n, dtype, seed=n)
+        for density, capacity in ((0.01, 4 * math.ceil(0.01 * n)), (0.3, 7), (0.01, n)):
+            check_all_steps(x, "cpu", density, min(n, 4096), capacity, seed=n + capacity)
+    n = (1 << 16) + 2048 + 17
+    x = make(n, dtype, seed=1)
+    for block_bytes, bucket_cap in ((-1, 0), (4096, 5)):
+        monkeypatch.setattr(cpu_table, "BLOCK_BYTES", block_bytes)
+        monkeypatch.setattr(cpu_table, "BUCKET_CAP", bucket_cap)
+        for thr in (0.0, 0.5):
+            t = torch.tensor(thr)
+            assert torch.equal(build_table_fast(x, t, 3001, 8, "cpu"), ref.build_table(x, t, 3001, 8)), thr
+
+
+@need_cpu
+def test_cpu_isa_knob_from_environment():
+    code = ("from ds_dragonn.compress.kernels import cpu_table as c; print(c.ISA, c.isa_in_use())\n"
+            "try: c.isa_in_use('mmx')\nexcept ValueError: print('rejected')")
+    env = dict(os.environ, DS_DRAGONN_CPU_ISA="scalar", DS_ACCELERATOR="cpu")
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["scalar", "scalar", "rejected"]

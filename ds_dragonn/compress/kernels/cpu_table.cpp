@@ -89,14 +89,28 @@ inline void atomic_max(int64_t* p, int64_t v) {
 // Cache-blocked sink: the table is cut into P partitions of psize slots (each fits in L2); a thread appends
 // each selected element's (key, slot - p*psize) to its own bucket of partition p, in sequential memory.
 // A second phase then applies each partition's buckets with a plain max while that part of the table
-// is in cache (no atomics: one thread owns a partition). A full bucket sets *overflow (the caller then
-// falls back to the atomic path).
+// is in cache (no atomics: one thread owns a partition). A full bucket (many more candidates than
+// expected: a threshold far below the k-th largest) switches its thread to atomic max stores into the
+// table for the rest of its range, after every partition has been filled with EMPTY once (ready()); the
+// apply phase then skips those fills and still applies what the buckets hold. No second scan of the buffer.
 struct Buckets {
-  int P = 0; int64_t psize = 0, cap = 0; uint64_t pdiv_c = 0;
+  int P = 0; int64_t psize = 0, cap = 0, m = 0; uint64_t pdiv_c = 0;
   int64_t* keys = nullptr; uint32_t* loc = nullptr; int64_t* count = nullptr;  // [nt][P][cap], [nt][P]
-  bool* overflow = nullptr;
+  int64_t* table = nullptr;
+  int* state = nullptr;  // [P]: 0 untouched, 1 being filled, 2 filled with EMPTY (atomics)
   inline int part(uint64_t slot) const {  // slot / psize, exact for slot < 2^32 (Lemire; psize 1: c = 0)
     return pdiv_c ? (int)(((unsigned __int128)pdiv_c * slot) >> 64) : (int)slot;
+  }
+  void ready(int p) const {  // partition p filled with EMPTY, exactly once across threads
+    if (__atomic_load_n(state + p, __ATOMIC_ACQUIRE) == 2) return;
+    int expected = 0;
+    if (__atomic_compare_exchange_n(state + p, &expected, 1, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+      int64_t* tb = table + p * psize;
+      std::fill(tb, tb + std::min(psize, m - p * psize), (int64_t)-1);
+      __atomic_store_n(state + p, 2, __ATOMIC_RELEASE);
+      return;
+    }
+    while (__atomic_load_n(state + p, __ATOMIC_ACQUIRE) != 2) std::this_thread::yield();
   }
 };
 
@@ -149,22 +163,25 @@ struct Store {
         lv[q] = (uint32_t)(sl - (uint64_t)p * psize);
         kv[q] = has_mb ? key_of(idx[q], mb[q]) : key(idx[q]);
       }
-      bool full = false;
       for (int q = 0; q < len; ++q) {
         const int p = pv[q];
         const int64_t c = cnt[p];
-        if (c == cap) { full = true; continue; }
+        if (c == cap) {  // this thread stores the rest of its range with atomic max
+          for (int r = 0; r < bk->P; ++r) bk->ready(r);
+          for (int r = q; r < len; ++r) atomic_max(table + pv[r] * psize + lv[r], kv[r]);
+          bk = nullptr;
+          break;
+        }
         keys[(int64_t)p * cap + c] = kv[q];
         loc[(int64_t)p * cap + c] = lv[q];
         cnt[p] = c + 1;
       }
-      if (full) *bk->overflow = true;
     } else {
       for (int q = 0; q < len; ++q) {
         slot[q] = mod_m(murmur_index((uint64_t)idx[q], seed));
         __builtin_prefetch(table + slot[q], 1);
       }
-      for (int q = 0; q < len; ++q) atomic_max(table + slot[q], key(idx[q]));
+      for (int q = 0; q < len; ++q) atomic_max(table + slot[q], has_mb ? key_of(idx[q], mb[q]) : key(idx[q]));
     }
     len = 0;
   }
@@ -251,38 +268,57 @@ __attribute__((target("avx512f,popcnt"))) void scan32_avx512(const int32_t* a, i
 }
 #endif
 
-void scan32(const int32_t* a, int32_t thr_key, int64_t lo, int64_t hi, Store st) {
+// Widest vector path the CPU has (kIsa*); callers may ask for a narrower one (tests of every path).
+enum Isa { kIsaAuto = 0, kIsaScalar = 1, kIsaSse2 = 2, kIsaAvx2 = 3, kIsaAvx512 = 4 };
+int best_isa() {
 #if defined(__x86_64__)
-  if (__builtin_cpu_supports("avx512f")) return scan32_avx512(a, thr_key, lo, hi, st);
-  if (__builtin_cpu_supports("avx2")) return scan32_avx2(a, thr_key, lo, hi, st);
+  if (__builtin_cpu_supports("avx512f")) return kIsaAvx512;
+  if (__builtin_cpu_supports("avx2")) return kIsaAvx2;
+#endif
+#if defined(__SSE2__)
+  return kIsaSse2;
+#else
+  return kIsaScalar;
+#endif
+}
+inline int effective_isa(int isa) { return isa <= kIsaAuto ? best_isa() : std::min(isa, best_isa()); }
+
+void scan32(const int32_t* a, int32_t thr_key, int64_t lo, int64_t hi, Store st, int isa) {
+#if defined(__x86_64__)
+  if (isa >= kIsaAvx512) return scan32_avx512(a, thr_key, lo, hi, st);
+  if (isa >= kIsaAvx2) return scan32_avx2(a, thr_key, lo, hi, st);
 #endif
   int64_t i = lo;
 #if defined(__SSE2__)
-  const __m128i msk = _mm_set1_epi32(0x7FFFFFFF), t = _mm_set1_epi32(thr_key - 1);  // v > t-1 <=> v >= t
-  for (; i + 16 <= hi; i += 16) {
-    const __m128i* p = (const __m128i*)(a + i);
-    __m128i c0 = _mm_cmpgt_epi32(_mm_and_si128(_mm_loadu_si128(p), msk), t);
-    __m128i c1 = _mm_cmpgt_epi32(_mm_and_si128(_mm_loadu_si128(p + 1), msk), t);
-    __m128i c2 = _mm_cmpgt_epi32(_mm_and_si128(_mm_loadu_si128(p + 2), msk), t);
-    __m128i c3 = _mm_cmpgt_epi32(_mm_and_si128(_mm_loadu_si128(p + 3), msk), t);
-    unsigned bits = (unsigned)_mm_movemask_epi8(_mm_packs_epi16(_mm_packs_epi32(c0, c1), _mm_packs_epi32(c2, c3)));
-    while (bits) { st(i + __builtin_ctz(bits)); bits &= bits - 1; }
+  if (isa >= kIsaSse2) {
+    const __m128i msk = _mm_set1_epi32(0x7FFFFFFF), t = _mm_set1_epi32(thr_key - 1);  // v > t-1 <=> v >= t
+    for (; i + 16 <= hi; i += 16) {
+      const __m128i* p = (const __m128i*)(a + i);
+      __m128i c0 = _mm_cmpgt_epi32(_mm_and_si128(_mm_loadu_si128(p), msk), t);
+      __m128i c1 = _mm_cmpgt_epi32(_mm_and_si128(_mm_loadu_si128(p + 1), msk), t);
+      __m128i c2 = _mm_cmpgt_epi32(_mm_and_si128(_mm_loadu_si128(p + 2), msk), t);
+      __m128i c3 = _mm_cmpgt_epi32(_mm_and_si128(_mm_loadu_si128(p + 3), msk), t);
+      unsigned bits = (unsigned)_mm_movemask_epi8(_mm_packs_epi16(_mm_packs_epi32(c0, c1), _mm_packs_epi32(c2, c3)));
+      while (bits) { st(i + __builtin_ctz(bits)); bits &= bits - 1; }
+    }
   }
 #endif
   scan_tail<int32_t>(a, 0x7FFFFFFF, thr_key, i, hi, st);
   st.flush();
 }
 
-void scan16(const int16_t* a, int16_t thr_key, int64_t lo, int64_t hi, Store st) {
+void scan16(const int16_t* a, int16_t thr_key, int64_t lo, int64_t hi, Store st, int isa) {
   int64_t i = lo;
 #if defined(__SSE2__)
-  const __m128i msk = _mm_set1_epi16(0x7FFF), t = _mm_set1_epi16((int16_t)(thr_key - 1));
-  for (; i + 16 <= hi; i += 16) {
-    const __m128i* p = (const __m128i*)(a + i);
-    __m128i c0 = _mm_cmpgt_epi16(_mm_and_si128(_mm_loadu_si128(p), msk), t);
-    __m128i c1 = _mm_cmpgt_epi16(_mm_and_si128(_mm_loadu_si128(p + 1), msk), t);
-    unsigned bits = (unsigned)_mm_movemask_epi8(_mm_packs_epi16(c0, c1));
-    while (bits) { st(i + __builtin_ctz(bits)); bits &= bits - 1; }
+  if (isa >= kIsaSse2) {
+    const __m128i msk = _mm_set1_epi16(0x7FFF), t = _mm_set1_epi16((int16_t)(thr_key - 1));
+    for (; i + 16 <= hi; i += 16) {
+      const __m128i* p = (const __m128i*)(a + i);
+      __m128i c0 = _mm_cmpgt_epi16(_mm_and_si128(_mm_loadu_si128(p), msk), t);
+      __m128i c1 = _mm_cmpgt_epi16(_mm_and_si128(_mm_loadu_si128(p + 1), msk), t);
+      unsigned bits = (unsigned)_mm_movemask_epi8(_mm_packs_epi16(c0, c1));
+      while (bits) { st(i + __builtin_ctz(bits)); bits &= bits - 1; }
+    }
   }
 #endif
   scan_tail<int16_t>(a, 0x7FFF, thr_key, i, hi, st);
@@ -301,6 +337,9 @@ void scan_f64(const double* a, float thr, int64_t lo, int64_t hi, Store st) {
 }  // namespace
 
 extern "C" {
+
+// The vector path the scan takes for isa (0: the CPU's best), after clamping to what the CPU has.
+int dragonn_isa(int isa) { return effective_isa(isa); }
 
 // Largest finite-magnitude sample statistic: the kk-th largest of s sampled magnitudes (non-finite -> 0).
 // Positions: stratum j = [j*n/s, (j+1)*n/s), one element at murmur3(j, seed) % stratum length.
@@ -354,11 +393,11 @@ float dragonn_sample_kth(const void* x, int dtype, int64_t n, int64_t s, int64_t
 namespace {
 // One pass over x: every selected element goes to st (per thread: st_for(t)).
 template <typename StoreFor>
-void scan_all(const void* x, int dtype, int64_t n, float thr, int nt, StoreFor&& st_for) {
+void scan_all(const void* x, int dtype, int64_t n, float thr, int nt, int isa, StoreFor&& st_for) {
   uint32_t t32 = thr > 0.0f ? f2bits(thr) : 1u;  // thr <= 0: every nonzero (key >= 1)
   if (dtype == F32) {
     parallel_for(n, nt, 64, [&](int t, int64_t lo, int64_t hi) {
-      scan32((const int32_t*)x, (int32_t)t32, lo, hi, st_for(t));
+      scan32((const int32_t*)x, (int32_t)t32, lo, hi, st_for(t), isa);
     });
   } else if (dtype == BF16 || dtype == F16) {
     // smallest 16-bit magnitude pattern whose float32 value is >= thr (patterns order = value order)
@@ -369,7 +408,7 @@ void scan_all(const void* x, int dtype, int64_t n, float thr, int nt, StoreFor&&
       if (b >= t32) hi = mid; else lo = mid + 1;
     }
     parallel_for(n, nt, 64, [&](int t, int64_t a, int64_t b) {
-      scan16((const int16_t*)x, (int16_t)lo, a, b, st_for(t));
+      scan16((const int16_t*)x, (int16_t)lo, a, b, st_for(t), isa);
     });
   } else {
     parallel_for(n, nt, 64, [&](int t, int64_t lo, int64_t hi) {
@@ -385,9 +424,11 @@ extern "C" {
 // thr must not be NaN (the caller handles that: nothing is selected).
 // block_bytes: target bytes of table per partition of the cache-blocked path (0: default, 1 MiB; < 0:
 // no blocking, atomic stores); bucket_cap: slots per (thread, partition) bucket (0: default). Both only
-// tune speed (tests use small values to reach the partition and overflow boundaries).
+// tune speed (tests use small values to reach the partition and spill boundaries). isa: widest vector
+// path of the scan (0: the CPU's best; 1 scalar, 2 SSE2, 3 AVX2, 4 AVX-512; clamped to what the CPU has).
 void dragonn_build_table(const void* x, int dtype, int64_t n, float thr, int64_t m, uint32_t seed, int ibits,
-                         int64_t* table, int nthreads, int64_t block_bytes, int64_t bucket_cap) {
+                         int64_t* table, int nthreads, int64_t block_bytes, int64_t bucket_cap, int isa) {
+  isa = effective_isa(isa);
   int nt = n < (1 << 16) ? 1 : std::max(1, nthreads);
   Store st(x, dtype, m, m >= n, seed, ibits, table);
   if (block_bytes == 0) block_bytes = int64_t(1) << 20;
@@ -404,22 +445,22 @@ void dragonn_build_table(const void* x, int dtype, int64_t n, float thr, int64_t
     // Expected candidates ~ m / table_factor spread evenly over partitions; a bucket holds half a
     // partition, so even one thread holding every candidate (up to ~2x the expected count) fits.
     bk.cap = std::min(bucket_cap > 0 ? bucket_cap : bk.psize / 2 + 64, 2 * bk.psize + 64);
-    bool overflow = false;
-    bk.overflow = &overflow;
     const int64_t nb = (int64_t)nt * P;
     // not initialised: only the pages that receive candidates are touched
     std::unique_ptr<int64_t[]> keys(new (std::nothrow) int64_t[nb * bk.cap]);
     std::unique_ptr<uint32_t[]> loc(new (std::nothrow) uint32_t[nb * bk.cap]);
     std::vector<int64_t> count(nb, 0);
+    std::vector<int> state(P, 0);
     if (!keys || !loc) goto atomic;  // no memory for the buckets: the atomic path needs none
     bk.keys = keys.get(); bk.loc = loc.get(); bk.count = count.data();
-    scan_all(x, dtype, n, thr, nt, [&](int t) { return st.bind(&bk, t); });
-    if (!overflow) {
+    bk.table = table; bk.m = m; bk.state = state.data();
+    scan_all(x, dtype, n, thr, nt, isa, [&](int t) { return st.bind(&bk, t); });
+    {
       parallel_for(P, nt, 1, [&](int, int64_t plo, int64_t phi) {
         for (int64_t p = plo; p < phi; ++p) {
           int64_t* tb = table + p * bk.psize;
           const int64_t len = std::min(bk.psize, m - p * bk.psize);
-          std::fill(tb, tb + len, (int64_t)-1);
+          if (state[p] != 2) std::fill(tb, tb + len, (int64_t)-1);  // else: filled before a spill
           for (int t = 0; t < nt; ++t) {
             const int64_t b = (int64_t)t * P + p, c = count[b];
             const int64_t* kk = bk.keys + b * bk.cap;
@@ -434,13 +475,12 @@ void dragonn_build_table(const void* x, int dtype, int64_t n, float thr, int64_t
       });
       return;
     }
-    // more candidates than the buckets hold (a threshold far below the k-th largest): atomic path
   }
 atomic:
   parallel_for(m, m < (1 << 16) ? 1 : nt, 8, [&](int, int64_t lo, int64_t hi) {
     std::fill(table + lo, table + hi, (int64_t)-1);
   });
-  scan_all(x, dtype, n, thr, nt, [&](int) { return st; });
+  scan_all(x, dtype, n, thr, nt, isa, [&](int) { return st; });
 }
 
 // Valid slots in slot order -> indices (int32 or int64) and values (esize-byte elements). Returns count.

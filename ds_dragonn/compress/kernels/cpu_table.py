@@ -40,6 +40,12 @@ DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.floa
 BLOCK_BYTES = 0
 BUCKET_CAP = 0
 
+#: Widest vector path of the table scan: "auto" (the CPU's best), "avx512", "avx2", "sse2" or "scalar"
+#: (clamped to what the CPU has; speed only, results are identical). Read at each call; its default
+#: comes from the environment variable ``DS_DRAGONN_CPU_ISA``. Tests run every path the CPU supports.
+ISA = os.environ.get("DS_DRAGONN_CPU_ISA", "auto")
+ISA_CODES = {"auto": 0, "scalar": 1, "sse2": 2, "avx2": 3, "avx512": 4}
+
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
 _error: Optional[str] = None
@@ -116,10 +122,12 @@ def load() -> ctypes.CDLL:
         vp, i64, i32, u32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint32, ctypes.c_float
         lib.dragonn_sample_kth.argtypes = [vp, i32, i64, i64, i64, u32, vp, i32]
         lib.dragonn_sample_kth.restype = f32
-        lib.dragonn_build_table.argtypes = [vp, i32, i64, f32, i64, u32, i32, vp, i32, i64, i64]
+        lib.dragonn_build_table.argtypes = [vp, i32, i64, f32, i64, u32, i32, vp, i32, i64, i64, i32]
         lib.dragonn_build_table.restype = None
         lib.dragonn_gather.argtypes = [vp, i64, i32, vp, i32, vp, i32, vp, i32]
         lib.dragonn_gather.restype = i64
+        lib.dragonn_isa.argtypes = [i32]
+        lib.dragonn_isa.restype = i32
         _lib = lib
         return lib
 
@@ -131,6 +139,20 @@ def available() -> bool:
         return True
     except RuntimeError:
         return False
+
+
+def _isa_code(isa: str) -> int:
+    try:
+        return ISA_CODES[isa.lower()]
+    except KeyError:
+        raise ValueError(f"unknown ISA {isa!r} for the DRAGONN CPU kernel; choose one of "
+                         f"{', '.join(ISA_CODES)}") from None
+
+
+def isa_in_use(isa: Optional[str] = None) -> str:
+    """The scan path that ``isa`` (default: :data:`ISA`) resolves to on this CPU."""
+    code = load().dragonn_isa(_isa_code(ISA if isa is None else isa))
+    return next(name for name, c in ISA_CODES.items() if c == code)
 
 
 def supports(flat: torch.Tensor) -> bool:
@@ -171,7 +193,7 @@ def build_table(flat: torch.Tensor, threshold: torch.Tensor, capacity: int, seed
     table = torch.empty(capacity, dtype=torch.int64)
     load().dragonn_build_table(flat.data_ptr(), DTYPE_CODES[flat.dtype], flat.numel(), thr, capacity,
                                int(seed) & 0xFFFFFFFF, index_bits, table.data_ptr(), torch.get_num_threads(),
-                               BLOCK_BYTES, BUCKET_CAP)
+                               BLOCK_BYTES, BUCKET_CAP, _isa_code(ISA))
     return table
 
 
