@@ -13,7 +13,6 @@ from __future__ import annotations
 import inspect
 from typing import Any, Dict, Hashable, NamedTuple, Optional
 
-import torch
 from deepspeed.utils.logging import print_dist
 
 from .comm import build_backend
@@ -74,10 +73,10 @@ class DragonnHook:
         self.engine.allreduce_bucket = self.allreduce_bucket
         self.engine.dragonn = self
         print_dist(f"DRAGONN enabled: compressor={self.compressor.name} density={self.cfg.density} "
-                 f"sample_ratio={self.cfg.sample_ratio} table_factor={self.cfg.table_factor} "
-                 f"min_compress_numel={self.cfg.min_compress_numel} warmup_steps={self.cfg.warmup_steps} "
-                 f"error_feedback={self.cfg.error_feedback} comm_backend={self.cfg.comm_backend.value} "
-                 f"exchange={self.cfg.exchange.value}", ranks=[0])
+                   f"sample_ratio={self.cfg.sample_ratio} table_factor={self.cfg.table_factor} "
+                   f"min_compress_numel={self.cfg.min_compress_numel} warmup_steps={self.cfg.warmup_steps} "
+                   f"error_feedback={self.cfg.error_feedback} comm_backend={self.cfg.comm_backend.value} "
+                   f"exchange={self.cfg.exchange.value}", ranks=[0])
         return self
 
     def _pipeline(self, dp_group: Any) -> CompressedAllreduce:
@@ -108,7 +107,7 @@ class DragonnHook:
                        f"{self.cfg.min_compress_numel}: it uses DeepSpeed's dense allreduce (lower "
                        f"'dragonn.min_compress_numel' to compress it)", ranks=[0])
         if step < self.cfg.warmup_steps or small:
-            self.telemetry.record_dense(numel, torch.empty((), dtype=comm_dtype).element_size(), world)
+            self.telemetry.record_dense(numel, comm_dtype.itemsize, world)
             return self._dense_allreduce_bucket(bucket, dp_group, dp_world_size)
 
         tensor = engine.flatten(bucket)

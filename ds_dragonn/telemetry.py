@@ -70,8 +70,8 @@ def log_reduction(step: int, s: ReduceStats, monitor: Optional[object] = None) -
     """One line per compressed reduction on rank 0, plus monitor events when DeepSpeed's monitor is on."""
     ratio = s.bytes_sent / s.dense_bytes if s.dense_bytes else 0.0
     print_dist(f"DRAGONN step={step} numel={s.numel} kept={s.kept} k={s.k} kept/k={s.kept / max(s.k, 1):.3f} "
-             f"bytes={s.bytes_sent} dense_bytes={s.dense_bytes} ratio={ratio:.4f} "
-             f"compress_ms={s.compress_ms:.2f}", ranks=[0])
+               f"bytes={s.bytes_sent} dense_bytes={s.dense_bytes} ratio={ratio:.4f} "
+               f"compress_ms={s.compress_ms:.2f}", ranks=[0])
     if monitor is not None and getattr(monitor, "enabled", False):
         monitor.write_events([("Train/dragonn/kept_over_k", s.kept / max(s.k, 1), step),
                               ("Train/dragonn/bytes_ratio", ratio, step),

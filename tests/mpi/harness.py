@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,7 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.multiproc import REPO, free_port
+
 # Variables that would make a rank skip the MPI launcher mapping or talk to another job.
 _SCRUB = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT", "CROSS_RANK",
           "CROSS_SIZE", "PMI_RANK", "PMI_SIZE", "PMI_FD", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
@@ -33,12 +33,6 @@ def mpiexec_path() -> str:
         raise RuntimeError("mpiexec not found: install the MPI extra (pip install -e '.[mpi]': mpi4py + mpich), "
                            "which launch/setup_env.sh does")
     return found
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rank_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:

@@ -26,6 +26,8 @@ from typing import Optional
 
 import torch
 
+from ..base import EMPTY_SLOT
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_table.cpp")
@@ -189,7 +191,7 @@ def build_table(flat: torch.Tensor, threshold: torch.Tensor, capacity: int, seed
     if capacity < 1:
         raise ValueError(f"capacity must be >= 1, got {capacity}")
     if thr != thr:  # NaN threshold: the reference's comparisons are all False
-        return torch.full((capacity,), -1, dtype=torch.int64)
+        return torch.full((capacity,), EMPTY_SLOT, dtype=torch.int64)
     table = torch.empty(capacity, dtype=torch.int64)
     load().dragonn_build_table(flat.data_ptr(), DTYPE_CODES[flat.dtype], flat.numel(), thr, capacity,
                                int(seed) & 0xFFFFFFFF, index_bits, table.data_ptr(), torch.get_num_threads(),
