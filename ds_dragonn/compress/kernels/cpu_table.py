@@ -1,8 +1,9 @@
 """The fast CPU path: a small C++ library (``cpu_table.cpp``) loaded with ctypes.
 
 One pass over the buffer tests blocks of elements with a vectorised integer compare (magnitude bit
-patterns against the threshold's), and only the ~density fraction that passes is hashed and stored with
-an atomic max. The threshold sample and the table compaction run in the same library. Results equal
+patterns against the threshold's), and only the ~density fraction that passes is hashed; candidates are
+bucketed per thread by table range and each range is then filled from cache with a plain max (a thread
+whose bucket overflows stores the rest straight into the table with an atomic max). The threshold sample and the table compaction run in the same library. Results equal
 the pure-PyTorch reference in ``dragonn.py`` bit for bit (tests/test_kernels.py).
 
 The library has no torch headers, so it builds in about a second with the system C++ compiler; it is
