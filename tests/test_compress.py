@@ -112,13 +112,20 @@ def test_non_contiguous_input_same_as_contiguous():
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
-def test_non_finite_entries_are_always_sent(bad):
+def test_non_finite_entries_win_every_slot_they_hash_to(bad):
+    """Non-finite entries beat every finite one: each slot a non-finite entry hashes to sends one of
+    them (the largest index among those that collide), so every rank sees it, as with a dense allreduce."""
     x = fresh(50_000)
     pos = torch.randperm(50_000)[:5]
     x[pos] = bad
     sel = DragonnCompressor(0.01, min_sample=64).compress(x, 3)
     assert math.isfinite(float(sel.threshold))
-    assert set(pos.tolist()) <= set(sel.indices.tolist())
+    slots = hash_slots(pos, step_hash_seed(3), sel.capacity).tolist()
+    winners = {s: max(p for p, t in zip(pos.tolist(), slots) if t == s) for s in slots}
+    assert set(winners.values()) <= set(sel.indices.tolist())
+    # every non-finite entry that shares its slot with no other one is sent
+    alone = [p for p, s in zip(pos.tolist(), slots) if slots.count(s) == 1]
+    assert set(alone) <= set(sel.indices.tolist())
 
 
 def test_all_zero_buffer_sends_nothing():

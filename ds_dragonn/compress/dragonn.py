@@ -20,7 +20,7 @@ Per flattened buffer of ``n`` elements with target ``k = ceil(density * n)``:
 3. :func:`gather_table` — valid slots (≠ ``EMPTY_SLOT``) give the kept indices; values are gathered.
 
 Non-finite entries (NaN, ±Inf) count as infinitely large: they are always candidates and win every
-collision against finite values, so (as long as fewer than ~m of them) they reach every rank as with the
+collision against finite values, so every slot they hash to sends one of them to every rank, as with the
 dense allreduce, where DeepSpeed's overflow check sees them; the threshold is estimated from the finite
 sample entries only. Ties: every element equal to the threshold is a candidate, so a buffer of many
 equal magnitudes fills the table (up to m = table_factor·k pairs are sent).
