@@ -163,9 +163,9 @@ def test_quality_against_exact_topk():
     sel = DragonnCompressor(0.01).compress(x, 11)
     top = torch.topk(x.abs(), sel.k).values
     captured = float((sel.values.float() ** 2).sum() / (top ** 2).sum())
-    assert 0.6 <= sel.count / sel.k <= 1.5
+    assert 0.75 <= sel.count / sel.k <= 1.3  # ~4 sigma of the sampled threshold (256+ expected hits)
     assert captured >= 0.8
-    # collisions: about 4(1 - e^-1/4) = 88% of ~k candidates survive in 4k slots
+    # collisions: about 4(1 - e^-0.288)/1.151 = 87% of ~1.151k candidates survive in 4k slots
     cand = int(selection_mask(x, sel.threshold).sum())
     assert 0.8 <= sel.count / cand <= 0.95
 

@@ -31,7 +31,8 @@ def test_deepspeed_launcher_runs_main_job(tmp_path):
     assert KEYS <= set(s)
     assert s["world_size"] == 2 and s["steps"] == 60 and s["dragonn_enabled"] and s["density"] == 0.01
     assert s["compressed_reductions"] == 60
-    assert 0.004 < s["achieved_density"] <= 0.0101  # about density x kept/k (~0.9)
+    # about the density: candidates are raised by the expected collision loss (candidate_density)
+    assert 0.007 < s["achieved_density"] <= 0.013
     assert 0 < s["bytes_sent"] <= 0.03 * s["dense_bytes_equivalent"]
     assert s["test_accuracy"] > 0.5  # 60 steps of a 10-class problem: far above chance (0.1)
 

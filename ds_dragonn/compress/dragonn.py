@@ -2,9 +2,11 @@
 
 Per flattened buffer of ``n`` elements with target ``k = ceil(density * n)``:
 
-1. :func:`sample_threshold` — draw ``s = max(min_sample, ceil(sample_ratio * n), ceil(64 / density))``
-   elements (capped at n; all of them when s ≥ n, which makes the threshold exact) and take the ``ceil(density * s)``-th
-   largest magnitude. The threshold stays on the device: no host sync. The compressor draws a
+1. :func:`sample_threshold` — draw ``s = max(min_sample, ceil(sample_ratio * n), ceil(256 / density))``
+   elements (capped at n; all of them when s ≥ n, which makes the threshold exact) and take the
+   ``ceil(c * s)``-th largest magnitude, where ``c = candidate_density(density, table_factor)`` (1.151 ×
+   density for table_factor 4) is raised above the density by what collisions will drop, so that about k
+   pairs are kept. The threshold stays on the device: no host sync. The compressor draws a
    *stratified hashed* sample (:func:`sample_positions`): one element per stratum ``[j·n/s, (j+1)·n/s)``
    at ``murmur3(j, seed) mod`` the stratum length — every element equally likely, every layer of a bucket
    sampled in proportion, positions computable by any kernel (so all kernels get the same threshold),
@@ -41,12 +43,30 @@ from .hashing import murmur3_index_hash
 
 #: The sample always holds at least this many expected above-threshold hits, so that the threshold
 #: quantile is estimated from more than a couple of elements (relative spread ~ 1/sqrt(hits)).
-MIN_SAMPLE_HITS = 64
+MIN_SAMPLE_HITS = 256
 
 
 def sample_size(numel: int, sample_ratio: float, min_sample: int, density: float = 1.0) -> int:
-    """Threshold sample size ``s = min(n, max(min_sample, ceil(sample_ratio·n), ceil(64/density)))``."""
+    """Threshold sample size ``s = min(n, max(min_sample, ceil(sample_ratio·n), ceil(256/density)))``.
+
+    256 expected hits put the relative spread of the candidate count near 1/sqrt(256) ≈ 6 %.
+    """
     return min(numel, max(min_sample, math.ceil(sample_ratio * numel), math.ceil(MIN_SAMPLE_HITS / density)))
+
+
+def candidate_density(density: float, table_factor: float, direct: bool = False) -> float:
+    """Fraction of the buffer the threshold should pass so that about ``k`` pairs survive the table.
+
+    ``c`` candidates hashed into ``m = table_factor·k`` slots occupy ``m·(1 − exp(−c/m))`` of them
+    (balls into bins), so ``c = −table_factor·ln(1 − 1/table_factor)·k`` candidates keep ``k`` in
+    expectation (1.151·k for the paper's table_factor 4). Without this the achieved density is ~0.885 of
+    the configured one. The factor is capped at ``table_factor`` (the table cannot hold more); a
+    direct table (``direct``: m ≥ n, nothing collides) needs no correction.
+    """
+    if direct or table_factor <= 1.0:
+        return density
+    boost = min(-table_factor * math.log1p(-1.0 / table_factor), table_factor)
+    return min(1.0, density * boost)
 
 
 def table_capacity(k: int, table_factor: float, numel: int | None = None) -> int:
@@ -216,7 +236,10 @@ class DragonnCompressor(Compressor):
         if target_k(n, self.density) >= n:
             return torch.zeros((), dtype=torch.float32, device=flat.device)  # keep every nonzero
         s = sample_size(n, self.sample_ratio, self.min_sample, self.density)
-        return sample_threshold_fast(flat, self.density, s, step_sample_seed(seed), kernel)
+        k = target_k(n, self.density)
+        rate = candidate_density(self.density, self.table_factor,
+                                 direct=table_capacity(k, self.table_factor, n) >= n)
+        return sample_threshold_fast(flat, rate, s, step_sample_seed(seed), kernel)
 
     def _select(self, flat: torch.Tensor, k: int, seed: int) -> Selection:
         from .kernels import build_table_fast, gather_table_fast, resolve_kernel
