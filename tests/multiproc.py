@@ -4,6 +4,10 @@
 call that function as ``fn(rank, world_size, out_dir)`` after setting RANK/WORLD_SIZE/LOCAL_RANK/
 MASTER_ADDR=127.0.0.1/MASTER_PORT. A rank that fails fails the call with its output; a rank that
 hangs is killed at the timeout and reported.
+
+The rendezvous port comes from :func:`free_port`, which only knows the port was free a moment ago:
+another process can bind it before rank 0's TCPStore does (EADDRINUSE). That case, and only that
+case, is retried with a fresh port (:data:`PORT_ATTEMPTS` tries in all).
 """
 from __future__ import annotations
 
@@ -11,9 +15,11 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+PORT_ATTEMPTS = 3
 
 
 def free_port() -> int:
@@ -22,9 +28,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def port_was_taken(output: str, port: int) -> bool:
+    """True when the output says ``port`` was already bound (torch's TCPStore: "... port: N, ...
+    code: -98, name: EADDRINUSE, message: address already in use")."""
+    text = output.lower()
+    return ("eaddrinuse" in text or "address already in use" in text) and str(port) in text
+
+
 def run_ranks(target: str, world_size: int, out_dir: Path, timeout: float = 240.0, env: dict | None = None) -> None:
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        failures, port_taken = _run_once(target, world_size, Path(out_dir), timeout, env, free_port())
+        if not port_taken or attempt == PORT_ATTEMPTS:
+            break
+    if failures:
+        raise AssertionError(f"{target} on {world_size} ranks failed:\n" + "\n".join(failures))
+
+
+def _run_once(target: str, world_size: int, out_dir: Path, timeout: float, env: dict | None,
+              port: int) -> tuple[list, bool]:
+    """One launch on ``port``: (failure messages, whether a rank failed because the port was taken)."""
     module, fn = target.split(":")
-    port = free_port()
     procs = []
     for rank in range(world_size):
         e = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -32,19 +55,37 @@ def run_ranks(target: str, world_size: int, out_dir: Path, timeout: float = 240.
                  OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
                  PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(env or {}))
         code = f"import {module} as m; m.{fn}({rank}, {world_size}, {str(out_dir)!r})"
-        log = open(Path(out_dir) / f"rank{rank}.log", "w")
+        log = open(out_dir / f"rank{rank}.log", "w")
         procs.append((subprocess.Popen([sys.executable, "-c", code], env=e, cwd=REPO, stdout=log,
                                        stderr=subprocess.STDOUT), log))
-    failures = []
-    for rank, (p, log) in enumerate(procs):
-        try:
-            rc = p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q, _ in procs:
-                q.kill()
-            rc = "timeout (killed: hung)"
+
+    def log_text(rank: int) -> str:
+        return (out_dir / f"rank{rank}.log").read_text(errors="replace")
+
+    deadline, port_taken, hung = time.monotonic() + timeout, False, False
+    while any(p.poll() is None for p, _ in procs):
+        # rank 0 failing on the port leaves the others waiting for a rendezvous that never comes: stop now
+        if any(p.poll() not in (None, 0) and port_was_taken(log_text(r), port) for r, (p, _) in enumerate(procs)):
+            port_taken = True
+            break
+        if time.monotonic() > deadline:
+            hung = True
+            break
+        time.sleep(0.05)
+    for p, log in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
         log.close()
+    failures = []
+    for rank, (p, _) in enumerate(procs):
+        rc = p.returncode
+        if hung and rc == -9:
+            rc = "timeout (killed: hung)"
         if rc != 0:
-            failures.append(f"rank {rank}: exit {rc}\n" + (Path(out_dir) / f"rank{rank}.log").read_text()[-3000:])
-    if failures:
-        raise AssertionError(f"{target} on {world_size} ranks failed:\n" + "\n".join(failures))
+            failures.append(f"rank {rank}: exit {rc}\n" + log_text(rank)[-3000:])
+    port_taken = port_taken or any(p.returncode != 0 and port_was_taken(log_text(r), port)
+                                   for r, (p, _) in enumerate(procs))
+    if port_taken:
+        failures.insert(0, f"(rendezvous port {port} was taken by another process)")
+    return failures, port_taken

@@ -13,12 +13,13 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from tests.multiproc import REPO, free_port
+from tests.multiproc import PORT_ATTEMPTS, REPO, free_port, port_was_taken
 
 # Variables that would make a rank skip the MPI launcher mapping or talk to another job.
 _SCRUB = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT", "CROSS_RANK",
@@ -116,6 +117,10 @@ def run_mpiexec(script: Sequence[str], world_size: int, out_dir: Path, timeout: 
     """Run ``mpiexec -n world_size <script...>`` (script[0] a Python file, or a full command when it is
     not a ``.py``), in the repository root, killing it after ``timeout`` seconds.
 
+    The job's MASTER_PORT (from :func:`free_port`) may be bound by another process before rank 0's
+    TCPStore binds it: when the output says so (EADDRINUSE), the job is stopped at once and started
+    again on a fresh port (``PORT_ATTEMPTS`` launches in all); any other failure is returned as is.
+
     Returns the :class:`MPIRun`; it does not raise on failure (call :meth:`MPIRun.failure_report`).
     """
     out_dir = Path(out_dir)
@@ -124,23 +129,54 @@ def run_mpiexec(script: Sequence[str], world_size: int, out_dir: Path, timeout: 
     cmd = [mpiexec_path(), "-n", str(world_size), *argv]
     full = ["timeout", "-k", "5", str(int(timeout)), *cmd]
     t0 = time.time()
-    proc = subprocess.Popen(full, cwd=REPO, env=env or rank_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        job_env = rank_env() if env is None else dict(env)  # rank_env(): a fresh port each time
+        if attempt > 1:
+            if env is not None:
+                job_env["MASTER_PORT"] = str(free_port())
+            for r in range(world_size):  # the rank logs are appended to: start them afresh
+                (out_dir / f"rank{r}.jsonl").unlink(missing_ok=True)
+        rc, output, port_taken = _run_job(full, job_env, timeout)
+        if not port_taken:
+            break
+    return MPIRun(cmd=[Path(cmd[0]).name, *cmd[1:]], world_size=world_size, timeout=timeout, returncode=rc,
+                  timed_out=rc in (124, 137), output=output, wall_s=time.time() - t0,
+                  ranks=read_rank_logs(out_dir, world_size))
+
+
+def _run_job(full: List[str], env: Dict[str, str], timeout: float):
+    """One launch: (return code, output, whether it failed because MASTER_PORT was taken)."""
+    port = int(env.get("MASTER_PORT", 0))  # 0: no rendezvous port to watch
+    fd, log = tempfile.mkstemp(prefix="mpiexec-", suffix=".log")
     try:
-        output, _ = proc.communicate(timeout=timeout + 20)  # backstop if `timeout` itself is stuck
-        rc = proc.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        rc = 137
-    finally:
+        with os.fdopen(fd, "w") as out:  # the job writes here; we read through a separate descriptor
+            proc = subprocess.Popen(full, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+
+        def output() -> str:
+            return Path(log).read_text(errors="replace")
+
+        backstop = time.monotonic() + timeout + 20  # if `timeout` itself is stuck
+        port_taken = False
+        while proc.poll() is None:
+            if time.monotonic() > backstop:
+                break
+            if port and port_was_taken(output(), port):  # rank 0 could not bind; the others would wait
+                port_taken = True
+                break
+            time.sleep(0.1)
+        rc = proc.poll()
         try:  # ranks re-parented after mpiexec died stay in the job's process group
             os.killpg(proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-    return MPIRun(cmd=[Path(cmd[0]).name, *cmd[1:]], world_size=world_size, timeout=timeout, returncode=rc,
-                  timed_out=rc in (124, 137), output=output, wall_s=time.time() - t0,
-                  ranks=read_rank_logs(out_dir, world_size))
+        proc.wait()
+        if rc is None:
+            rc = 1 if port_taken else 137
+        text = output()
+    finally:
+        os.unlink(log)
+    return rc, text, port_taken or bool(port and rc != 0 and port_was_taken(text, port))
 
 
 def read_rank_logs(out_dir: Path, world_size: int) -> Dict[int, RankState]:
