@@ -62,8 +62,9 @@ class DragonnConfig(DeepSpeedConfigModel):
     density: float = Field(0.01, gt=0.0, le=1.0, strict=True)
     """Fraction of a buffer's elements kept per step, ``k = ceil(density * numel)``. 1.0 keeps everything."""
 
-    sample_ratio: float = Field(0.01, gt=0.0, le=1.0, strict=True)
-    """Fraction of the buffer sampled to estimate the top-k threshold (``s = max(min_sample, ceil(r*numel))``)."""
+    sample_ratio: float = Field(0.001, gt=0.0, le=1.0, strict=True)
+    """Fraction of the buffer sampled to estimate the top-k threshold
+    (``s = max(min_sample, ceil(r*numel), ceil(256/density))``, capped at numel)."""
 
     min_sample: int = Field(1024, ge=1, strict=True)
     """Lower bound on the threshold sample size, in elements (capped at the buffer size)."""

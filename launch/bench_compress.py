@@ -17,7 +17,7 @@ Methods
   dragonn_reference  DragonnCompressor(kernel="reference"): pure PyTorch
   dragonn_cpu        DragonnCompressor(kernel="cpu"): C++ one-pass library (CPU)
   dragonn_triton     DragonnCompressor(kernel="triton"): Triton kernels (CUDA)
-  dragonn_*_s0.1     the same with sample_ratio 0.001 (a 10x cheaper threshold sample)
+  dragonn_*_s1       the same with sample_ratio 0.01 (a threshold sample up to 10x larger than the default's)
 
 Usage
   python launch/bench_compress.py                       # 2^20..2^26 (CPU) / 2^20..2^28 (GPU)
@@ -92,11 +92,11 @@ def methods_for(device: str, density: float, with_reference: bool):
         ms["dragonn_reference"] = compressor_method(DragonnCompressor(density, kernel="reference"))
     if device == "cpu" and cpu_table.available():
         ms["dragonn_cpu"] = compressor_method(DragonnCompressor(density, kernel="cpu"))
-        ms["dragonn_cpu_s0.1"] = compressor_method(DragonnCompressor(density, sample_ratio=0.001, kernel="cpu"))
+        ms["dragonn_cpu_s1"] = compressor_method(DragonnCompressor(density, sample_ratio=0.01, kernel="cpu"))
     if device == "cuda" and triton_available():
         ms["dragonn_triton"] = compressor_method(DragonnCompressor(density, kernel="triton"))
-        ms["dragonn_triton_s0.1"] = compressor_method(
-            DragonnCompressor(density, sample_ratio=0.001, kernel="triton"))
+        ms["dragonn_triton_s1"] = compressor_method(
+            DragonnCompressor(density, sample_ratio=0.01, kernel="triton"))
     return ms
 
 

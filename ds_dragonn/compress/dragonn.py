@@ -215,7 +215,7 @@ class DragonnCompressor(Compressor):
 
     name = "dragonn"
 
-    def __init__(self, density: float, sample_ratio: float = 0.01, min_sample: int = 1024,
+    def __init__(self, density: float, sample_ratio: float = 0.001, min_sample: int = 1024,
                  table_factor: float = 4.0, kernel: str = "auto"):
         super().__init__(density)
         from .kernels import check_kernel
