@@ -154,7 +154,7 @@ def test_sample_positions_are_stratified():
 def test_cpu_library_rebuilds_into_a_fresh_cache(tmp_path):
     """A fresh TORCH_EXTENSIONS_DIR: the library builds there (what CI does on its first run)."""
     code = ("import torch; from ds_dragonn.compress.kernels import cpu_table as c; c.load(); "
-            "print(c.library_path(c._compiler()))")
+            "assert c.LOADED_PATH == c.library_path(c._compiler(), c.openmp_flags()); print(c.LOADED_PATH)")
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path), DS_ACCELERATOR="cpu")
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True,
                          timeout=300)
@@ -280,6 +280,26 @@ def test_cpu_scan_paths_equal_reference(monkeypatch, isa, dtype):
         for thr in (0.0, 0.5):
             t = torch.tensor(thr)
             assert torch.equal(build_table_fast(x, t, 3001, 8, "cpu"), ref.build_table(x, t, 3001, 8)), thr
+
+
+@need_cpu
+def test_cpu_threading_matches_torch_runtime():
+    """OpenMP exactly when the process holds one libgomp.so.1 and torch runs on OpenMP (then one pool)."""
+    cpu_table.load()
+    assert cpu_table.THREADING == ("openmp" if cpu_table.openmp_flags() else "std::thread")
+    if cpu_table.THREADING == "openmp":
+        assert len(cpu_table._loaded_libgomp()) == 1  # ours bound to torch's runtime, no second copy
+
+
+@need_cpu
+def test_cpu_std_thread_build_equals_reference():
+    """The std::thread build (DS_DRAGONN_CPU_OPENMP=0) through the threaded and blocked-table tests."""
+    env = dict(os.environ, DS_DRAGONN_CPU_OPENMP="0", DS_ACCELERATOR="cpu")
+    tests = "thread_counts or spill or blocked_table or threading_matches"
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests],
+                         env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert " passed" in out.stdout and "deselected" in out.stdout
 
 
 @need_cpu

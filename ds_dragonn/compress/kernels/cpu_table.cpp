@@ -1,6 +1,7 @@
-// DRAGONN selection on the CPU: one pass over the buffer, threads from std::thread (no second OpenMP
-// runtime next to torch's). Built and loaded by cpu_table.py (ctypes); plain C ABI, no torch headers, so
-// it compiles in about a second.
+// DRAGONN selection on the CPU: one pass over the buffer. Threads: torch's own OpenMP pool when built with
+// -fopenmp (cpu_table.py does so only when the process already holds torch's libgomp.so.1, so the
+// dynamic linker binds this library to that same runtime), else std::thread. Built and loaded by
+// cpu_table.py (ctypes); plain C ABI, no torch headers, so it compiles in about a second.
 //
 // Semantics are those of ds_dragonn/compress/dragonn.py, bit for bit:
 //   selected(i)  <=>  mag(i) >= thr and mag(i) > 0,  mag = float32(|x|) with NaN -> +Inf
@@ -17,6 +18,9 @@
 #include <new>
 #include <thread>
 #include <vector>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -71,6 +75,22 @@ void parallel_for(int64_t n, int nthreads, int64_t align, F&& body) {
   if (nthreads < 1) nthreads = 1;
   int64_t chunk = (n + nthreads - 1) / nthreads;
   chunk = (chunk + align - 1) / align * align;
+#ifdef _OPENMP
+  // torch's pool: right after a torch op its workers are still spin-waiting for work; threads of our
+  // own would compete with them for the cores (measured: table phase 11.7 ms instead of 6.3 ms at 2^24
+  // on 2 cores). A smaller team than asked for runs the remaining chunks in turn.
+  if (nthreads > 1 && chunk < n) {
+#pragma omp parallel num_threads(nthreads)
+    {
+      const int team = omp_get_num_threads();
+      for (int t = omp_get_thread_num(); t < nthreads; t += team) {
+        const int64_t lo = t * chunk, hi = std::min(n, lo + chunk);
+        if (lo < hi) body(t, lo, hi);
+      }
+    }
+    return;
+  }
+#endif
   std::vector<std::thread> pool;
   for (int t = 1; t < nthreads; ++t) {
     int64_t lo = t * chunk, hi = std::min(n, lo + chunk);

@@ -6,6 +6,9 @@ bucketed per thread by table range and each range is then filled from cache with
 whose bucket overflows stores the rest straight into the table with an atomic max). The threshold sample and the table compaction run in the same library. Results equal
 the pure-PyTorch reference in ``dragonn.py`` bit for bit (tests/test_kernels.py).
 
+Threads: where torch runs on GNU OpenMP and the process already holds its ``libgomp.so.1`` (the pip wheels),
+the library is built with ``-fopenmp`` and its parallel regions run on torch's own thread pool; otherwise
+(or with ``DS_DRAGONN_CPU_OPENMP=0``, or when that build fails to compile or load) it uses std::thread.
 The library has no torch headers, so it builds in about a second with the system C++ compiler; it is
 cached under ``$TORCH_EXTENSIONS_DIR/ds_dragonn_cpu/`` (default ``~/.cache/torch_extensions``), keyed by a
 hash of the source, the compiler and the CPU's feature flags, and written atomically (ranks that build at
@@ -49,6 +52,11 @@ BUCKET_CAP = 0
 ISA = os.environ.get("DS_DRAGONN_CPU_ISA", "auto")
 ISA_CODES = {"auto": 0, "scalar": 1, "sse2": 2, "avx2": 3, "avx512": 4}
 
+#: How the loaded library runs its threads: "openmp" (torch's pool) or "std::thread"; None before load().
+THREADING: Optional[str] = None
+#: The library file that load() loaded; None before.
+LOADED_PATH: Optional[Path] = None
+
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
 _error: Optional[str] = None
@@ -74,25 +82,53 @@ def _cpu_flags() -> str:
     return ""
 
 
-def library_path(cxx: str) -> Path:
-    """Where the library built by ``cxx`` from the current source lives in the cache."""
+def _loaded_libgomp() -> list[str]:
+    """Paths of the GNU OpenMP runtimes mapped into this process (Linux; else empty)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return []
+    return sorted({line.split()[-1] for line in maps.splitlines()
+                   if "/libgomp" in line and line.split()[-1].startswith("/")})
+
+
+def openmp_flags() -> list[str]:
+    """``["-fopenmp"]`` when the build can share torch's OpenMP runtime, else ``[]``.
+
+    Only then: torch's parallel backend is OpenMP and exactly one ``libgomp.so.1`` is loaded (the
+    library's NEEDED ``libgomp.so.1`` then binds to it: one thread pool, not two competing for the cores).
+    ``DS_DRAGONN_CPU_OPENMP=0`` forces std::thread.
+    """
+    if os.environ.get("DS_DRAGONN_CPU_OPENMP", "1") == "0":
+        return []
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return []
+    loaded = _loaded_libgomp()
+    if len(loaded) != 1 or Path(loaded[0]).name != "libgomp.so.1":
+        return []
+    return ["-fopenmp"]
+
+
+def library_path(cxx: str, extra_flags: Optional[list[str]] = None) -> Path:
+    """Where the library built by ``cxx`` (with ``extra_flags``) from the current source lives in the cache."""
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         version = ""
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CXXFLAGS).encode(), version.encode(), platform.machine().encode(),
+    flags = " ".join(CXXFLAGS + list(extra_flags or []))
+    for part in (SOURCE.read_bytes(), flags.encode(), version.encode(), platform.machine().encode(),
                  _cpu_flags().encode()):
         h.update(part)
     return _cache_dir() / f"dragonn_cpu_{h.hexdigest()[:16]}.so"
 
 
-def _build(cxx: str, out: Path) -> None:
+def _build(cxx: str, out: Path, extra_flags: list[str]) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cxx, *CXXFLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True,
+        proc = subprocess.run([cxx, *CXXFLAGS, *extra_flags, str(SOURCE), "-o", tmp], capture_output=True, text=True,
                               timeout=300)
         if proc.returncode != 0:
             raise RuntimeError(f"{cxx} failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
@@ -104,7 +140,7 @@ def _build(cxx: str, out: Path) -> None:
 
 def load() -> ctypes.CDLL:
     """The compiled library (built on first use). Raises RuntimeError when it cannot be built."""
-    global _lib, _error
+    global _lib, _error, THREADING, LOADED_PATH
     with _lock:
         if _lib is not None:
             return _lib
@@ -114,11 +150,22 @@ def load() -> ctypes.CDLL:
             cxx = _compiler()
             if cxx is None:
                 raise RuntimeError("no C++ compiler found (set CXX or install g++)")
-            path = library_path(cxx)
-            if not path.exists():
-                logger.info("building the DRAGONN CPU kernel: %s", path)
-                _build(cxx, path)
-            lib = ctypes.CDLL(str(path))
+            omp = openmp_flags()
+            variants = [omp, []] if omp else [[]]
+            for i, flags in enumerate(variants):
+                try:
+                    path = library_path(cxx, flags)
+                    if not path.exists():
+                        logger.info("building the DRAGONN CPU kernel: %s", path)
+                        _build(cxx, path, flags)
+                    lib = ctypes.CDLL(str(path))
+                    break
+                except Exception as err:  # noqa: BLE001 - the std::thread build is the fallback
+                    if i + 1 == len(variants):
+                        raise
+                    logger.warning("DRAGONN CPU kernel: the OpenMP build failed (%s); using std::thread",
+                                   str(err).splitlines()[0])
+            THREADING, LOADED_PATH = ("openmp" if flags else "std::thread"), path
         except Exception as err:  # noqa: BLE001 - remembered and re-raised with the cause
             _error = f"DRAGONN CPU kernel unavailable: {err}"
             raise RuntimeError(_error) from err
