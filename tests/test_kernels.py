@@ -19,7 +19,7 @@ from ds_dragonn.compress import DragonnCompressor
 from ds_dragonn.compress import dragonn as ref
 from ds_dragonn.compress.base import magnitude
 from ds_dragonn.compress.kernels import (build_table_fast, cpu_table, gather_table_fast, resolve_kernel,
-                                         sample_threshold_fast, triton_available)
+                                         sample_threshold_fast, select_fast, triton_available)
 
 REPO = Path(__file__).resolve().parents[1]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
@@ -63,6 +63,9 @@ def check_all_steps(x: torch.Tensor, kernel: str, density: float, num_samples: i
     wi, wv = ref.gather_table(x.cpu(), want)
     gi, gv = gather_table_fast(x, got, kernel)
     assert torch.equal(gi.cpu(), wi) and same_bits(gv, wv)
+    # the fused path (values carried through the table build on the CPU kernel)
+    si, sv = select_fast(x, want_thr.to(x.device), capacity, seed ^ 0x5A5A, kernel)
+    assert torch.equal(si.cpu(), wi) and same_bits(sv, wv)
 
 
 SIZES = [1, 2, 7, 99, 100, 1001, 4099]
@@ -120,7 +123,7 @@ def test_threshold_edge_values(kernel):
 
 @need_cpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n", [0, 1, 5, 99, 1001, 65_537])
+@pytest.mark.parametrize("n", [0, 1, 5, 99, 1001, 65_537, (1 << 20) + 3])  # 2^20: the cache-blocked table
 def test_compressor_cpu_equals_reference(dtype, n):
     x = make(n, dtype, seed=3)
     a = DragonnCompressor(0.01, min_sample=128, kernel="reference").compress(x, seed=n)
@@ -252,6 +255,8 @@ def test_cpu_bucket_spill_all_candidates(threads, dtype):
             wi, wv = ref.gather_table(data, want)
             gi, gv = gather_table_fast(data, got, "cpu")
             assert torch.equal(gi, wi) and same_bits(gv, wv)
+            si, sv = select_fast(data, t, capacity, 21, "cpu")  # spilled: values read from data
+            assert torch.equal(si, wi) and same_bits(sv, wv)
     finally:
         torch.set_num_threads(old)
 

@@ -242,11 +242,10 @@ class DragonnCompressor(Compressor):
         return sample_threshold_fast(flat, rate, s, step_sample_seed(seed), kernel)
 
     def _select(self, flat: torch.Tensor, k: int, seed: int) -> Selection:
-        from .kernels import build_table_fast, gather_table_fast, resolve_kernel
+        from .kernels import resolve_kernel, select_fast
         n = flat.numel()
         kernel = resolve_kernel(self.kernel, flat)
         m = table_capacity(k, self.table_factor, n)
         thr = self.threshold(flat, seed, kernel)
-        table = build_table_fast(flat, thr, m, step_hash_seed(seed), kernel)
-        idx, vals = gather_table_fast(flat, table, kernel)
+        idx, vals = select_fast(flat, thr, m, step_hash_seed(seed), kernel)
         return Selection(indices=idx, values=vals, threshold=thr, k=k, capacity=m)

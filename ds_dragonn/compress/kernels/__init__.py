@@ -123,5 +123,18 @@ def gather_table_fast(flat: torch.Tensor, table: torch.Tensor, kernel: str = "au
     return dragonn.gather_table(flat, table)
 
 
+def select_fast(flat: torch.Tensor, threshold: torch.Tensor, capacity: int, seed: int, kernel: str = "auto"
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gather_table_fast(flat, build_table_fast(...))``: on the CPU kernel one fused call (no scattered reads
+    of ``flat`` for the values); identical results."""
+    from .. import dragonn
+    from ..base import index_dtype
+    kernel = resolve_kernel(kernel, flat)
+    if kernel == "cpu":
+        n = flat.numel()
+        return cpu_table.select(flat, threshold, capacity, seed, dragonn.index_bits(n), index_dtype(n))
+    return gather_table_fast(flat, build_table_fast(flat, threshold, capacity, seed, kernel), kernel)
+
+
 __all__ = ["KERNELS", "check_kernel", "resolve_kernel", "triton_available", "sample_threshold_fast",
-           "build_table_fast", "gather_table_fast"]
+           "build_table_fast", "gather_table_fast", "select_fast"]

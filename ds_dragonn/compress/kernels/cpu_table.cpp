@@ -116,7 +116,10 @@ inline void atomic_max(int64_t* p, int64_t v) {
 struct Buckets {
   int P = 0; int64_t psize = 0, cap = 0, m = 0; uint64_t pdiv_c = 0;
   int64_t* keys = nullptr; uint32_t* loc = nullptr; int64_t* count = nullptr;  // [nt][P][cap], [nt][P]
+  char* vals = nullptr;      // [nt][P][cap] elements of esize bytes, when the table carries values (vtab)
   int64_t* table = nullptr;
+  char* vtab = nullptr;      // [m] elements of esize bytes: the winner's value per slot (or nullptr)
+  int esize = 4;
   int* state = nullptr;  // [P]: 0 untouched, 1 being filled, 2 filled with EMPTY (atomics)
   inline int part(uint64_t slot) const {  // slot / psize, exact for slot < 2^32 (Lemire; psize 1: c = 0)
     return pdiv_c ? (int)(((unsigned __int128)pdiv_c * slot) >> 64) : (int)slot;
@@ -142,6 +145,7 @@ struct Store {
   const void* x; int dtype; int64_t m; bool direct; uint32_t seed; int ibits; int64_t* table;
   uint64_t fastmod_c;  // Lemire's exact 32-bit modulo: h % m = ((c * h) * m) >> 64, for m < 2^32
   const Buckets* bk = nullptr; int64_t* bkeys = nullptr; uint32_t* bloc = nullptr; int64_t* bcount = nullptr;
+  char* bvals = nullptr;
   int64_t idx[Q]; uint64_t slot[Q]; uint32_t mb[Q]; bool has_mb = false; int len = 0;
   Store(const void* x_, int dt, int64_t m_, bool d, uint32_t s, int ib, int64_t* t)
       : x(x_), dtype(dt), m(m_), direct(d), seed(s), ibits(ib), table(t),
@@ -152,6 +156,7 @@ struct Store {
     st.bkeys = b->keys + (int64_t)t * b->P * b->cap;
     st.bloc = b->loc + (int64_t)t * b->P * b->cap;
     st.bcount = b->count + (int64_t)t * b->P;
+    st.bvals = b->vals ? b->vals + (int64_t)t * b->P * b->cap * b->esize : nullptr;
     return st;
   }
   inline uint64_t mod_m(uint32_t h) const {
@@ -175,13 +180,16 @@ struct Store {
       // locals: the bucket stores (int64_t*) could otherwise alias these fields and force reloads
       const int64_t cap = bk->cap, psize = bk->psize;
       int64_t* const keys = bkeys; uint32_t* const loc = bloc; int64_t* const cnt = bcount;
-      int64_t kv[Q]; uint32_t lv[Q]; int pv[Q];
+      char* const vals = bvals;
+      const int es = bk->esize;
+      int64_t kv[Q]; uint32_t lv[Q]; int pv[Q]; uint64_t vv[Q];
       for (int q = 0; q < len; ++q) {
         const uint64_t sl = mod_m(murmur_index((uint64_t)idx[q], seed));
         const int p = bk->part(sl);
         pv[q] = p;
         lv[q] = (uint32_t)(sl - (uint64_t)p * psize);
         kv[q] = has_mb ? key_of(idx[q], mb[q]) : key(idx[q]);
+        if (vals) vv[q] = raw_bits(idx[q]);  // just scanned: in cache
       }
       for (int q = 0; q < len; ++q) {
         const int p = pv[q];
@@ -194,6 +202,12 @@ struct Store {
         }
         keys[(int64_t)p * cap + c] = kv[q];
         loc[(int64_t)p * cap + c] = lv[q];
+        if (vals) {
+          const int64_t at = (int64_t)p * cap + c;
+          if (es == 4) ((uint32_t*)vals)[at] = (uint32_t)vv[q];
+          else if (es == 2) ((uint16_t*)vals)[at] = (uint16_t)vv[q];
+          else ((uint64_t*)vals)[at] = vv[q];
+        }
         cnt[p] = c + 1;
       }
     } else {
@@ -206,6 +220,13 @@ struct Store {
     len = 0;
   }
   inline int64_t key(int64_t i) const { return key_of(i, mag_bits(x, dtype, i)); }
+  inline uint64_t raw_bits(int64_t i) const {
+    switch (dtype) {
+      case F32: return ((const uint32_t*)x)[i];
+      case F64: return ((const uint64_t*)x)[i];
+      default: return ((const uint16_t*)x)[i];
+    }
+  }
   inline int64_t key_of(int64_t i, uint32_t bits) const { return ((int64_t)(bits >> (ibits - 32)) << ibits) | i; }
 };
 
@@ -411,6 +432,20 @@ float dragonn_sample_kth(const void* x, int dtype, int64_t n, int64_t s, int64_t
 }  // extern "C"
 
 namespace {
+// One bucket into its partition of the table (plain max) and of the value table (the winner's value).
+template <typename V>
+inline void apply_with_values(int64_t* tb, V* vt, const int64_t* kk, const uint32_t* ll, const V* vv,
+                              int64_t c) {
+  for (int64_t i = 0; i < c; ++i) {
+    const int64_t v = kk[i];
+    const uint32_t l = ll[i];
+    if (v > tb[l]) {  // mostly true: few slots see a second candidate
+      tb[l] = v;
+      vt[l] = vv[i];
+    }
+  }
+}
+
 // One pass over x: every selected element goes to st (per thread: st_for(t)).
 template <typename StoreFor>
 void scan_all(const void* x, int dtype, int64_t n, float thr, int nt, int isa, StoreFor&& st_for) {
@@ -446,8 +481,12 @@ extern "C" {
 // no blocking, atomic stores); bucket_cap: slots per (thread, partition) bucket (0: default). Both only
 // tune speed (tests use small values to reach the partition and spill boundaries). isa: widest vector
 // path of the scan (0: the CPU's best; 1 scalar, 2 SSE2, 3 AVX2, 4 AVX-512; clamped to what the CPU has).
-void dragonn_build_table(const void* x, int dtype, int64_t n, float thr, int64_t m, uint32_t seed, int ibits,
-                         int64_t* table, int nthreads, int64_t block_bytes, int64_t bucket_cap, int isa) {
+// vtab: nullptr, or m elements of x's dtype that receive each slot's winning value where the cache-blocked
+// path runs without a spill; the return value says whether it did (1: every valid slot's value is in
+// vtab, so the gather need not read x; 0: vtab is not filled).
+int dragonn_build_table(const void* x, int dtype, int64_t n, float thr, int64_t m, uint32_t seed, int ibits,
+                        int64_t* table, int nthreads, int64_t block_bytes, int64_t bucket_cap, int isa,
+                        void* vtab) {
   isa = effective_isa(isa);
   int nt = n < (1 << 16) ? 1 : std::max(1, nthreads);
   Store st(x, dtype, m, m >= n, seed, ibits, table);
@@ -469,31 +508,46 @@ void dragonn_build_table(const void* x, int dtype, int64_t n, float thr, int64_t
     // not initialised: only the pages that receive candidates are touched
     std::unique_ptr<int64_t[]> keys(new (std::nothrow) int64_t[nb * bk.cap]);
     std::unique_ptr<uint32_t[]> loc(new (std::nothrow) uint32_t[nb * bk.cap]);
+    const int esize = dtype == F64 ? 8 : (dtype == F32 ? 4 : 2);
+    std::unique_ptr<char[]> vals(vtab ? new (std::nothrow) char[nb * bk.cap * esize] : nullptr);
     std::vector<int64_t> count(nb, 0);
     std::vector<int> state(P, 0);
     if (!keys || !loc) goto atomic;  // no memory for the buckets: the atomic path needs none
     bk.keys = keys.get(); bk.loc = loc.get(); bk.count = count.data();
+    bk.vals = vals.get(); bk.vtab = (char*)vtab; bk.esize = esize;
     bk.table = table; bk.m = m; bk.state = state.data();
     scan_all(x, dtype, n, thr, nt, isa, [&](int t) { return st.bind(&bk, t); });
+    // a spill stored keys without values: then the gather reads x
+    const bool with_values = bk.vals && std::all_of(state.begin(), state.end(), [](int v) { return v == 0; });
     {
       parallel_for(P, nt, 1, [&](int, int64_t plo, int64_t phi) {
         for (int64_t p = plo; p < phi; ++p) {
           int64_t* tb = table + p * bk.psize;
           const int64_t len = std::min(bk.psize, m - p * bk.psize);
           if (state[p] != 2) std::fill(tb, tb + len, (int64_t)-1);  // else: filled before a spill
+          // sequential first touch: the random stores below then hit cache (measured 1.5 ms less at 2^24)
+          if (with_values) std::memset(bk.vtab + p * bk.psize * bk.esize, 0, len * bk.esize);
           for (int t = 0; t < nt; ++t) {
             const int64_t b = (int64_t)t * P + p, c = count[b];
             const int64_t* kk = bk.keys + b * bk.cap;
             const uint32_t* ll = bk.loc + b * bk.cap;
-            for (int64_t i = 0; i < c; ++i) {
-              const int64_t v = kk[i];
-              int64_t& cell = tb[ll[i]];
-              cell = v > cell ? v : cell;
+            if (with_values) {
+              const char* vv = bk.vals + b * bk.cap * bk.esize;
+              char* vt = bk.vtab + p * bk.psize * bk.esize;
+              if (bk.esize == 4) apply_with_values<uint32_t>(tb, (uint32_t*)vt, kk, ll, (const uint32_t*)vv, c);
+              else if (bk.esize == 2) apply_with_values<uint16_t>(tb, (uint16_t*)vt, kk, ll, (const uint16_t*)vv, c);
+              else apply_with_values<uint64_t>(tb, (uint64_t*)vt, kk, ll, (const uint64_t*)vv, c);
+            } else {
+              for (int64_t i = 0; i < c; ++i) {
+                const int64_t v = kk[i];
+                int64_t& cell = tb[ll[i]];
+                cell = v > cell ? v : cell;
+              }
             }
           }
         }
       });
-      return;
+      return with_values ? 1 : 0;
     }
   }
 atomic:
@@ -501,11 +555,39 @@ atomic:
     std::fill(table + lo, table + hi, (int64_t)-1);
   });
   scan_all(x, dtype, n, thr, nt, isa, [&](int) { return st; });
+  return 0;
 }
 
+}  // extern "C"
+
+namespace {
+// Valid slots of table[lo, hi) with their values from vt, compacted to positions lo.. of the outputs.
+// Branch-free (about a quarter of the slots are valid, at random): every slot is written at the
+// current end and the end advances only for a valid one. Returns the end.
+template <typename V, typename I>
+int64_t compact_slots(const int64_t* table, const void* vtab, int64_t lo, int64_t hi, int64_t imask,
+                      void* idx_out, void* val_out) {
+  const V* vt = (const V*)vtab;
+  I* io = (I*)idx_out;
+  V* vo = (V*)val_out;
+  int64_t w = lo;
+  for (int64_t i = lo; i < hi; ++i) {
+    const int64_t v = table[i];
+    io[w] = (I)(v & imask);
+    vo[w] = vt[i];
+    w += (int64_t)(v >= 0);
+  }
+  return w;
+}
+}  // namespace
+
+extern "C" {
+
 // Valid slots in slot order -> indices (int32 or int64) and values (esize-byte elements). Returns count.
+// vtab: nullptr (values read from x at the kept indices: scattered reads), or the per-slot values that
+// dragonn_build_table filled (read in slot order, next to the table).
 int64_t dragonn_gather(const int64_t* table, int64_t m, int ibits, const void* x, int esize, void* idx_out,
-                       int idx64, void* val_out, int nthreads) {
+                       int idx64, void* val_out, int nthreads, const void* vtab) {
   const int64_t imask = (int64_t)((((uint64_t)1) << ibits) - 1);
   int nt = m < (1 << 16) ? 1 : std::max(1, nthreads);
   // One pass over the table: thread t compacts its slots [lo, hi) to output positions [lo, lo + c_t)
@@ -515,6 +597,18 @@ int64_t dragonn_gather(const int64_t* table, int64_t m, int ibits, const void* x
     // Software pipeline over blocks of B slots: compact block b (indices out, their lines of x
     // prefetched), then copy the values of block b-1, whose reads have had a block's time to arrive.
     constexpr int B = 512;
+    if (vtab) {
+      int64_t w;
+      if (esize == 4) w = idx64 ? compact_slots<uint32_t, int64_t>(table, vtab, lo, hi, imask, idx_out, val_out)
+                                : compact_slots<uint32_t, int32_t>(table, vtab, lo, hi, imask, idx_out, val_out);
+      else if (esize == 2) w = idx64 ? compact_slots<uint16_t, int64_t>(table, vtab, lo, hi, imask, idx_out, val_out)
+                                     : compact_slots<uint16_t, int32_t>(table, vtab, lo, hi, imask, idx_out, val_out);
+      else w = idx64 ? compact_slots<uint64_t, int64_t>(table, vtab, lo, hi, imask, idx_out, val_out)
+                     : compact_slots<uint64_t, int32_t>(table, vtab, lo, hi, imask, idx_out, val_out);
+      starts[t] = lo;
+      counts[t + 1] = w - lo;
+      return;
+    }
     int64_t buf[2][B];
     int cnt[2] = {0, 0};
     int64_t o = lo;  // output position of the pending block's first value

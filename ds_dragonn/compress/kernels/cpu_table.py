@@ -172,9 +172,9 @@ def load() -> ctypes.CDLL:
         vp, i64, i32, u32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint32, ctypes.c_float
         lib.dragonn_sample_kth.argtypes = [vp, i32, i64, i64, i64, u32, vp, i32]
         lib.dragonn_sample_kth.restype = f32
-        lib.dragonn_build_table.argtypes = [vp, i32, i64, f32, i64, u32, i32, vp, i32, i64, i64, i32]
-        lib.dragonn_build_table.restype = None
-        lib.dragonn_gather.argtypes = [vp, i64, i32, vp, i32, vp, i32, vp, i32]
+        lib.dragonn_build_table.argtypes = [vp, i32, i64, f32, i64, u32, i32, vp, i32, i64, i64, i32, vp]
+        lib.dragonn_build_table.restype = i32
+        lib.dragonn_gather.argtypes = [vp, i64, i32, vp, i32, vp, i32, vp, i32, vp]
         lib.dragonn_gather.restype = i64
         lib.dragonn_isa.argtypes = [i32]
         lib.dragonn_isa.restype = i32
@@ -240,16 +240,25 @@ def build_table(flat: torch.Tensor, threshold: torch.Tensor, capacity: int, seed
         raise ValueError(f"capacity must be >= 1, got {capacity}")
     if thr != thr:  # NaN threshold: the reference's comparisons are all False
         return torch.full((capacity,), EMPTY_SLOT, dtype=torch.int64)
+    return _build_table(flat, thr, capacity, seed, index_bits, None)[0]
+
+
+def _build_table(flat: torch.Tensor, thr: float, capacity: int, seed: int, index_bits: int,
+                 vtab: Optional[torch.Tensor]) -> tuple[torch.Tensor, bool]:
     table = torch.empty(capacity, dtype=torch.int64)
-    load().dragonn_build_table(flat.data_ptr(), DTYPE_CODES[flat.dtype], flat.numel(), thr, capacity,
-                               int(seed) & 0xFFFFFFFF, index_bits, table.data_ptr(), torch.get_num_threads(),
-                               BLOCK_BYTES, BUCKET_CAP, _isa_code(ISA))
-    return table
+    filled = load().dragonn_build_table(flat.data_ptr(), DTYPE_CODES[flat.dtype], flat.numel(), thr, capacity,
+                                        int(seed) & 0xFFFFFFFF, index_bits, table.data_ptr(),
+                                        torch.get_num_threads(), BLOCK_BYTES, BUCKET_CAP, _isa_code(ISA),
+                                        None if vtab is None else vtab.data_ptr())
+    return table, bool(filled)
 
 
-def gather_table(flat: torch.Tensor, table: torch.Tensor, index_bits: int, index_dtype: torch.dtype
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as ``dragonn.gather_table`` (valid slots in slot order)."""
+def gather_table(flat: torch.Tensor, table: torch.Tensor, index_bits: int, index_dtype: torch.dtype,
+                 vtab: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as ``dragonn.gather_table`` (valid slots in slot order).
+
+    ``vtab``: per-slot values filled by the table build (see :func:`select`); None reads ``flat``.
+    """
     flat = _check(flat)
     table = table.contiguous()
     m = table.numel()
@@ -257,5 +266,24 @@ def gather_table(flat: torch.Tensor, table: torch.Tensor, index_bits: int, index
     vals = torch.empty(m, dtype=flat.dtype)
     count = load().dragonn_gather(table.data_ptr(), m, index_bits, flat.data_ptr(), flat.element_size(),
                                   idx.data_ptr(), int(index_dtype == torch.int64), vals.data_ptr(),
-                                  torch.get_num_threads())
+                                  torch.get_num_threads(), None if vtab is None else vtab.data_ptr())
     return idx[:count], vals[:count]
+
+
+def select(flat: torch.Tensor, threshold: torch.Tensor, capacity: int, seed: int, index_bits: int,
+           index_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gather_table(flat, build_table(flat, threshold, capacity, seed, ...))`` in one go.
+
+    The cache-blocked table build also records each slot's winning value (it has the element in cache
+    when it finds it), so the gather reads the table's values in slot order instead of ~count scattered
+    reads of ``flat``. Same result as the two calls, bit for bit (tests/test_kernels.py).
+    """
+    flat = _check(flat)
+    thr = float(threshold)
+    if capacity < 1:
+        raise ValueError(f"capacity must be >= 1, got {capacity}")
+    if thr != thr:
+        return torch.empty(0, dtype=index_dtype), torch.empty(0, dtype=flat.dtype)
+    vtab = torch.empty(capacity, dtype=flat.dtype)
+    table, filled = _build_table(flat, thr, capacity, seed, index_bits, vtab)
+    return gather_table(flat, table, index_bits, index_dtype, vtab if filled else None)
