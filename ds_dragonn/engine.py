@@ -73,6 +73,7 @@ class DragonnHook:
         self.engine.allreduce_bucket = self.allreduce_bucket
         self.engine.dragonn = self
         print_dist(f"DRAGONN enabled: compressor={self.compressor.name} density={self.cfg.density} "
+                   f"kernel={getattr(self.cfg.kernel, 'value', self.cfg.kernel)} "
                    f"sample_ratio={self.cfg.sample_ratio} table_factor={self.cfg.table_factor} "
                    f"min_compress_numel={self.cfg.min_compress_numel} warmup_steps={self.cfg.warmup_steps} "
                    f"error_feedback={self.cfg.error_feedback} comm_backend={self.cfg.comm_backend.value} "

@@ -95,16 +95,16 @@ def _loaded_libgomp() -> list[str]:
 def openmp_flags() -> list[str]:
     """``["-fopenmp"]`` when the build can share torch's OpenMP runtime, else ``[]``.
 
-    Only then: torch's parallel backend is OpenMP and exactly one ``libgomp.so.1`` is loaded (the
-    library's NEEDED ``libgomp.so.1`` then binds to it: one thread pool, not two competing for the cores).
-    ``DS_DRAGONN_CPU_OPENMP=0`` forces std::thread.
+    Only then: torch's parallel backend is OpenMP and exactly one file named ``libgomp.so.1`` is loaded
+    (torch's; the library's NEEDED ``libgomp.so.1`` then binds to it by soname: one thread pool, not two
+    competing for the cores). Copies renamed by auditwheel (e.g. scikit-learn's ``libgomp-<hash>.so``)
+    have other sonames and do not interfere. ``DS_DRAGONN_CPU_OPENMP=0`` forces std::thread.
     """
     if os.environ.get("DS_DRAGONN_CPU_OPENMP", "1") == "0":
         return []
     if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
         return []
-    loaded = _loaded_libgomp()
-    if len(loaded) != 1 or Path(loaded[0]).name != "libgomp.so.1":
+    if len([p for p in _loaded_libgomp() if Path(p).name == "libgomp.so.1"]) != 1:
         return []
     return ["-fopenmp"]
 
