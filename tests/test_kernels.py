@@ -226,7 +226,7 @@ def test_cpu_sample_strata(dtype):
     n = (1 << 20) + 7
     x = make(n, dtype, seed=5)
     for s in (1, 2, 63, 64, 65, 1000, (1 << 15) - 1, (1 << 15) + 5, n // 3, n // 2 + 1, n - 1, n):
-        for kk_density in (0.01, 0.5):
+        for kk_density in (0.001, 0.01, 0.03, 0.5):  # per-thread heaps (kk <= s/32) and a full nth_element
             want = ref.sample_threshold(x, kk_density, s, seed=s * 7 + 1)
             got = sample_threshold_fast(x, kk_density, s, s * 7 + 1, "cpu")
             assert same_bits(got.reshape(()), want.reshape(())), (s, kk_density)
