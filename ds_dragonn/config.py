@@ -12,6 +12,7 @@ is allowed.
 """
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from enum import Enum
@@ -165,7 +166,9 @@ def _format_errors(err: ValidationError) -> str:
         where = f"'{DRAGONN_KEY}.{key}'" if e["loc"] else f"'{DRAGONN_KEY}'"
         if e["type"] == "extra_forbidden":
             allowed = ", ".join(sorted(DragonnConfig.model_fields))
-            lines.append(f"{where}: unknown key (value {e['input']!r}); allowed keys: {allowed}")
+            close = difflib.get_close_matches(str(e["loc"][-1]), list(DragonnConfig.model_fields), n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            lines.append(f"{where}: unknown key (value {e['input']!r}); {hint}allowed keys: {allowed}")
         else:
             msg = e["msg"].removeprefix("Value error, ")
             lines.append(f"{where}: invalid value {e['input']!r}: {msg}")

@@ -122,7 +122,8 @@ class DragonnHook:
             tensor.copy_(work)
         self.telemetry.record_compressed(stats)
         if self.cfg.log_interval and self.telemetry.compressed_reductions % self.cfg.log_interval == 0:
-            log_reduction(step, stats, getattr(engine, "monitor", None))
+            # 1-based like DeepSpeed's own step logs (global_steps is incremented after engine.step())
+            log_reduction(step + 1, stats, getattr(engine, "monitor", None))
         return tensor
 
     # -- state --------------------------------------------------------------------------------------

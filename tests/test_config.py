@@ -23,7 +23,7 @@ def test_reads_json_path(tmp_path):
 
 
 @pytest.mark.parametrize("block, needles", [
-    ({"densty": 0.1}, ["dragonn.densty", "unknown key", "density"]),
+    ({"densty": 0.1}, ["dragonn.densty", "unknown key", "did you mean 'density'?"]),
     ({"density": 0}, ["dragonn.density", "0", "greater than 0"]),
     ({"density": 1.5}, ["dragonn.density", "1.5", "less than or equal to 1"]),
     ({"density": "lots"}, ["dragonn.density", "lots"]),
