@@ -36,11 +36,17 @@ def test_target_k(n, density):
     assert k == (0 if n == 0 else min(n, max(1, math.ceil(density * n - 1e-9))))
 
 
-@pytest.mark.parametrize("density", [1e-300, 1e-12, 1e-9])
+@pytest.mark.parametrize("density", [5e-324, 1e-307, 1e-300, 1e-12, 1e-9])  # 256/density overflows below ~1e-306
 def test_tiny_density_still_keeps_one_element(density):
     x = fresh(1000)
     assert target_k(1000, density) == 1
     assert DragonnCompressor(density).compress(x, 0).count == 1
+
+
+@pytest.mark.parametrize("table_factor", [0.5, float("nan"), float("inf")])
+def test_bad_table_factor_is_rejected_at_construction(table_factor):
+    with pytest.raises(ValueError, match="table_factor"):
+        DragonnCompressor(0.01, table_factor=table_factor)
 
 
 def test_density_one_table_is_capped_at_numel():

@@ -51,7 +51,10 @@ def sample_size(numel: int, sample_ratio: float, min_sample: int, density: float
 
     256 expected hits put the relative spread of the candidate count near 1/sqrt(256) ≈ 6 %.
     """
-    return min(numel, max(min_sample, math.ceil(sample_ratio * numel), math.ceil(MIN_SAMPLE_HITS / density)))
+    need = MIN_SAMPLE_HITS / density  # inf for densities below ~1e-306: then the whole buffer
+    if not need < numel:
+        return numel
+    return min(numel, max(min_sample, math.ceil(sample_ratio * numel), math.ceil(need)))
 
 
 def candidate_density(density: float, table_factor: float, direct: bool = False) -> float:
@@ -223,8 +226,8 @@ class DragonnCompressor(Compressor):
             raise ValueError(f"sample_ratio must be in (0, 1], got {sample_ratio}")
         if min_sample < 1:
             raise ValueError(f"min_sample must be >= 1, got {min_sample}")
-        if table_factor < 1.0:
-            raise ValueError(f"table_factor must be >= 1, got {table_factor}")
+        if not (1.0 <= table_factor and math.isfinite(table_factor)):
+            raise ValueError(f"table_factor must be finite and >= 1, got {table_factor}")
         self.sample_ratio = float(sample_ratio)
         self.min_sample = int(min_sample)
         self.table_factor = float(table_factor)

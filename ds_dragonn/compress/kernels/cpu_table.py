@@ -88,23 +88,28 @@ def _loaded_libgomp() -> list[str]:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
         return []
-    return sorted({line.split()[-1] for line in maps.splitlines()
-                   if "/libgomp" in line and line.split()[-1].startswith("/")})
+    paths = set()
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)  # address perms offset dev inode [path, may contain spaces]
+        if len(fields) == 6 and fields[5].startswith("/") and "/libgomp" in fields[5]:
+            paths.add(fields[5])
+    return sorted(paths)
 
 
 def openmp_flags() -> list[str]:
     """``["-fopenmp"]`` when the build can share torch's OpenMP runtime, else ``[]``.
 
-    Only then: torch's parallel backend is OpenMP and exactly one file named ``libgomp.so.1`` is loaded
-    (torch's; the library's NEEDED ``libgomp.so.1`` then binds to it by soname: one thread pool, not two
-    competing for the cores). Copies renamed by auditwheel (e.g. scikit-learn's ``libgomp-<hash>.so``)
-    have other sonames and do not interfere. ``DS_DRAGONN_CPU_OPENMP=0`` forces std::thread.
+    Only then: torch's parallel backend is OpenMP and exactly one file named ``libgomp.so.1*`` is loaded
+    (torch's ``libgomp.so.1``, or ``libgomp.so.1.0.0`` in conda and system installs; the library's NEEDED
+    ``libgomp.so.1`` then binds to it by soname: one thread pool, not two competing for the cores). Copies
+    renamed by auditwheel (e.g. scikit-learn's ``libgomp-<hash>.so.1.0.0``) have other sonames and do not
+    interfere. ``DS_DRAGONN_CPU_OPENMP=0`` forces std::thread.
     """
     if os.environ.get("DS_DRAGONN_CPU_OPENMP", "1") == "0":
         return []
     if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
         return []
-    if len([p for p in _loaded_libgomp() if Path(p).name == "libgomp.so.1"]) != 1:
+    if len([p for p in _loaded_libgomp() if Path(p).name.startswith("libgomp.so.1")]) != 1:
         return []
     return ["-fopenmp"]
 
