@@ -396,7 +396,7 @@ float dragonn_sample_kth(const void* x, int dtype, int64_t n, int64_t s, int64_t
   // kk much smaller than s (the usual density): each thread keeps only its kk largest in a min-heap (about
   // kk·ln(s/kk) pushes, otherwise one compare per sample) and the kk-th largest of their union is the
   // kk-th largest of the sample; a full nth_element over s values cost ~7 ns per sample.
-  const int nt = s < (1 << 15) ? 1 : std::max(1, nthreads);
+  const int nt = s < (1 << 12) ? 1 : std::max(1, nthreads);  // scattered reads: latency-bound, so threads help early
   const bool use_heap = kk * 32 <= s && kk * nt <= s;
   std::vector<std::vector<uint32_t>> heaps(use_heap ? nt : 0);
   parallel_for(s, nt, 64, [&](int t, int64_t lo, int64_t hi) {
