@@ -236,10 +236,10 @@ class DragonnCompressor(Compressor):
     def threshold(self, flat: torch.Tensor, seed: int, kernel: str = "reference") -> torch.Tensor:
         from .kernels import sample_threshold_fast
         n = flat.numel()
-        if target_k(n, self.density) >= n:
+        k = target_k(n, self.density)
+        if k >= n:
             return torch.zeros((), dtype=torch.float32, device=flat.device)  # keep every nonzero
         s = sample_size(n, self.sample_ratio, self.min_sample, self.density)
-        k = target_k(n, self.density)
         rate = candidate_density(self.density, self.table_factor,
                                  direct=table_capacity(k, self.table_factor, n) >= n)
         return sample_threshold_fast(flat, rate, s, step_sample_seed(seed), kernel)

@@ -57,6 +57,8 @@ inline uint32_t half_abs_to_f32_bits(uint16_t h) {
   return ((uint32_t)(113 - sh) << 23) | ((mant & 0x3FFu) << 13);
 }
 
+inline int elem_size(int dtype) { return dtype == F64 ? 8 : (dtype == F32 ? 4 : 2); }
+
 // float32 bits of mag = float32(|x|) with NaN -> +Inf, for element i.
 inline uint32_t mag_bits(const void* x, int dtype, int64_t i) {
   switch (dtype) {
@@ -406,7 +408,7 @@ float dragonn_sample_kth(const void* x, int dtype, int64_t n, int64_t s, int64_t
     // the reads of batch b, so about 2Q scattered reads are in flight.
     constexpr int Q = 64;
     int64_t pos[2][Q];
-    const int esize = dtype == F64 ? 8 : (dtype == F32 ? 4 : 2);
+    const int esize = elem_size(dtype);
     const __int128 jr = (__int128)lo * r;
     int64_t start = lo * q + (int64_t)(jr / s), rem = (int64_t)(jr % s);
     auto positions = [&](int64_t j0, int64_t* out) {
@@ -535,7 +537,7 @@ int dragonn_build_table(const void* x, int dtype, int64_t n, float thr, int64_t 
     // not initialised: only the pages that receive candidates are touched
     std::unique_ptr<int64_t[]> keys(new (std::nothrow) int64_t[nb * bk.cap]);
     std::unique_ptr<uint32_t[]> loc(new (std::nothrow) uint32_t[nb * bk.cap]);
-    const int esize = dtype == F64 ? 8 : (dtype == F32 ? 4 : 2);
+    const int esize = elem_size(dtype);
     std::unique_ptr<char[]> vals(vtab ? new (std::nothrow) char[nb * bk.cap * esize] : nullptr);
     std::vector<int64_t> count(nb, 0);
     std::vector<int> state(P, 0);

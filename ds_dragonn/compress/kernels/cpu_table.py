@@ -239,23 +239,24 @@ def sample_kth(flat: torch.Tensor, num_samples: int, kk: int, seed: int) -> torc
 def build_table(flat: torch.Tensor, threshold: torch.Tensor, capacity: int, seed: int, index_bits: int
                 ) -> torch.Tensor:
     """Same contract as ``dragonn.build_table``; ``index_bits`` is ``dragonn.index_bits(numel)``."""
-    flat = _check(flat)
+    return _build_table(_check(flat), threshold, capacity, seed, index_bits, with_values=False)[0]
+
+
+def _build_table(flat: torch.Tensor, threshold: torch.Tensor, capacity: int, seed: int, index_bits: int,
+                 with_values: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(table, per-slot values or None) for a checked ``flat``; values only where the library filled them."""
     thr = float(threshold)
     if capacity < 1:
         raise ValueError(f"capacity must be >= 1, got {capacity}")
     if thr != thr:  # NaN threshold: the reference's comparisons are all False
-        return torch.full((capacity,), EMPTY_SLOT, dtype=torch.int64)
-    return _build_table(flat, thr, capacity, seed, index_bits, None)[0]
-
-
-def _build_table(flat: torch.Tensor, thr: float, capacity: int, seed: int, index_bits: int,
-                 vtab: Optional[torch.Tensor]) -> tuple[torch.Tensor, bool]:
+        return torch.full((capacity,), EMPTY_SLOT, dtype=torch.int64), None
     table = torch.empty(capacity, dtype=torch.int64)
+    vtab = torch.empty(capacity, dtype=flat.dtype) if with_values else None
     filled = load().dragonn_build_table(flat.data_ptr(), DTYPE_CODES[flat.dtype], flat.numel(), thr, capacity,
                                         int(seed) & 0xFFFFFFFF, index_bits, table.data_ptr(),
                                         torch.get_num_threads(), BLOCK_BYTES, BUCKET_CAP, _isa_code(ISA),
                                         None if vtab is None else vtab.data_ptr())
-    return table, bool(filled)
+    return table, (vtab if filled else None)
 
 
 def gather_table(flat: torch.Tensor, table: torch.Tensor, index_bits: int, index_dtype: torch.dtype,
@@ -284,11 +285,5 @@ def select(flat: torch.Tensor, threshold: torch.Tensor, capacity: int, seed: int
     reads of ``flat``. Same result as the two calls, bit for bit (tests/test_kernels.py).
     """
     flat = _check(flat)
-    thr = float(threshold)
-    if capacity < 1:
-        raise ValueError(f"capacity must be >= 1, got {capacity}")
-    if thr != thr:
-        return torch.empty(0, dtype=index_dtype), torch.empty(0, dtype=flat.dtype)
-    vtab = torch.empty(capacity, dtype=flat.dtype)
-    table, filled = _build_table(flat, thr, capacity, seed, index_bits, vtab)
-    return gather_table(flat, table, index_bits, index_dtype, vtab if filled else None)
+    table, vtab = _build_table(flat, threshold, capacity, seed, index_bits, with_values=True)
+    return gather_table(flat, table, index_bits, index_dtype, vtab)
