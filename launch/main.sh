@@ -11,8 +11,14 @@ cd "$REPO"
 OUT="${OUT:-runs/main}"
 NUM_RANKS="${NUM_RANKS:-2}"
 mkdir -p "$OUT"
+# DeepSpeed's CPU shared-memory allreduce leaves a 69 MB /dev/shm file per rank and port behind
+# (deepspeed_allreduce_buffer_*_<addr>_<port>_<rank>, never unlinked): remove ours when the job ends.
+ports=()
+cleanup_shm() { for p in "${ports[@]}"; do rm -f /dev/shm/deepspeed_allreduce_buffer_*_127.0.0.1_"$p"_*; done; }
+trap cleanup_shm EXIT
 for name in dense dragonn; do
   port="$(python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+  ports+=("$port")
   echo "== $name: deepspeed --num_gpus $NUM_RANKS launch/train.py --deepspeed_config configs/$name.json"
   deepspeed --num_gpus "$NUM_RANKS" --master_addr 127.0.0.1 --master_port "$port" \
     launch/train.py --deepspeed_config "configs/$name.json" --summary "$OUT/$name.json" "$@" 2>&1 \
