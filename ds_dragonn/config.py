@@ -37,6 +37,11 @@ class ExchangeScheme(str, Enum):
     allgather = "allgather"  # every rank gathers every rank's (index, value) pairs (DRAGONN paper, Sec. 4)
 
 
+class Policy(str, Enum):
+    auto = "auto"  # compress a bucket only where it measured faster than the dense allreduce
+    always = "always"  # compress every bucket above min_compress_numel after the warm-up
+
+
 class Compressor(str, Enum):
     dragonn = "dragonn"  # sampled threshold + hashed index table (DRAGONN paper)
     topk = "topk"  # exact top-k of |g| (baseline)
@@ -78,6 +83,17 @@ class DragonnConfig(DeepSpeedConfigModel):
 
     warmup_steps: int = Field(0, ge=0, strict=True)
     """Optimizer steps that use the dense allreduce before compression starts (paper: 200)."""
+
+    policy: Policy = Policy.auto
+    """``auto``: per bucket, time the dense and the compressed reduction on the real link
+    (``auto_probe_steps`` each), agree across ranks and compress only where it is faster; re-check every
+    ``auto_recheck_interval`` steps. ``always``: compress every bucket (after the warm-up)."""
+
+    auto_probe_steps: int = Field(3, ge=1, le=1000, strict=True)
+    """Timed reductions of each kind (dense, compressed) per bucket before the auto decision."""
+
+    auto_recheck_interval: int = Field(1000, ge=0, strict=True)
+    """Reductions of a bucket between auto decisions, in steps (0: decide once)."""
 
     error_feedback: bool = Field(True, strict=True)
     """Keep what was not sent in a residual and add it back next step (nothing lost, only delayed)."""

@@ -1,20 +1,28 @@
-"""Decode: sum every rank's (index, value) pairs into one dense buffer.
+"""Decode: sum every rank's (index, value) pairs into one dense buffer, then average.
 
 Fixes the prototype's overwrite-scatter: pairs from different ranks that hit the same index are
-*summed* (``index_add_``), and averaging is left to the caller so it matches DeepSpeed's dense path.
-Ranks are added one after another: within a rank indices are distinct, so even the GPU's atomic
-``index_add_`` is deterministic and every rank decodes bit-identical results.
+*summed* (``index_add_``), and the sum is scaled afterwards exactly as DeepSpeed's dense path scales its
+allreduced sum. Ranks are added one after another: within a rank indices are distinct, so even the GPU's
+atomic ``index_add_`` is deterministic and every rank decodes bit-identical results.
+
+Step budget: :class:`SparseDecoder` keeps one persistent output buffer per bucket that is zero except at
+the positions the previous step decoded; it clears those (``P × k`` positions) instead of zeroing the
+whole buffer, and scales only the decoded positions. A step therefore costs O(P·k), not O(n), unless
+somebody wrote into the returned buffer (its ``_version`` changed): then it is zeroed in full once.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Dict, Hashable, List, Sequence
 
 import torch
+
+from . import scatter
+from .memory import persistent_zeros
 
 
 def decode_sum(numel: int, indices: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
                dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Dense sum of sparse contributions.
+    """Dense sum of sparse contributions in a new buffer (reference; :class:`SparseDecoder` is the fast path).
 
     Args:
         numel: length n of the dense buffer.
@@ -29,3 +37,50 @@ def decode_sum(numel: int, indices: Sequence[torch.Tensor], values: Sequence[tor
         if idx.numel():
             out.index_add_(0, idx.to(device=device, dtype=torch.long), val.to(device=device, dtype=dtype))
     return out
+
+
+class SparseDecoder:
+    """Persistent per-bucket decode buffers, cleared and scaled sparsely."""
+
+    def __init__(self):
+        self._out: Dict[Hashable, torch.Tensor] = {}
+        self._touched: Dict[Hashable, List[torch.Tensor]] = {}  # positions the last decode wrote
+        self._version: Dict[Hashable, int] = {}  # the buffer's _version right after that decode
+
+    def decode(self, key: Hashable, numel: int, indices: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
+               dtype: torch.dtype, device: torch.device, postscale: float = 1.0) -> torch.Tensor:
+        """``postscale × decode_sum(...)`` in the bucket's persistent buffer (bit-identical to it).
+
+        Args: as :func:`decode_sum`; ``postscale`` multiplies the sum (DeepSpeed's averaging factor),
+            after the summation, as DeepSpeed's dense path does.
+        Returns:
+            The persistent (n,) buffer of ``dtype``; valid until the next ``decode`` of the same key.
+        """
+        out = self._out.get(key)
+        if out is None or out.numel() != numel or out.dtype != dtype or out.device != device:
+            out = persistent_zeros(numel, dtype, device)
+            self._out[key] = out
+        elif out._version != self._version.get(key):
+            out.zero_()  # written by somebody else since our last decode
+        else:
+            for idx in self._touched.get(key, ()):
+                scatter.zero_(out, idx)
+        touched = []
+        for idx, val in zip(indices, values):
+            if idx.numel():
+                idx = idx.to(device=device)
+                scatter.add_(out, idx, val)
+                touched.append(idx)
+        if postscale != 1.0 and touched:
+            # read every decoded sum before writing any: an index sent by several ranks is then
+            # written several times with the same value
+            pos = touched[0] if len(touched) == 1 else torch.cat(touched)
+            scatter.set_(out, pos, scatter.gather_scaled(out, pos, postscale))
+        self._touched[key] = touched
+        self._version[key] = out._version
+        return out
+
+    def reset(self) -> None:
+        self._out.clear()
+        self._touched.clear()
+        self._version.clear()

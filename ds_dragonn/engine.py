@@ -11,6 +11,7 @@ Every rank takes the same branch: the decision depends only on the step, the buc
 from __future__ import annotations
 
 import inspect
+import time
 from typing import Any, Dict, Hashable, NamedTuple, Optional
 
 from deepspeed.utils.logging import print_dist
@@ -18,10 +19,11 @@ from deepspeed.utils.logging import print_dist
 from .comm import build_backend
 from .comm.base import CommBackend
 from .compress import build_compressor
-from .config import DragonnConfig
+from .config import DragonnConfig, Policy
 from .feedback import ErrorFeedback
-from .pipeline import CompressedAllreduce
-from .telemetry import Telemetry, log_reduction
+from .pipeline import CompressedAllreduce, ReduceStats
+from .policy import AutoPolicy
+from .telemetry import Telemetry, log_reduction, monitor_events
 
 
 class Scales(NamedTuple):
@@ -38,6 +40,14 @@ def reduction_scales(engine: Any, dp_world_size: float) -> Scales:
         pre = engine.gradient_predivide_factor()
         return Scales(1.0 / pre if pre != 1.0 else 1.0, pre / dp_world_size if pre != dp_world_size else 1.0)
     return Scales(1.0 / dp_world_size, 1.0)
+
+
+def _now(bucket) -> float:
+    """perf_counter after the bucket's device finished its queued work (CUDA), for phase timing."""
+    if bucket and bucket[0].is_cuda:
+        import torch
+        torch.cuda.synchronize(bucket[0].device)
+    return time.perf_counter()
 
 
 def bucket_seed(seed: int, step: int, ordinal: int) -> int:
@@ -63,6 +73,10 @@ class DragonnHook:
         self._step = -1
         self._ordinal = 0
         self._warned_small = False
+        self._announced = False  # the switch to compression was logged
+        self._pending: set = set()  # buckets whose residual may hold unsent gradient
+        self.policy = AutoPolicy(cfg.auto_probe_steps, cfg.auto_recheck_interval,
+                                 always=cfg.policy == Policy.always)
 
     # -- installation -------------------------------------------------------------------------------
     def install(self) -> "DragonnHook":
@@ -77,7 +91,9 @@ class DragonnHook:
                    f"sample_ratio={self.cfg.sample_ratio} table_factor={self.cfg.table_factor} "
                    f"min_compress_numel={self.cfg.min_compress_numel} warmup_steps={self.cfg.warmup_steps} "
                    f"error_feedback={self.cfg.error_feedback} comm_backend={self.cfg.comm_backend.value} "
-                   f"exchange={self.cfg.exchange.value}", ranks=[0])
+                   f"exchange={self.cfg.exchange.value} policy={self.cfg.policy.value}"
+                   f"{f' (probe {self.cfg.auto_probe_steps} steps, re-check every {self.cfg.auto_recheck_interval})' if self.cfg.policy == Policy.auto else ''}",
+                   ranks=[0])
         return self
 
     def _pipeline(self, dp_group: Any) -> CompressedAllreduce:
@@ -101,30 +117,63 @@ class DragonnHook:
         comm_dtype = engine.communication_data_type
         pipeline = self._pipeline(dp_group)
         world = pipeline.backend.world_size
+        if dp_world_size is None:
+            dp_world_size = world
+        key: Hashable = (ordinal, str(comm_dtype), numel)
         small = numel < max(self.cfg.min_compress_numel, 1)
         if small and not self._warned_small:
             self._warned_small = True
             print_dist(f"DRAGONN: a gradient bucket of {numel} elements is below min_compress_numel="
                        f"{self.cfg.min_compress_numel}: it uses DeepSpeed's dense allreduce (lower "
                        f"'dragonn.min_compress_numel' to compress it)", ranks=[0])
-        if step < self.cfg.warmup_steps or small:
-            self.telemetry.record_dense(numel, comm_dtype.itemsize, world)
-            return self._dense_allreduce_bucket(bucket, dp_group, dp_world_size)
+        warm = step < self.cfg.warmup_steps
+        if small or warm or not self.policy.compress(key):
+            t0 = _now(bucket)
+            if key in self._pending and not small:  # compressed before: flush its residual now
+                out = pipeline.reduce_dense(bucket, key, *reduction_scales(engine, dp_world_size), comm_dtype)
+                self._pending.discard(key)
+            else:
+                out = self._dense_allreduce_bucket(bucket, dp_group, dp_world_size)
+            ms = (_now(bucket) - t0) * 1e3
+            if not small:
+                self.policy.record_dense(key, ms)
+            self.telemetry.record_dense(numel, comm_dtype.itemsize, world, ms)
+            self._monitor(None, ms)
+            return out
 
-        tensor = engine.flatten(bucket)
-        work = tensor if comm_dtype == tensor.dtype else tensor.to(comm_dtype)
-        if dp_world_size is None:
-            dp_world_size = world
+        if not self._announced:
+            self._announced = True
+            print_dist(f"DRAGONN: compressing from step {step + 1} (warm-up: {self.cfg.warmup_steps} dense steps"
+                       f"{', auto probes before' if self.cfg.policy == Policy.auto else ''})", ranks=[0])
         scales = reduction_scales(engine, dp_world_size)
-        key: Hashable = (ordinal, str(work.dtype), numel)
-        stats = pipeline(work, key, bucket_seed(self.cfg.seed, step, ordinal), scales.prescale, scales.postscale)
-        if work is not tensor:
-            tensor.copy_(work)
+        # no flatten: the pipeline compensates the bucket's gradients straight into the persistent
+        # residual and returns its persistent decode buffer, which DeepSpeed's allreduce_and_copy
+        # unflattens and copies into the gradients (in the gradients' dtype)
+        out, stats = pipeline.reduce(bucket, key, bucket_seed(self.cfg.seed, step, ordinal), scales.prescale,
+                                     scales.postscale, comm_dtype)
+        if self.error_feedback.enabled:
+            self._pending.add(key)
         self.telemetry.record_compressed(stats)
+        total_ms = stats.compress_ms + stats.exchange_ms + stats.decode_ms
+        if self.policy.record_compressed(key, total_ms):
+            compress, dense_ms, comp_ms = self.policy.decide(key, pipeline.backend, out.device)
+            print_dist(f"DRAGONN auto: bucket {ordinal} ({numel} elements) dense {dense_ms:.2f} ms, compressed "
+                       f"{comp_ms:.2f} ms -> {'compress' if compress else 'dense allreduce'}"
+                       f"{f' (re-check in {self.cfg.auto_recheck_interval} steps)' if self.cfg.auto_recheck_interval else ''}",
+                       ranks=[0])
         if self.cfg.log_interval and self.telemetry.compressed_reductions % self.cfg.log_interval == 0:
             # 1-based like DeepSpeed's own step logs (global_steps is incremented after engine.step())
-            log_reduction(step + 1, stats, getattr(engine, "monitor", None))
-        return tensor
+            log_reduction(step + 1, stats)
+        self._monitor(stats)
+        return out
+
+    def _monitor(self, stats: Optional[ReduceStats], dense_ms: Optional[float] = None) -> None:
+        monitor = getattr(self.engine, "monitor", None)
+        if monitor is None or not getattr(monitor, "enabled", False):
+            return
+        # DeepSpeed's x-axis: the global samples its Train/Samples/* events of this step will carry
+        samples = int(getattr(self.engine, "global_samples", 0)) + int(self.engine.train_batch_size())
+        monitor.write_events(monitor_events(self.telemetry, samples, stats, dense_ms))
 
     # -- state --------------------------------------------------------------------------------------
     def state_dict(self) -> dict:

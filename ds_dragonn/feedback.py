@@ -1,18 +1,31 @@
 """Error feedback: a residual per flattened buffer, so that nothing selected away is lost, only delayed.
 
 Order (fixed in ``ds_dragonn.pipeline`` and nowhere else, cf. GRACE's communicator template):
-``compensate`` (buffer + residual) → compress → exchange → ``update`` (residual = compensated − sent),
-the update only after the exchange succeeded.
+:meth:`ErrorFeedback.compensate_` (residual += gradient, in place) → compress → exchange →
+:meth:`ErrorFeedback.commit` (residual at the sent positions = compensated − sent), the commit only
+after the exchange succeeded. A failed exchange therefore leaves ``old residual + gradient`` in the
+residual: nothing is recorded as sent that never left, and nothing is lost.
 
 Invariant, exactly (tests check it): ``scatter(sent) + residual == compensated``. Residuals of
 fp16/bf16 buffers are kept in float32 so that small entries are not rounded away; what was actually
 sent (in the wire dtype) is subtracted, so the rounding of sent values stays in the residual too.
+
+Step budget (issue: "cheaper than the wire it saves"): the residual is a persistent buffer that doubles
+as the compensated buffer of the step, so a step allocates nothing of the buffer's size and makes one
+memory pass (read gradient, read and write residual); the commit touches only the ~k sent positions.
+Non-finite entries (NaN/±Inf) must not stay in the residual: a compressor that always sends at least one
+non-finite entry when the buffer has any (DRAGONN, top-k: they rank first) lets the pipeline skip the full
+``isfinite`` pass unless a sent value is non-finite (``clear_non_finite``, overflow steps only).
 """
 from __future__ import annotations
 
-from typing import Dict, Hashable, Optional
+from typing import Dict, Hashable, List, Optional, Sequence
 
 import torch
+
+from . import scatter
+from .compress.kernels import cpu_table
+from .memory import persistent_zeros
 
 
 def residual_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -20,50 +33,112 @@ def residual_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+def _segments(buf: torch.Tensor, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """Views of ``buf`` laid out like ``torch.cat([t.flatten() for t in tensors])``, shaped like each tensor."""
+    views, off = [], 0
+    for t in tensors:
+        views.append(buf[off:off + t.numel()].view(t.shape))
+        off += t.numel()
+    return views
+
+
 class ErrorFeedback:
-    """Residuals keyed by a stable bucket key (e.g. ``(ordinal, dtype, numel)``).
+    """Persistent per-bucket buffers: the residual (error feedback on) or a scratch buffer (off).
+
+    Buckets are keyed by a stable key (e.g. ``(ordinal, dtype, numel)``); each holds one (n,) buffer in
+    :func:`residual_dtype` of the wire dtype, allocated on first use and reused every step.
 
     Args:
-        enabled: when False, ``compensate`` returns the buffer unchanged and ``update`` keeps nothing.
+        enabled: when False, :meth:`compensate_` returns ``prescale × gradient`` in a scratch buffer and
+            :meth:`commit` keeps nothing (``residuals`` stays empty).
     """
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
-        self.residuals: Dict[Hashable, torch.Tensor] = {}
+        self.residuals: Dict[Hashable, torch.Tensor] = {}  # error feedback on: what was not sent yet
+        self._scratch: Dict[Hashable, torch.Tensor] = {}  # error feedback off: the step's work buffer
+        self._views: Dict[Hashable, tuple] = {}  # (buffer, shapes, segment views) per key
 
-    def compensate(self, key: Hashable, flat: torch.Tensor) -> torch.Tensor:
-        """Return a new (n,) tensor ``flat + residual`` in :func:`residual_dtype` (residual 0 if none)."""
-        out = flat.to(residual_dtype(flat.dtype), copy=True)
-        if not self.enabled:
-            return out
-        res = self.residuals.get(key)
-        if res is not None:
-            if res.shape != out.shape or res.device != out.device:
-                raise ValueError(f"residual for bucket {key} has shape {tuple(res.shape)} on {res.device}, "
-                                 f"buffer has {tuple(out.shape)} on {out.device}")
-            out.add_(res)
-        return out
+    def _buffer(self, key: Hashable, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        store = self.residuals if self.enabled else self._scratch
+        buf = store.get(key)
+        if buf is None:
+            buf = persistent_zeros(numel, dtype, device)
+            store[key] = buf
+        elif buf.shape != (numel,) or buf.device != device or buf.dtype != dtype:
+            raise ValueError(f"residual for bucket {key} has shape {tuple(buf.shape)}, dtype {buf.dtype} on "
+                             f"{buf.device}; the buffer has ({numel},) of {dtype} on {device}")
+        return buf
 
-    def update(self, key: Hashable, compensated: torch.Tensor, indices: torch.Tensor,
-               sent_values: torch.Tensor) -> Optional[torch.Tensor]:
-        """Store ``residual = compensated − scatter(indices, sent_values)``; takes ownership of ``compensated``.
+    def _views_of(self, key: Hashable, buf: torch.Tensor, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        shapes = tuple(t.shape for t in tensors)
+        cached = self._views.get(key)
+        if cached is None or cached[0] is not buf or cached[1] != shapes:
+            cached = (buf, shapes, _segments(buf, tensors))
+            self._views[key] = cached
+        return cached[2]
 
-        Entries that are not finite are reset to 0: a NaN/Inf was sent (see ``compress.base.magnitude``)
-        and must not poison every later step.
+    def compensate_(self, key: Hashable, tensors: Sequence[torch.Tensor], dtype: torch.dtype,
+                    prescale: float = 1.0) -> torch.Tensor:
+        """The compensated buffer ``residual + prescale × cat(tensors)``, computed in the residual itself.
 
-        Returns the residual (None when error feedback is off).
+        Args:
+            key: the bucket's stable key.
+            tensors: the bucket's gradients (any shapes, one device, float dtypes), in bucket order; the
+                buffer is their concatenation (DeepSpeed's ``flatten``), never materialised.
+            dtype: the wire (communication) dtype; the buffer is in ``residual_dtype(dtype)``.
+            prescale: factor applied to the gradients (DeepSpeed's ``1/gradient_predivide_factor``).
+        Returns:
+            The persistent (n,) buffer (do not keep it across steps: :meth:`commit` turns it back into the
+            residual).
+        Raises:
+            ValueError: the key's buffer has another length, dtype or device.
         """
-        if not self.enabled:
-            return None
-        res = compensated
-        idx = indices.long()
-        res[idx] = res[idx] - sent_values.to(res.dtype)
-        res.masked_fill_(~torch.isfinite(res), 0.0)
-        self.residuals[key] = res
-        return res
+        tensors = list(tensors)
+        numel = sum(t.numel() for t in tensors)
+        device = tensors[0].device if tensors else torch.device("cpu")
+        buf = self._buffer(key, numel, residual_dtype(dtype), device)
+        views = self._views_of(key, buf, tensors)
+        if not views:
+            return buf
+        if self.enabled and cpu_table.compensate_supported(buf, tensors):
+            cpu_table.compensate(buf, tensors, prescale)
+        elif self.enabled:
+            if prescale == 1.0:
+                torch._foreach_add_(views, tensors)
+            else:
+                torch._foreach_add_(views, tensors, alpha=prescale)
+        else:
+            torch._foreach_copy_(views, tensors)
+            if prescale != 1.0:
+                torch._foreach_mul_(views, prescale)
+        return buf
+
+    def commit(self, key: Hashable, indices: torch.Tensor, kept: torch.Tensor, sent: torch.Tensor) -> None:
+        """Residual at the sent positions ``= kept − sent`` (non-finite results → 0); the rest stays compensated.
+
+        Args:
+            indices: (c,) int32/int64 positions that were sent (distinct).
+            kept: (c,) the compensated values at ``indices`` (the buffer's dtype).
+            sent: (c,) what went on the wire (wire dtype; its rounding stays in the residual).
+        """
+        if not self.enabled or indices.numel() == 0:
+            return
+        buf = self.residuals[key]
+        diff = kept.to(buf.dtype) - sent.to(buf.dtype)
+        torch.nan_to_num_(diff, nan=0.0, posinf=0.0, neginf=0.0)
+        scatter.set_(buf, indices, diff)
+
+    def clear_non_finite(self, key: Hashable) -> None:
+        """Reset every non-finite residual entry to 0 (one full pass; needed only on overflow steps)."""
+        buf = self.residuals.get(key) if self.enabled else None
+        if buf is not None:
+            buf.masked_fill_(~torch.isfinite(buf), 0.0)
 
     def reset(self) -> None:
         self.residuals.clear()
+        self._scratch.clear()
+        self._views.clear()
 
     def state_dict(self) -> dict:
         return {"enabled": self.enabled, "residuals": {k: v.detach().clone() for k, v in self.residuals.items()}}
@@ -71,3 +146,4 @@ class ErrorFeedback:
     def load_state_dict(self, state: dict) -> None:
         """Restore residuals (the ``enabled`` switch stays as configured)."""
         self.residuals = {k: v.clone() for k, v in state["residuals"].items()}
+        self._views.clear()

@@ -1,20 +1,33 @@
-"""The compressed allreduce of one flattened buffer: compensate → compress → exchange → update residual
-→ decode → average. This is the only place that fixes that order. The residual is committed only once
-the exchange has succeeded, so a failed exchange (e.g. ranks that disagree on the buffer) leaves the
-residual as it was instead of recording pairs as sent that never left.
+"""The compressed allreduce of one bucket: compensate → compress → exchange → commit residual → decode.
+
+This is the only place that fixes that order. The residual is committed only once the exchange has
+succeeded, so a failed exchange leaves ``old residual + gradient`` in it: nothing recorded as sent that
+never left, nothing lost.
+
+Step budget (memory passes over the bucket of n elements, per step, CPU and GPU alike):
+
+1. compensate: residual += gradient, in place (reads the gradient and the residual, writes the residual;
+   the bucket is never flattened into a new tensor);
+2. the selection kernel's scan of the compensated buffer (its threshold sample reads ~0.1 % of it);
+
+and nothing else of size n: the residual commit, the non-finite check, the decode, the clearing of the
+previous step's decoded positions and the averaging all touch only the ~k (commit) or ~P·k (decode)
+selected positions. A full pass is added only where it is needed: an overflow step (a sent value is
+non-finite: the residual's non-finite entries are cleared), a compressor that does not always send
+non-finite entries (random-k), or a decode buffer somebody else wrote into.
 """
 from __future__ import annotations
 
 import time
-from typing import Hashable, NamedTuple
+from typing import Hashable, NamedTuple, Sequence, Union
 
 import torch
 
 from .comm.base import CommBackend
 from .compress.base import Compressor, Selection
-from .decode import decode_sum
-from .exchange.allgather import allgather_exchange
-from .feedback import ErrorFeedback
+from .decode import SparseDecoder
+from .exchange.allgather import allgather_exchange, check_buffer_agreement
+from .feedback import ErrorFeedback, residual_dtype
 
 
 class ReduceStats(NamedTuple):
@@ -27,7 +40,9 @@ class ReduceStats(NamedTuple):
         capacity: most pairs the compressor may return (hash-table size for DRAGONN).
         bytes_sent: bytes this rank put on the wire.
         dense_bytes: what a ring allreduce of the buffer sends per rank, ``2(P-1)/P × numel × itemsize``.
-        compress_ms: wall time of compensate + compress + residual update (ms; device-synchronised).
+        compress_ms: compensate + select + residual, in ms (the compression overhead).
+        compensate_ms, select_ms, exchange_ms, residual_ms, decode_ms: wall time of each phase in ms
+            (device-synchronised on CUDA). ``exchange_ms`` includes waiting for the slowest rank.
     """
     numel: int
     k: int
@@ -36,6 +51,17 @@ class ReduceStats(NamedTuple):
     bytes_sent: int
     dense_bytes: int
     compress_ms: float
+    compensate_ms: float = 0.0
+    select_ms: float = 0.0
+    exchange_ms: float = 0.0
+    residual_ms: float = 0.0
+    decode_ms: float = 0.0
+
+
+class Reduced(NamedTuple):
+    """Result of :meth:`CompressedAllreduce.reduce`: the averaged buffer and the statistics."""
+    out: torch.Tensor
+    stats: ReduceStats
 
 
 def dense_allreduce_bytes(numel: int, itemsize: int, world_size: int) -> int:
@@ -43,13 +69,27 @@ def dense_allreduce_bytes(numel: int, itemsize: int, world_size: int) -> int:
     return int(2 * (world_size - 1) * numel * itemsize // max(world_size, 1))
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+class _Clock:
+    """Phase timer; synchronises the device at each mark so that the times are the device's."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.last = self._now()
+
+    def _now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def lap(self) -> float:
+        now = self._now()
+        ms, self.last = (now - self.last) * 1e3, now
+        return ms
 
 
 class CompressedAllreduce:
-    """Sparse allreduce of flattened buffers with error feedback.
+    """Sparse allreduce of flattened buckets with error feedback.
 
     Args:
         compressor: selection method.
@@ -61,40 +101,94 @@ class CompressedAllreduce:
         self.compressor = compressor
         self.backend = backend
         self.error_feedback = error_feedback
+        self.decoder = SparseDecoder()
+        self._agreed: set = set()  # (key, numel, dtype) checked with every rank
+
+    def reduce(self, tensors: Union[torch.Tensor, Sequence[torch.Tensor]], key: Hashable, seed: int,
+               prescale: float = 1.0, postscale: float = 1.0, dtype: torch.dtype | None = None) -> Reduced:
+        """Reduce the bucket ``tensors`` (their concatenation) across ranks.
+
+        Args:
+            tensors: one tensor or the bucket's gradients (any shapes, one device); not modified.
+            key: stable id of this bucket across steps (selects its residual and decode buffer).
+            seed: per-step, per-bucket seed, equal on every rank.
+            prescale: multiplies the local gradients before compensation (DeepSpeed's 1/predivide factor).
+            postscale: multiplies the decoded sum (DeepSpeed's predivide/world_size factor).
+            dtype: wire (communication) dtype; default the gradients' dtype.
+        Returns:
+            :class:`Reduced`; ``out`` is a persistent (n,) buffer of ``dtype`` holding
+            ``postscale × Σ_ranks decoded pairs``, valid until this key's next reduction.
+        Raises:
+            BufferMismatchError: on every rank, when ranks disagree on the bucket's length or dtype
+                (checked before the residual is touched).
+            CommError: a collective failed.
+        """
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        n = sum(t.numel() for t in tensors)
+        device = tensors[0].device if tensors else torch.device("cpu")
+        dtype = dtype or (tensors[0].dtype if tensors else torch.float32)
+        if (key, n, dtype) not in self._agreed:
+            check_buffer_agreement(n, dtype, self.backend, device)
+            self._agreed.add((key, n, dtype))
+
+        clock = _Clock(device)
+        compensated = self.error_feedback.compensate_(key, tensors, dtype, prescale)
+        compensate_ms = clock.lap()
+        sel = self.compressor.compress(compensated, seed)
+        wire_values = sel.values.to(dtype)
+        select_ms = clock.lap()
+
+        sent = Selection(sel.indices, wire_values, sel.threshold, sel.k, sel.capacity)
+        gathered = allgather_exchange(sent, n, dtype, self.backend)
+        exchange_ms = clock.lap()
+
+        self.error_feedback.commit(key, sel.indices, sel.values, wire_values)
+        # a buffer with a NaN/Inf sends at least one of them (they rank first), so finite sent values
+        # prove a finite buffer without a full pass; otherwise clear what stayed in the residual
+        if self.error_feedback.enabled and (not getattr(self.compressor, "sends_non_finite", False)
+                                            or not bool(torch.isfinite(sel.values).all())):
+            self.error_feedback.clear_non_finite(key)
+        residual_ms = clock.lap()
+
+        out = self.decoder.decode(key, n, gathered.indices, gathered.values, dtype, device, postscale)
+        decode_ms = clock.lap()
+        stats = ReduceStats(numel=n, k=sel.k, kept=sel.count, capacity=sel.capacity,
+                            bytes_sent=gathered.bytes_sent,
+                            dense_bytes=dense_allreduce_bytes(n, dtype.itemsize, self.backend.world_size),
+                            compress_ms=compensate_ms + select_ms + residual_ms, compensate_ms=compensate_ms,
+                            select_ms=select_ms, exchange_ms=exchange_ms, residual_ms=residual_ms,
+                            decode_ms=decode_ms)
+        return Reduced(out, stats)
+
+    def reduce_dense(self, tensors: Sequence[torch.Tensor], key: Hashable, prescale: float = 1.0,
+                     postscale: float = 1.0, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Dense allreduce of ``residual + prescale × gradients``, which empties the residual (flush).
+
+        Used when a bucket that has been compressed goes dense (the auto policy's choice): what its
+        residual still holds is sent now instead of being lost. The residual keeps only the rounding of
+        the wire dtype. Allocates a buffer (this runs on switches, not every step).
+
+        Returns:
+            A new (n,) tensor of ``dtype``: ``postscale × Σ_ranks (residual + prescale × gradients)``.
+        """
+        tensors = list(tensors)
+        dtype = dtype or tensors[0].dtype
+        compensated = self.error_feedback.compensate_(key, tensors, dtype, prescale)
+        wire = compensated.to(dtype, copy=True)
+        if self.error_feedback.enabled:
+            compensated.sub_(wire.to(compensated.dtype))
+            self.error_feedback.clear_non_finite(key)
+        self.backend.all_reduce_sum_(wire)
+        if postscale != 1.0:
+            wire.mul_(postscale)
+        return wire
 
     def __call__(self, flat: torch.Tensor, key: Hashable, seed: int, prescale: float = 1.0,
                  postscale: float = 1.0) -> ReduceStats:
-        """Reduce ``flat`` in place across ranks.
-
-        Args:
-            flat: (n,) contiguous float buffer; on return holds ``postscale × Σ_ranks decoded pairs``.
-            key: stable id of this buffer across steps (selects its residual).
-            seed: per-step, per-buffer seed, equal on every rank.
-            prescale: multiplies the local buffer before compensation (DeepSpeed's 1/predivide factor).
-            postscale: multiplies the decoded sum (DeepSpeed's predivide/world_size factor).
-        """
-        n = flat.numel()
-        if prescale != 1.0:
-            flat.mul_(prescale)
-        _sync(flat.device)
-        t0 = time.perf_counter()
-        compensated = self.error_feedback.compensate(key, flat)
-        sel = self.compressor.compress(compensated, seed)
-        wire_values = sel.values.to(flat.dtype)
-        _sync(flat.device)
-        compress_ms = (time.perf_counter() - t0) * 1e3
-
-        sent = Selection(sel.indices, wire_values, sel.threshold, sel.k, sel.capacity)
-        gathered = allgather_exchange(sent, n, flat.dtype, self.backend)
-        t1 = time.perf_counter()
-        self.error_feedback.update(key, compensated, sel.indices, wire_values)
-        _sync(flat.device)
-        compress_ms += (time.perf_counter() - t1) * 1e3
-        out = decode_sum(n, gathered.indices, gathered.values, flat.dtype, flat.device)
-        if postscale != 1.0:
-            out.mul_(postscale)
+        """Reduce the (n,) buffer ``flat`` in place (:meth:`reduce` plus a copy back); returns the statistics."""
+        out, stats = self.reduce(flat, key, seed, prescale, postscale, flat.dtype)
         flat.copy_(out)
-        return ReduceStats(numel=n, k=sel.k, kept=sel.count, capacity=sel.capacity,
-                           bytes_sent=gathered.bytes_sent,
-                           dense_bytes=dense_allreduce_bytes(n, flat.element_size(), self.backend.world_size),
-                           compress_ms=compress_ms)
+        return stats
+
+
+__all__ = ["CompressedAllreduce", "ReduceStats", "Reduced", "dense_allreduce_bytes", "residual_dtype"]

@@ -1,20 +1,29 @@
-"""Counters of what gradient synchronisation cost, logged in DeepSpeed's style and sent to its monitor."""
+"""Counters of what gradient synchronisation cost, logged in DeepSpeed's style and sent to its monitor.
+
+Monitor events (``engine.monitor``: TensorBoard, W&B, CSV, Comet; written on rank 0 by DeepSpeed's
+``MonitorMaster``) go out on every reduction, on DeepSpeed's own x-axis, the global sample count of the
+step (as its ``Train/Samples/*`` series). Per reduction: ``Train/dragonn/compressed`` (1 compressed,
+0 dense: warm-up, small bucket or the auto policy's choice), the snapshot of the step (kept/k, bytes
+ratio, ms of each phase) and running totals (bytes sent, dense-equivalent bytes, achieved density).
+"""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import List, Optional, Tuple
 
 from deepspeed.utils.logging import print_dist
 
 from .pipeline import ReduceStats, dense_allreduce_bytes
+
+PHASES = ("compensate", "select", "exchange", "residual", "decode")
 
 
 @dataclass
 class Telemetry:
     """Running totals on this rank (all buckets, dense and compressed).
 
-    ``bytes_sent`` counts the dense allreduces too (warm-up, small buffers), so
-    ``bytes_sent / dense_bytes_equivalent`` is the whole run's traffic ratio.
+    ``bytes_sent`` counts the dense allreduces too (warm-up, small buffers, auto policy), so
+    ``bytes_sent / dense_bytes_equivalent`` is the whole run's traffic ratio. Times in ms.
     """
     compressed_reductions: int = 0
     dense_reductions: int = 0
@@ -26,12 +35,19 @@ class Telemetry:
     target_k: int = 0
     compressed_numel: int = 0
     compress_ms_total: float = 0.0
+    compensate_ms_total: float = 0.0
+    select_ms_total: float = 0.0
+    exchange_ms_total: float = 0.0
+    residual_ms_total: float = 0.0
+    decode_ms_total: float = 0.0
+    dense_ms_total: float = 0.0
 
-    def record_dense(self, numel: int, itemsize: int, world_size: int) -> None:
+    def record_dense(self, numel: int, itemsize: int, world_size: int, ms: float = 0.0) -> None:
         b = dense_allreduce_bytes(numel, itemsize, world_size)
         self.dense_reductions += 1
         self.bytes_sent += b
         self.dense_bytes_equivalent += b
+        self.dense_ms_total += ms
 
     def record_compressed(self, s: ReduceStats) -> None:
         self.compressed_reductions += 1
@@ -43,6 +59,8 @@ class Telemetry:
         self.target_k += s.k
         self.compressed_numel += s.numel
         self.compress_ms_total += s.compress_ms
+        for p in PHASES:
+            setattr(self, f"{p}_ms_total", getattr(self, f"{p}_ms_total") + getattr(s, f"{p}_ms"))
 
     @property
     def kept_over_k(self) -> float:
@@ -57,22 +75,54 @@ class Telemetry:
     def compress_ms_mean(self) -> float:
         return self.compress_ms_total / self.compressed_reductions if self.compressed_reductions else 0.0
 
+    @property
+    def bytes_ratio(self) -> float:
+        return self.bytes_sent / self.dense_bytes_equivalent if self.dense_bytes_equivalent else 0.0
+
+    def phase_means(self) -> dict:
+        """Mean ms per compressed reduction of each phase, and per dense reduction (``dense_ms_mean``)."""
+        c = self.compressed_reductions
+        d = {f"{p}_ms_mean": getattr(self, f"{p}_ms_total") / c if c else 0.0 for p in PHASES}
+        d["dense_ms_mean"] = self.dense_ms_total / self.dense_reductions if self.dense_reductions else 0.0
+        return d
+
     def summary(self) -> dict:
         d = asdict(self)
         d["compress_ms_mean"] = self.compress_ms_mean
         d["kept_over_k"] = self.kept_over_k
         d["achieved_density"] = self.achieved_density
-        d["bytes_ratio"] = self.bytes_sent / self.dense_bytes_equivalent if self.dense_bytes_equivalent else 0.0
+        d["bytes_ratio"] = self.bytes_ratio
+        d.update(self.phase_means())
         return d
 
 
-def log_reduction(step: int, s: ReduceStats, monitor: Optional[object] = None) -> None:
-    """One line per compressed reduction on rank 0, plus monitor events when DeepSpeed's monitor is on."""
+def log_reduction(step: int, s: ReduceStats) -> None:
+    """One statistics line on rank 0 for a compressed reduction (DeepSpeed's ``print_dist`` style)."""
     ratio = s.bytes_sent / s.dense_bytes if s.dense_bytes else 0.0
+    phases = " ".join(f"{p}={getattr(s, p + '_ms'):.2f}" for p in PHASES)
     print_dist(f"DRAGONN step={step} numel={s.numel} kept={s.kept} k={s.k} kept/k={s.kept / max(s.k, 1):.3f} "
                f"bytes={s.bytes_sent} dense_bytes={s.dense_bytes} ratio={ratio:.4f} "
-               f"compress_ms={s.compress_ms:.2f}", ranks=[0])
-    if monitor is not None and getattr(monitor, "enabled", False):
-        monitor.write_events([("Train/dragonn/kept_over_k", s.kept / max(s.k, 1), step),
-                              ("Train/dragonn/bytes_ratio", ratio, step),
-                              ("Train/dragonn/compress_ms", s.compress_ms, step)])
+               f"compress_ms={s.compress_ms:.2f} ms: {phases}", ranks=[0])
+
+
+def monitor_events(t: Telemetry, samples: int, s: Optional[ReduceStats] = None,
+                   dense_ms: Optional[float] = None) -> List[Tuple[str, float, int]]:
+    """DeepSpeed monitor events for one reduction at x = ``samples`` (global samples of the step).
+
+    Args:
+        t: the running totals, already updated with this reduction.
+        s: the compressed reduction's statistics, or None for a dense one (then ``dense_ms`` is its time).
+    """
+    ev = [("Train/dragonn/compressed", 1.0 if s is not None else 0.0, samples),
+          ("Train/dragonn/total_bytes_sent", float(t.bytes_sent), samples),
+          ("Train/dragonn/total_dense_bytes_equivalent", float(t.dense_bytes_equivalent), samples),
+          ("Train/dragonn/total_bytes_ratio", t.bytes_ratio, samples),
+          ("Train/dragonn/achieved_density", t.achieved_density, samples)]
+    if s is not None:
+        ev += [("Train/dragonn/kept_over_k", s.kept / max(s.k, 1), samples),
+               ("Train/dragonn/bytes_ratio", s.bytes_sent / s.dense_bytes if s.dense_bytes else 0.0, samples),
+               ("Train/dragonn/compress_ms", s.compress_ms, samples)]
+        ev += [(f"Train/dragonn/{p}_ms", getattr(s, f"{p}_ms"), samples) for p in PHASES]
+    elif dense_ms is not None:
+        ev.append(("Train/dragonn/dense_ms", dense_ms, samples))
+    return ev

@@ -6,7 +6,9 @@
 #   bash launch/gpu_check.sh [OUTDIR]        # OUTDIR defaults to $OUT, else runs/gpu_check
 #
 # Writes: env.txt (nvidia-smi, versions), test_kernels.log, bench.log, bench_compress.json,
-# bench_compress.png, bench_compress.md, status.txt (one line per step: ok / FAILED rc).
+# bench_compress.png, bench_compress.md, train_cuda.{log,json} (the main job's DRAGONN run on CUDA, world
+# size 1 over NCCL), bench_step.{log,json} (per-phase step cost on the GPU), status.txt (one line per
+# step: ok / FAILED rc).
 # Budget: set-up 1-3 min on a fresh machine (torch wheel), tests < 1 min, benchmark ~3-5 min on an H200
 # (--budget-s bounds each method). Set GPU_CHECK_QUICK=1 for the 2^20/2^22/2^24 fp32 benchmark only.
 set -uo pipefail
@@ -84,6 +86,13 @@ BENCH=(python launch/bench_compress.py --device cuda --json "$OUTDIR/bench_compr
        --max-reference-exp 28)
 if [[ "${GPU_CHECK_QUICK:-0}" == "1" ]]; then BENCH+=(--quick); fi
 step bench_gpu "$OUTDIR/bench.log" "${BENCH[@]}" || rc=1
+# the engine's compressed path on CUDA tensors: world size 1 over NCCL still runs compress -> exchange ->
+# decode (configs/dragonn.json has "policy": "always"), then the per-phase step benchmark on the GPU
+step train_cuda "$OUTDIR/train_cuda.log" \
+  python -m deepspeed.launcher.runner --num_gpus 1 --master_addr 127.0.0.1 --master_port 29533 \
+  launch/train.py --deepspeed_config configs/dragonn.json --steps 100 --summary "$OUTDIR/train_cuda.json" || rc=1
+step bench_step_cuda "$OUTDIR/bench_step.log" \
+  python launch/bench_step.py --device cuda --steps 20 --json "$OUTDIR/bench_step.json" || rc=1
 echo "outputs in $OUTDIR:" >&2
 cat "$STATUS" >&2
 exit $rc

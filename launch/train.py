@@ -99,7 +99,9 @@ def main():
                 t = dragonn.telemetry
                 line += (f" | density {t.achieved_density:.4f} (kept/k {t.kept_over_k:.3f})"
                          f" | sent so far {t.bytes_sent / 1e6:.3f} MB vs dense {t.dense_bytes_equivalent / 1e6:.3f} MB"
-                         f" | compress {t.compress_ms_mean:.2f} ms/step")
+                         f" | compress {t.compress_ms_mean:.2f} ms/step ("
+                         + " ".join(f"{k.removesuffix('_ms_mean')} {v:.2f}" for k, v in t.phase_means().items())
+                         + f") | {t.compressed_reductions} compressed / {t.dense_reductions} dense")
             if rank == 0:
                 print(line, flush=True)
             loss_sum, loss_n = 0.0, 0

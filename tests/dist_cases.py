@@ -80,7 +80,7 @@ def _engine_config(dragonn: dict | None, bf16: bool = False, predivide: float | 
     if predivide is not None:
         cfg["gradient_predivide_factor"] = predivide
     if dragonn is not None:
-        cfg["dragonn"] = dragonn
+        cfg["dragonn"] = {"policy": "always", **dragonn}
     return cfg
 
 
@@ -94,6 +94,9 @@ ENGINE_RUNS = {
                                       "warmup_steps": 3}),
     "dragonn_disabled": _engine_config({"enabled": False, "density": 0.01}),
     "dense_bf16": _engine_config(None, bf16=True),
+    # auto policy: 1 dense probe, 1 compressed probe, then a decision the ranks agree on (timing-dependent)
+    "dragonn_auto": _engine_config({"enabled": True, "density": 0.01, "min_compress_numel": 1, "policy": "auto",
+                                    "auto_probe_steps": 1, "auto_recheck_interval": 2}),
     "dragonn_bf16": _engine_config({"enabled": True, "density": 0.05, "min_compress_numel": 1}, bf16=True),
 }
 ENGINE_STEPS = 5

@@ -76,3 +76,11 @@ def test_hook_point_guard():
 
     with pytest.raises(RuntimeError, match="bypassed"):
         check_hook_point(Bypassing)
+
+
+def test_auto_policy_probes_then_every_rank_takes_the_same_decisions(runs):
+    t = [runs[r]["dragonn_auto"]["telemetry"] for r in range(2)]
+    assert t[0]["dense_reductions"] >= 2 and t[0]["compressed_reductions"] >= 1  # probes (+ a re-check)
+    assert t[0]["dense_reductions"] + t[0]["compressed_reductions"] == ENGINE_STEPS
+    assert t[0]["compressed_reductions"] == t[1]["compressed_reductions"]
+    assert t[0]["dense_ms_mean"] > 0 and t[0]["select_ms_mean"] > 0

@@ -8,57 +8,107 @@ from ds_dragonn.compress import DragonnCompressor, RandomKCompressor, TopKCompre
 from ds_dragonn.feedback import ErrorFeedback, residual_dtype
 
 
+def _shapes(n):
+    """Split n elements into a bucket of awkward tensor shapes (as DeepSpeed hands them over)."""
+    if n < 10:
+        return [(n,)]
+    a = n // 3
+    return [(a // 2, 2), (1,), (n - a - 1 - 2 * (a // 2),), (a,)]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("n", [0, 1, 7, 4099, 100_003])
 @pytest.mark.parametrize("make", [lambda: DragonnCompressor(0.01, min_sample=64), lambda: TopKCompressor(0.05),
                                   lambda: RandomKCompressor(0.05)])
-def test_sent_plus_residual_equals_compensated(dtype, n, make):
+@pytest.mark.parametrize("prescale", [1.0, 0.3])
+def test_sent_plus_residual_equals_compensated(dtype, n, make, prescale):
     comp, ef = make(), ErrorFeedback()
     prev = torch.zeros(n, dtype=residual_dtype(dtype))
+    shapes = _shapes(n)
     for step in range(4):
         g = torch.randn(n).to(dtype)
-        compensated = ef.compensate("b", g)
-        assert compensated.dtype == residual_dtype(dtype)
+        bucket, off = [], 0
+        for s in shapes:
+            size = int(torch.Size(s).numel())
+            bucket.append(g[off:off + size].view(s).clone())
+            off += size
+        compensated = ef.compensate_("b", bucket, dtype, prescale)
+        assert compensated.dtype == residual_dtype(dtype) and compensated.shape == (n,)
         # independent reference of compensation, in float64
-        torch.testing.assert_close(compensated, (g.double() + prev.double()).to(compensated.dtype))
+        torch.testing.assert_close(compensated, (g.double() * prescale + prev.double()).to(compensated.dtype))
         expect = compensated.clone()
         sel = comp.compress(compensated, step)
         wire = sel.values.to(dtype)
-        res = ef.update("b", compensated, sel.indices, wire)
+        ef.commit("b", sel.indices, sel.values, wire)
+        res = ef.residuals["b"]
         sent = torch.zeros(n, dtype=residual_dtype(dtype))
         sent[sel.indices.long()] = wire.to(sent.dtype)
         assert torch.equal(sent + res, expect)  # exactly: nothing lost
         untouched = torch.ones(n, dtype=torch.bool)
         untouched[sel.indices.long()] = False
         assert torch.equal(res[untouched], expect[untouched])
+        assert torch.equal(bucket[0], g[:bucket[0].numel()].view(bucket[0].shape)) if n else True  # input kept
         prev = res.clone()
+
+
+def test_compensate_allocates_nothing_after_the_first_step():
+    ef = ErrorFeedback()
+    bucket = [torch.randn(300, 7), torch.randn(5)]
+    first = ef.compensate_("b", bucket, torch.float32)
+    ptr = first.data_ptr()
+    for _ in range(3):
+        assert ef.compensate_("b", bucket, torch.float32).data_ptr() == ptr
 
 
 def test_non_finite_never_stays_in_residual():
     ef = ErrorFeedback()
     g = torch.randn(1000)
     g[3], g[500] = float("nan"), float("inf")
-    c = ef.compensate("b", g)
+    c = ef.compensate_("b", [g], torch.float32)
     sel = DragonnCompressor(0.01).compress(c, 0)
-    res = ef.update("b", c, sel.indices, sel.values)
-    assert bool(torch.isfinite(res).all())
     assert {3, 500} <= set(sel.indices.tolist())
+    ef.commit("b", sel.indices, sel.values, sel.values)
+    assert bool(torch.isfinite(ef.residuals["b"]).all())
+
+
+def test_wire_overflow_is_not_kept():
+    """A finite compensated value that overflows the fp16 wire is sent as Inf; the residual there is 0."""
+    ef = ErrorFeedback()
+    g = torch.zeros(100, dtype=torch.float16)
+    ef.residuals["b"] = torch.zeros(100)
+    ef.residuals["b"][7] = 1e6
+    c = ef.compensate_("b", [g], torch.float16)
+    idx = torch.tensor([7])
+    ef.commit("b", idx, c[idx], c[idx].to(torch.float16))
+    assert ef.residuals["b"][7] == 0
+
+
+def test_clear_non_finite():
+    ef = ErrorFeedback()
+    g = torch.randn(50)
+    g[[4, 9]] = float("nan")
+    ef.compensate_("b", [g], torch.float32)
+    ef.clear_non_finite("b")
+    res = ef.residuals["b"]
+    assert bool(torch.isfinite(res).all()) and res[4] == 0 and res[9] == 0 and res[5] == g[5]
 
 
 def test_disabled_keeps_nothing():
     ef = ErrorFeedback(enabled=False)
     g = torch.randn(100)
-    c = ef.compensate("b", g)
-    assert ef.update("b", c, torch.tensor([1]), c[1:2]) is None and ef.residuals == {}
-    assert torch.equal(ef.compensate("b", g), g)
+    c = ef.compensate_("b", [g], torch.float32, prescale=0.5)
+    torch.testing.assert_close(c, g * 0.5, rtol=0, atol=0)
+    ef.commit("b", torch.tensor([1]), c[1:2], c[1:2])
+    assert ef.residuals == {}
+    torch.testing.assert_close(ef.compensate_("b", [g], torch.float32), g, rtol=0, atol=0)
 
 
 def test_state_dict_round_trip_and_shape_check():
     ef = ErrorFeedback()
-    c = ef.compensate("b", torch.randn(10))
-    ef.update("b", c, torch.tensor([0]), c[:1])
+    c = ef.compensate_("b", [torch.randn(10)], torch.float32)
+    ef.commit("b", torch.tensor([0]), c[:1], c[:1])
     other = ErrorFeedback()
     other.load_state_dict(ef.state_dict())
     assert torch.equal(other.residuals["b"], ef.residuals["b"])
     with pytest.raises(ValueError, match="shape"):
-        other.compensate("b", torch.randn(11))
+        other.compensate_("b", [torch.randn(11)], torch.float32)

@@ -83,6 +83,8 @@ class Compressor(ABC):
     """
 
     name: str = "base"
+    #: True when a buffer holding NaN/±Inf always sends at least one of them (see ``ds_dragonn.pipeline``)
+    sends_non_finite: bool = False
 
     def __init__(self, density: float):
         if not 0.0 < density <= 1.0:

@@ -217,6 +217,9 @@ class DragonnCompressor(Compressor):
     """
 
     name = "dragonn"
+    #: a buffer with NaN/±Inf always sends at least one of them (they rank first): the pipeline may skip
+    #: its full non-finite pass when every sent value is finite
+    sends_non_finite = True
 
     def __init__(self, density: float, sample_ratio: float = 0.001, min_sample: int = 1024,
                  table_factor: float = 4.0, kernel: str = "auto"):

@@ -83,6 +83,17 @@ def allgather_exchange(selection: Selection, numel: int, wire_dtype: torch.dtype
     return Gathered(indices, values, counts, bytes_sent)
 
 
+def check_buffer_agreement(numel: int, dtype: torch.dtype, backend: CommBackend, device: torch.device) -> None:
+    """One small allgather of ``(numel, dtype)``: every rank raises :class:`BufferMismatchError` when they differ.
+
+    The pipeline runs it the first time it sees a bucket, before it touches the residual; the header of
+    every exchange repeats the check.
+    """
+    if dtype not in _DTYPE_CODES:
+        raise TypeError(f"unsupported gradient dtype {dtype}; supported: {list(_DTYPE_CODES)}")
+    _check_agreement(backend.all_gather_ints([0, numel, _DTYPE_CODES[dtype]], device), backend.rank)
+
+
 def _check_agreement(header: List[List[int]], rank: int) -> None:
     sizes = {h[1] for h in header}
     dtypes = {h[2] for h in header}

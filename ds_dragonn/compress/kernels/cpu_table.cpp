@@ -686,3 +686,120 @@ int64_t dragonn_gather(const int64_t* table, int64_t m, int ibits, const void* x
 }
 
 }  // extern "C"
+
+// ---------------------------------------------------------------------------------------------------------
+// Sparse updates of a dense buffer at ~k scattered positions: the decode (clear the previous step's
+// positions, add every rank's pairs, scale the sums) and the error-feedback commit (residual at the sent
+// positions). torch's index ops stall on one cache miss after another (~25 ns a position for 2^24
+// elements); here the lines are prefetched PF positions ahead, so the misses overlap.
+// dst dtype: F32, BF16 or F64 (bf16: float32 arithmetic, rounded to nearest even, NaN kept quiet: what
+// torch's CPU index_add_ does element by element). src has dst's dtype. Positions within one call must be
+// distinct for mode ADD with threads (each rank's pairs are); SET/ZERO tolerate duplicates only with
+// equal values, which the callers guarantee.
+namespace {
+constexpr int kPf = 16;
+inline float bf16_to_f(uint16_t h) { return bits2f((uint32_t)h << 16); }
+inline uint16_t f_to_bf16(float f) {
+  uint32_t b = f2bits(f);
+  if ((b & 0x7FFFFFFFu) > kInfBits) return (uint16_t)((b >> 16) | 0x40u);  // quiet NaN
+  b += 0x7FFFu + ((b >> 16) & 1u);
+  return (uint16_t)(b >> 16);
+}
+template <typename I, typename Op>
+void sparse_loop(const I* idx, int64_t c, int nthreads, char* dst, int esize, Op&& op) {
+  const int nt = c < (1 << 15) ? 1 : std::max(1, nthreads);
+  parallel_for(c, nt, 64, [&](int, int64_t lo, int64_t hi) {
+    for (int64_t j = lo; j < hi; ++j) {
+      if (j + kPf < hi) __builtin_prefetch(dst + (int64_t)idx[j + kPf] * esize, 1);
+      op(j, (int64_t)idx[j]);
+    }
+  });
+}
+template <typename I>
+void sparse_update_t(void* dst, int dtype, const I* idx, int64_t c, const void* src, int mode, double scale,
+                     void* tmp, int nthreads) {
+  const int es = elem_size(dtype);
+  char* d = (char*)dst;
+  // mode 0: dst[i] = src[j]; 1: dst[i] += src[j]; 2: dst[i] = 0; 3: tmp[j] = dst[i] * scale
+  if (dtype == F32) {
+    float* o = (float*)dst; const float* s = (const float*)src; float* t = (float*)tmp; const float sc = (float)scale;
+    if (mode == 0) sparse_loop(idx, c, nthreads, d, es, [&](int64_t j, int64_t i) { o[i] = s[j]; });
+    else if (mode == 1) sparse_loop(idx, c, nthreads, d, es, [&](int64_t j, int64_t i) { o[i] += s[j]; });
+    else if (mode == 2) sparse_loop(idx, c, nthreads, d, es, [&](int64_t, int64_t i) { o[i] = 0.0f; });
+    else sparse_loop(idx, c, nthreads, d, es, [&](int64_t j, int64_t i) { t[j] = o[i] * sc; });
+  } else if (dtype == F64) {
+    double* o = (double*)dst; const double* s = (const double*)src; double* t = (double*)tmp;
+    if (mode == 0) sparse_loop(idx, c, nthreads, d, es, [&](int64_t j, int64_t i) { o[i] = s[j]; });
+    else if (mode == 1) sparse_loop(idx, c, nthreads, d, es, [&](int64_t j, int64_t i) { o[i] += s[j]; });
+    else if (mode == 2) sparse_loop(idx, c, nthreads, d, es, [&](int64_t, int64_t i) { o[i] = 0.0; });
+    else sparse_loop(idx, c, nthreads, d, es, [&](int64_t j, int64_t i) { t[j] = o[i] * scale; });
+  } else {  // BF16
+    uint16_t* o = (uint16_t*)dst; const uint16_t* s = (const uint16_t*)src; uint16_t* t = (uint16_t*)tmp;
+    // torch multiplies a bf16 tensor by a Python scalar in float32 (the scalar rounded to float32)
+    const float sc = (float)scale;
+    if (mode == 0) sparse_loop(idx, c, nthreads, d, es, [&](int64_t j, int64_t i) { o[i] = s[j]; });
+    else if (mode == 1)
+      sparse_loop(idx, c, nthreads, d, es, [&](int64_t j, int64_t i) { o[i] = f_to_bf16(bf16_to_f(o[i]) + bf16_to_f(s[j])); });
+    else if (mode == 2) sparse_loop(idx, c, nthreads, d, es, [&](int64_t, int64_t i) { o[i] = 0; });
+    else sparse_loop(idx, c, nthreads, d, es, [&](int64_t j, int64_t i) { t[j] = f_to_bf16(bf16_to_f(o[i]) * sc); });
+  }
+}
+}  // namespace
+
+extern "C" {
+// See the block comment above. Returns 0, or -1 for a dtype this path does not handle (F16).
+int dragonn_sparse_update(void* dst, int dtype, const void* idx, int idx64, int64_t count, const void* src,
+                          int mode, double scale, void* tmp, int nthreads) {
+  if (dtype != F32 && dtype != F64 && dtype != BF16) return -1;
+  if (count <= 0) return 0;
+  if (idx64) sparse_update_t(dst, dtype, (const int64_t*)idx, count, src, mode, scale, tmp, nthreads);
+  else sparse_update_t(dst, dtype, (const int32_t*)idx, count, src, mode, scale, tmp, nthreads);
+  return 0;
+}
+}  // extern "C"
+
+// ---------------------------------------------------------------------------------------------------------
+// Error-feedback compensation: res[seg] += alpha * g_s for every gradient segment s of the bucket, in
+// place (res is the persistent residual, float32 or float64; g_s float32, bfloat16 or float64). One pass,
+// no flattened copy of the bucket; torch's mixed-dtype in-place add (fp32 += bf16) costs ~3x this.
+// alpha == 1: one rounding (res + g), as torch's add_; else res + (g * alpha) rounded twice.
+namespace {
+template <typename R, typename G, typename Conv>
+void compensate_seg(R* res, const G* g, int64_t len, R alpha, bool scaled, int nthreads, Conv conv) {
+  const int nt = len < (1 << 16) ? 1 : std::max(1, nthreads);
+  parallel_for(len, nt, 64, [&](int, int64_t lo, int64_t hi) {
+    if (scaled) {
+      for (int64_t i = lo; i < hi; ++i) res[i] += conv(g[i]) * alpha;
+    } else {
+      for (int64_t i = lo; i < hi; ++i) res[i] += conv(g[i]);
+    }
+  });
+}
+}  // namespace
+
+extern "C" {
+// Returns 0, or -1 for a dtype pair this path does not handle (the caller uses torch).
+int dragonn_compensate(void* res, int rdt, int nseg, const void* const* gptrs, const int64_t* lens, int gdt,
+                       double alpha, int nthreads) {
+  const bool scaled = alpha != 1.0;
+  int64_t off = 0;
+  if (rdt == F32 && (gdt == F32 || gdt == BF16)) {
+    float* r = (float*)res;
+    for (int s = 0; s < nseg; off += lens[s], ++s) {
+      if (gdt == F32)
+        compensate_seg(r + off, (const float*)gptrs[s], lens[s], (float)alpha, scaled, nthreads, [](float v) { return v; });
+      else
+        compensate_seg(r + off, (const uint16_t*)gptrs[s], lens[s], (float)alpha, scaled, nthreads,
+                       [](uint16_t v) { return bits2f((uint32_t)v << 16); });
+    }
+    return 0;
+  }
+  if (rdt == F64 && gdt == F64) {
+    double* r = (double*)res;
+    for (int s = 0; s < nseg; off += lens[s], ++s)
+      compensate_seg(r + off, (const double*)gptrs[s], lens[s], alpha, scaled, nthreads, [](double v) { return v; });
+    return 0;
+  }
+  return -1;
+}
+}  // extern "C"

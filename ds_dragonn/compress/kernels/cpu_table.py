@@ -183,6 +183,10 @@ def load() -> ctypes.CDLL:
         lib.dragonn_gather.restype = i64
         lib.dragonn_isa.argtypes = [i32]
         lib.dragonn_isa.restype = i32
+        lib.dragonn_sparse_update.argtypes = [vp, i32, vp, i32, i64, vp, i32, ctypes.c_double, vp, i32]
+        lib.dragonn_sparse_update.restype = i32
+        lib.dragonn_compensate.argtypes = [vp, i32, i32, vp, vp, i32, ctypes.c_double, i32]
+        lib.dragonn_compensate.restype = i32
         _lib = lib
         return lib
 
@@ -287,3 +291,84 @@ def select(flat: torch.Tensor, threshold: torch.Tensor, capacity: int, seed: int
     flat = _check(flat)
     table, vtab = _build_table(flat, threshold, capacity, seed, index_bits, with_values=True)
     return gather_table(flat, table, index_bits, index_dtype, vtab)
+
+
+# -- sparse updates (decode and error-feedback commit) ----------------------------------------------------
+#: dtypes :func:`sparse_update` handles (fp16 goes through torch's index ops)
+SPARSE_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
+_SPARSE_MODES = {"set": 0, "add": 1, "zero": 2, "gather_scaled": 3}
+
+
+def sparse_supported(dst: torch.Tensor, indices: torch.Tensor) -> bool:
+    """True when :func:`sparse_update` takes ``dst`` and ``indices`` and the library loads."""
+    return (dst.device.type == "cpu" and dst.dtype in SPARSE_DTYPES and dst.is_contiguous()
+            and indices.device.type == "cpu" and indices.dtype in (torch.int32, torch.int64) and available())
+
+
+def sparse_update(dst: torch.Tensor, indices: torch.Tensor, mode: str, src: Optional[torch.Tensor] = None,
+                  scale: float = 1.0) -> Optional[torch.Tensor]:
+    """Update ``dst`` at ``indices`` with prefetched scattered accesses (same results as torch's index ops).
+
+    Args:
+        dst: (n,) contiguous CPU tensor of fp32, bf16 or fp64.
+        indices: (c,) int32/int64 positions in [0, n); distinct for ``"add"``.
+        mode: ``"set"`` (``dst[idx] = src``), ``"add"`` (``dst.index_add_(0, idx, src)``), ``"zero"``
+            (``dst[idx] = 0``) or ``"gather_scaled"`` (returns ``dst[idx] * scale`` as a new (c,) tensor).
+        src: (c,) values of ``dst``'s dtype, for ``"set"`` and ``"add"``.
+    Returns:
+        The (c,) tensor for ``"gather_scaled"``, else None.
+    Raises:
+        ValueError: unsupported dtype, device or index dtype, or ``src`` of the wrong size or dtype.
+    """
+    if not sparse_supported(dst, indices):
+        raise ValueError(f"sparse_update takes a contiguous CPU tensor of {SPARSE_DTYPES} and int32/int64 "
+                         f"CPU indices, got {dst.dtype} on {dst.device}, indices {indices.dtype}")
+    indices = indices.contiguous()
+    c = indices.numel()
+    code = _SPARSE_MODES[mode]
+    tmp = None
+    if code in (0, 1):
+        if src is None or src.numel() != c or src.dtype != dst.dtype:
+            raise ValueError(f"sparse_update({mode!r}) needs {c} values of {dst.dtype}")
+        src = src.contiguous()
+    if code == 3:
+        tmp = torch.empty(c, dtype=dst.dtype)
+    load().dragonn_sparse_update(dst.data_ptr(), DTYPE_CODES[dst.dtype], indices.data_ptr(),
+                                 int(indices.dtype == torch.int64), c,
+                                 None if src is None or code not in (0, 1) else src.data_ptr(), code,
+                                 float(scale), None if tmp is None else tmp.data_ptr(), torch.get_num_threads())
+    return tmp
+
+
+def compensate_supported(dst: torch.Tensor, tensors) -> bool:
+    """True when :func:`compensate` takes ``dst`` (fp32/fp64 CPU) and ``tensors`` (contiguous CPU, one dtype)."""
+    if dst.device.type != "cpu" or not dst.is_contiguous() or not tensors:
+        return False
+    dt = tensors[0].dtype
+    ok = {torch.float32: (torch.float32, torch.bfloat16), torch.float64: (torch.float64,)}.get(dst.dtype, ())
+    return dt in ok and all(t.dtype == dt and t.device.type == "cpu" and t.is_contiguous() for t in tensors) \
+        and available()
+
+
+def compensate(dst: torch.Tensor, tensors, alpha: float = 1.0) -> None:
+    """``dst += alpha × cat([t.flatten() for t in tensors])`` in place, without the concatenation.
+
+    Args:
+        dst: (n,) contiguous fp32 (gradients fp32 or bf16) or fp64 (gradients fp64) CPU tensor,
+            n = total elements of ``tensors``.
+        tensors: contiguous CPU tensors of one dtype, in bucket order.
+        alpha: scale of the gradients (alpha == 1 rounds once, like ``Tensor.add_``).
+    Raises:
+        ValueError: unsupported dtypes/devices, or sizes that do not add up to n.
+    """
+    if not compensate_supported(dst, tensors):
+        raise ValueError("compensate takes a contiguous fp32/fp64 CPU buffer and contiguous CPU gradients of "
+                         "fp32/bf16 (fp32 buffer) or fp64 (fp64 buffer)")
+    lens = torch.tensor([t.numel() for t in tensors], dtype=torch.int64)
+    if int(lens.sum()) != dst.numel():
+        raise ValueError(f"gradients hold {int(lens.sum())} elements, the buffer {dst.numel()}")
+    ptrs = (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
+    rc = load().dragonn_compensate(dst.data_ptr(), DTYPE_CODES[dst.dtype], len(tensors), ptrs, lens.data_ptr(),
+                                   DTYPE_CODES[tensors[0].dtype], float(alpha), torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"compensate: unsupported dtypes {dst.dtype} += {tensors[0].dtype}")

@@ -1,0 +1,155 @@
+"""Per-phase cost of one compressed allreduce step, everything except the wire, next to the read-pass floor.
+
+One process, world size 1 over gloo on loopback (the exchange is then a local copy, so its time is
+the packing and unpacking of the pairs, not the link). The bucket is the link benchmark's model, a
+24.2 M-parameter MLP (784-4096-4096-1024-10), as DeepSpeed hands it to ``allreduce_bucket``: the list
+of gradient tensors. Per dtype it prints the median ms of each phase over the timed steps, the whole
+step, one read pass of the bucket (``g.sum()``, the floor, timed in alternation in the same run), and
+for context the local work of DeepSpeed's dense path around its allreduce (flatten, scale, copy back).
+
+    python launch/bench_step.py                      # 1 thread, fp32 and bf16, density 0.01
+    python launch/bench_step.py --json docs/bench_step.json --threads 1 --steps 30
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+# -- defaults (units in comments) -----------------------------------------------------------------------
+LAYERS = (784, 4096, 4096, 1024, 10)  # MLP widths -> 24,202,250 parameters
+DENSITY = 0.01                        # fraction kept
+STEPS = 20                            # timed steps per dtype (after WARMUP)
+WARMUP = 3                            # untimed steps (first-use allocations, kernel build)
+PHASES = ("compensate_ms", "select_ms", "exchange_ms", "residual_ms", "decode_ms")
+
+
+def get_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16, fp16")
+    p.add_argument("--density", type=float, default=DENSITY)
+    p.add_argument("--threads", type=int, default=1, help="torch (and kernel) threads")
+    p.add_argument("--steps", type=int, default=STEPS)
+    p.add_argument("--layers", default=",".join(map(str, LAYERS)), help="MLP widths")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (world size 1 over gloo or NCCL)")
+    p.add_argument("--json", default=None, help="write the records here")
+    return p.parse_args()
+
+
+def bucket_shapes(layers):
+    shapes = []
+    for a, b in zip(layers[:-1], layers[1:]):
+        shapes += [(b, a), (b,)]
+    return shapes
+
+
+def make_grads(shapes, dtype, step, device):
+    g = torch.Generator().manual_seed(1000 + step)
+    # heavy-tailed like real gradients: a few large entries per layer
+    return [(torch.randn(s, generator=g) * torch.rand(s, generator=g).pow(4)).to(device=device, dtype=dtype)
+            for s in shapes]
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def bench_dtype(dtype, shapes, args, backend):
+    from ds_dragonn.compress import DragonnCompressor
+    from ds_dragonn.feedback import ErrorFeedback
+    from ds_dragonn.pipeline import CompressedAllreduce
+
+    pipe = CompressedAllreduce(DragonnCompressor(args.density), backend, ErrorFeedback(True))
+    device = torch.device(args.device)
+    grads = [make_grads(shapes, dtype, s, device) for s in range(3)]  # rotate 3 inputs: no reuse of a hot cache
+    n = sum(g.numel() for g in grads[0])
+    flat = torch.cat([g.flatten() for g in grads[0]])
+    phases = {p: [] for p in PHASES}
+    total, floor, dense_local = [], [], []
+    for step in range(WARMUP + args.steps):
+        bucket = grads[step % 3]
+        sync(device)
+        t0 = time.perf_counter()
+        _, stats = pipe.reduce(bucket, "bucket", seed=step, prescale=1.0, postscale=0.5, dtype=dtype)
+        sync(device)
+        t1 = time.perf_counter()
+        flat.sum()
+        sync(device)
+        t2 = time.perf_counter()
+        # DeepSpeed's dense allreduce_bucket + allreduce_and_copy without the allreduce itself
+        t = torch._utils._flatten_dense_tensors(bucket)
+        t.mul_(0.5)
+        for buf, synced in zip(bucket, torch._utils._unflatten_dense_tensors(t, bucket)):
+            buf.copy_(synced)
+        sync(device)
+        t3 = time.perf_counter()
+        if step >= WARMUP:
+            total.append((t1 - t0) * 1e3)
+            floor.append((t2 - t1) * 1e3)
+            dense_local.append((t3 - t2) * 1e3)
+            for p in PHASES:
+                phases[p].append(getattr(stats, p))
+    rec = {"dtype": str(dtype).replace("torch.", ""), "device": args.device, "numel": n, "density": args.density, "threads": args.threads,
+           "steps": args.steps, "kept": stats.kept, "k": stats.k}
+    rec.update({p: median(v) for p, v in phases.items()})
+    rec["total_ms"] = median(total)
+    rec["floor_ms"] = median(floor)
+    rec["x_floor"] = rec["total_ms"] / rec["floor_ms"]
+    rec["dense_local_ms"] = median(dense_local)
+    return rec
+
+
+def main():
+    args = get_args()
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        import socket
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+        s.close()
+    torch.set_num_threads(args.threads)
+    import deepspeed
+    import torch.distributed as tdist
+    deepspeed.init_distributed(dist_backend="nccl" if args.device == "cuda" else "gloo", verbose=False)
+    if args.device == "cuda":
+        torch.cuda.set_device(0)
+    from ds_dragonn.comm.torch_backend import TorchCommBackend
+    from ds_dragonn.compress.kernels import cpu_table
+
+    layers = tuple(int(x) for x in args.layers.split(","))
+    shapes = bucket_shapes(layers)
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    records = [bench_dtype(dtypes[d], shapes, args, TorchCommBackend()) for d in args.dtypes.split(",")]
+    tdist.destroy_process_group()
+
+    print(f"bucket {records[0]['numel']:,} elements (MLP {'-'.join(map(str, layers))}), density {args.density}, "
+          f"{args.threads} thread(s), median of {args.steps} steps; kernel {cpu_table.THREADING or 'reference'}")
+    head = f"{'phase':<28}" + "".join(f"{r['dtype'] + ' ms':>12}" for r in records)
+    print(head)
+    print("-" * len(head))
+    rows = [(p.replace("_ms", ""), p) for p in PHASES] + [
+        ("whole step (no wire)", "total_ms"), ("one read pass (floor)", "floor_ms"), ("step / floor", "x_floor"),
+        ("dense DeepSpeed local work", "dense_local_ms")]
+    for label, key in rows:
+        print(f"{label:<28}" + "".join(f"{r[key]:>12.2f}" for r in records))
+    if args.json:
+        meta = {"machine": platform.processor() or platform.machine(), "torch": torch.__version__,
+                "cpu_threads_available": os.cpu_count()}
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "records": records}, f, indent=2)
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

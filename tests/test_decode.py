@@ -1,0 +1,81 @@
+"""Decode and the sparse scatter ops: the persistent sparse decoder equals a fresh dense decode + scale."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ds_dragonn import scatter
+from ds_dragonn.compress.kernels import cpu_table
+from ds_dragonn.decode import SparseDecoder, decode_sum
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+def _pairs(n, world, density, dtype, gen, idx_dtype=torch.int32):
+    k = max(1, int(density * n)) if n else 0
+    idx = [torch.randperm(n, generator=gen)[:k].to(idx_dtype) for _ in range(world)]
+    val = [(torch.randn(k, generator=gen) * 3).to(dtype) for _ in range(world)]
+    return idx, val
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [0, 1, 7, 1000, 100_003])
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("postscale", [1.0, 0.5, 1 / 3])
+def test_sparse_decoder_equals_reference_over_steps(dtype, n, world, postscale):
+    gen = torch.Generator().manual_seed(n * 31 + world)
+    dec = SparseDecoder()
+    for step in range(4):
+        density = [0.01, 0.5, 1.0, 0.03][step]
+        idx, val = _pairs(n, world, density, dtype, gen, torch.int64 if step % 2 else torch.int32)
+        out = dec.decode("b", n, idx, val, dtype, torch.device("cpu"), postscale)
+        ref = decode_sum(n, idx, val, dtype, torch.device("cpu"))
+        if postscale != 1.0:
+            ref.mul_(postscale)
+        assert torch.equal(out, ref), f"step {step}"
+
+
+def test_decoder_notices_foreign_writes():
+    dec = SparseDecoder()
+    idx, val = [torch.tensor([1, 3])], [torch.tensor([1.0, 2.0])]
+    out = dec.decode("b", 10, idx, val, torch.float32, torch.device("cpu"))
+    out[5] = 7.0  # somebody (e.g. DeepSpeed) wrote into the returned buffer
+    out2 = dec.decode("b", 10, [torch.tensor([2])], [torch.tensor([4.0])], torch.float32, torch.device("cpu"))
+    assert out2.tolist() == [0, 0, 4.0, 0, 0, 0, 0, 0, 0, 0]
+
+
+@pytest.mark.skipif(not cpu_table.available(), reason="no C++ compiler")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("n", [1, 5, 70_001])
+def test_cpp_sparse_ops_equal_torch_index_ops(dtype, n):
+    gen = torch.Generator().manual_seed(n)
+    base = (torch.randn(n, generator=gen) * 10).to(dtype)
+    base[0] = float("nan") if n > 3 else base[0]
+    for idx_dtype in (torch.int32, torch.int64):
+        idx = torch.randperm(n, generator=gen)[: max(1, n // 3)].to(idx_dtype)
+        v = (torch.randn(idx.numel(), generator=gen) * 5).to(dtype)
+        a, b = base.clone(), base.clone()
+        cpu_table.sparse_update(a, idx, "add", v)
+        b.index_add_(0, idx.long(), v)
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)) or torch.equal(a, b)
+        for scale in (0.5, 1 / 3, 7.0):
+            got = cpu_table.sparse_update(a, idx, "gather_scaled", scale=scale)
+            want = a.index_select(0, idx.long()).mul_(scale)
+            assert torch.equal(got, want) or torch.equal(got.isnan(), want.isnan()) and torch.equal(
+                got[~got.isnan()], want[~want.isnan()])
+        cpu_table.sparse_update(a, idx, "set", v)
+        b[idx.long()] = v
+        assert torch.equal(a[~a.isnan()], b[~b.isnan()])
+        cpu_table.sparse_update(a, idx, "zero")
+        assert bool((a[idx.long()] == 0).all())
+
+
+def test_scatter_fallback_on_fp16_matches_index_ops():
+    dst = torch.randn(100).half()
+    idx = torch.tensor([3, 50, 99], dtype=torch.int32)
+    v = torch.tensor([1.0, 2.0, 3.0]).half()
+    ref = dst.clone().index_add_(0, idx.long(), v)
+    scatter.add_(dst, idx, v)
+    assert torch.equal(dst, ref)
+    scatter.zero_(dst, idx)
+    assert bool((dst[idx.long()] == 0).all())
