@@ -3,7 +3,7 @@
 Three implementations of threshold sampling, table building and table gathering give identical
 results for the same input, threshold and seed (tests/test_kernels.py checks them element by element):
 
-``reference``  the pure-PyTorch functions of ``ds_dragonn.compress.dragonn`` (any device, any float dtype).
+``reference``  the pure-PyTorch functions of ``ds_dragonn.compress.reference`` (any device, any float dtype).
 ``cpu``        ``cpu_table``: a C++ library (one pass, vectorised integer compare, only selected elements
                hashed and stored with an atomic max), CPU tensors of fp32/fp16/bf16/fp64.
 ``triton``     ``triton_table``: Triton kernels, one program per block of elements, ``tl.atomic_max`` into
@@ -21,6 +21,8 @@ import os
 import torch
 
 from . import cpu_table
+from .. import reference
+from ..base import index_dtype, target_k
 
 KERNELS = ("auto", "reference", "cpu", "triton")
 
@@ -83,9 +85,7 @@ TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 def sample_threshold_fast(flat: torch.Tensor, density: float, num_samples: int, seed: int,
                           kernel: str = "auto") -> torch.Tensor:
-    """``dragonn.sample_threshold(flat, density, num_samples, seed=seed)`` by the chosen kernel."""
-    from .. import dragonn
-    from ..base import target_k
+    """``reference.sample_threshold(flat, density, num_samples, seed=seed)`` by the chosen kernel."""
     kernel = resolve_kernel(kernel, flat)
     n = flat.numel()
     s = min(num_samples, n)
@@ -95,44 +95,39 @@ def sample_threshold_fast(flat: torch.Tensor, density: float, num_samples: int, 
         from . import triton_table
         mag = triton_table.sample_magnitudes(flat, s, seed)
         return torch.topk(mag, target_k(s, density), sorted=False).values.min()
-    return dragonn.sample_threshold(flat, density, s, seed=seed)
+    return reference.sample_threshold(flat, density, s, seed=seed)
 
 
 def build_table_fast(flat: torch.Tensor, threshold: torch.Tensor, capacity: int, seed: int,
                      kernel: str = "auto") -> torch.Tensor:
-    """``dragonn.build_table`` by the chosen kernel: triton on CUDA, the C++ library on CPU, else reference."""
-    from .. import dragonn
+    """``reference.build_table`` by the chosen kernel: triton on CUDA, the C++ library on CPU, else reference."""
     kernel = resolve_kernel(kernel, flat)
     if kernel == "cpu":
-        return cpu_table.build_table(flat, threshold, capacity, seed, dragonn.index_bits(flat.numel()))
+        return cpu_table.build_table(flat, threshold, capacity, seed, reference.index_bits(flat.numel()))
     if kernel == "triton":
         from . import triton_table
         return triton_table.build_table(flat, threshold, capacity, seed)
-    return dragonn.build_table(flat, threshold, capacity, seed)
+    return reference.build_table(flat, threshold, capacity, seed)
 
 
 def gather_table_fast(flat: torch.Tensor, table: torch.Tensor, kernel: str = "auto"
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``dragonn.gather_table`` (valid slots, in slot order) by the chosen kernel."""
-    from .. import dragonn
-    from ..base import index_dtype
+    """``reference.gather_table`` (valid slots, in slot order) by the chosen kernel."""
     kernel = resolve_kernel(kernel, flat)
     if kernel == "cpu":
         n = flat.numel()
-        return cpu_table.gather_table(flat, table, dragonn.index_bits(n), index_dtype(n))
-    return dragonn.gather_table(flat, table)
+        return cpu_table.gather_table(flat, table, reference.index_bits(n), index_dtype(n))
+    return reference.gather_table(flat, table)
 
 
 def select_fast(flat: torch.Tensor, threshold: torch.Tensor, capacity: int, seed: int, kernel: str = "auto"
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``gather_table_fast(flat, build_table_fast(...))``: on the CPU kernel one fused call (no scattered reads
     of ``flat`` for the values); identical results."""
-    from .. import dragonn
-    from ..base import index_dtype
     kernel = resolve_kernel(kernel, flat)
     if kernel == "cpu":
         n = flat.numel()
-        return cpu_table.select(flat, threshold, capacity, seed, dragonn.index_bits(n), index_dtype(n))
+        return cpu_table.select(flat, threshold, capacity, seed, reference.index_bits(n), index_dtype(n))
     return gather_table_fast(flat, build_table_fast(flat, threshold, capacity, seed, kernel), kernel)
 
 

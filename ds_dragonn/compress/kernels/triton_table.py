@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ..base import EMPTY_SLOT
+from ..reference import index_bits
 
 BLOCK = 1024
 
@@ -93,7 +94,6 @@ def _sample_kernel(x_ptr, out_ptr, s, q, r, seed, BLOCK: tl.constexpr):
 
 def build_table(flat: torch.Tensor, threshold: torch.Tensor, capacity: int, seed: int) -> torch.Tensor:
     """Same contract as ``dragonn.build_table``; the threshold never leaves the device."""
-    from ..dragonn import index_bits
     flat = flat.contiguous()
     n = flat.numel()
     table = torch.full((capacity,), EMPTY_SLOT, dtype=torch.int64, device=flat.device)
