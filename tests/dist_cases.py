@@ -95,6 +95,10 @@ ENGINE_RUNS = {
     "dragonn_disabled": _engine_config({"enabled": False, "density": 0.01}),
     "dense_bf16": _engine_config(None, bf16=True),
     # auto policy: 1 dense probe, 1 compressed probe, then a decision the ranks agree on (timing-dependent)
+    # DeepSpeed's csv monitor (output_path set per run below); warm-up marks the switch
+    "dragonn_monitor": {**_engine_config({"enabled": True, "density": 0.01, "min_compress_numel": 1,
+                                          "warmup_steps": 2}),
+                        "csv_monitor": {"enabled": True, "job_name": "mon"}},
     "dragonn_auto": _engine_config({"enabled": True, "density": 0.01, "min_compress_numel": 1, "policy": "auto",
                                     "auto_probe_steps": 1, "auto_recheck_interval": 2}),
     "dragonn_bf16": _engine_config({"enabled": True, "density": 0.05, "min_compress_numel": 1}, bf16=True),
@@ -108,6 +112,8 @@ def engine_runs(rank: int, world: int, out_dir: str) -> None:
 
     out = {}
     for name, cfg in ENGINE_RUNS.items():
+        if "csv_monitor" in cfg:
+            cfg = {**cfg, "csv_monitor": {**cfg["csv_monitor"], "output_path": str(Path(out_dir) / "csv")}}
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
         engine, *_ = ds_dragonn.initialize(model=model, model_parameters=model.parameters(), config=cfg)

@@ -13,7 +13,9 @@ from tests.multiproc import run_ranks
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("engine")
     run_ranks("tests.dist_cases:engine_runs", 2, out, timeout=400)
-    return [torch.load(out / f"engine_rank{r}.pt", weights_only=False) for r in range(2)]
+    runs = [torch.load(out / f"engine_rank{r}.pt", weights_only=False) for r in range(2)]
+    runs[0]["_out_dir"] = out
+    return runs
 
 
 def _params_equal(a, b):
@@ -84,3 +86,28 @@ def test_auto_policy_probes_then_every_rank_takes_the_same_decisions(runs):
     assert t[0]["dense_reductions"] + t[0]["compressed_reductions"] == ENGINE_STEPS
     assert t[0]["compressed_reductions"] == t[1]["compressed_reductions"]
     assert t[0]["dense_ms_mean"] > 0 and t[0]["select_ms_mean"] > 0
+
+
+def _csv(out_dir, name):
+    import csv
+    with open(out_dir / "csv" / "mon" / f"Train_dragonn_{name}.csv") as f:
+        rows = list(csv.reader(f))[1:]
+    return [(int(float(x)), float(v)) for x, v in rows]
+
+
+def test_monitor_events_on_deepspeeds_sample_axis(runs, tmp_path_factory):
+    """Every reduction reaches DeepSpeed's csv monitor at x = global samples (16 per step here): the
+    warm-up and the switch in 'compressed', running totals that only grow, and per-phase times."""
+    out = runs[0]["_out_dir"]
+    compressed = _csv(out, "compressed")
+    batch = 8 * 2
+    assert [x for x, _ in compressed] == [batch * (i + 1) for i in range(ENGINE_STEPS)]
+    assert [v for _, v in compressed] == [0.0, 0.0] + [1.0] * (ENGINE_STEPS - 2)
+    totals = [v for _, v in _csv(out, "total_bytes_sent")]
+    assert all(b > a for a, b in zip(totals, totals[1:]))
+    dense_eq = [v for _, v in _csv(out, "total_dense_bytes_equivalent")]
+    assert totals[-1] < dense_eq[-1]
+    for phase in ("compensate", "select", "exchange", "residual", "decode"):
+        rows = _csv(out, f"{phase}_ms")
+        assert len(rows) == ENGINE_STEPS - 2 and all(v >= 0 for _, v in rows)
+    assert len(_csv(out, "dense_ms")) == 2
