@@ -17,6 +17,7 @@ from typing import Dict, Hashable, List, Sequence
 import torch
 
 from . import scatter
+from .compress.kernels import cpu_table
 from .memory import persistent_zeros
 
 
@@ -79,6 +80,26 @@ class SparseDecoder:
         self._touched[key] = touched
         self._version[key] = out._version
         return out
+
+    @staticmethod
+    def decode_into(tensors: Sequence[torch.Tensor], indices: Sequence[torch.Tensor],
+                    values: Sequence[torch.Tensor], postscale: float = 1.0) -> None:
+        """Decode straight into the bucket's own tensors, which must hold zeros (no buffer, no copy back).
+
+        ``tensors`` concatenated end up equal, bit for bit, to ``decode`` of the same pairs. CPU tensors of
+        fp32 or bf16 only (``cpu_table.segments_supported``); values are cast to their dtype.
+        """
+        tensors = list(tensors)
+        dtype = tensors[0].dtype
+        addrs = []
+        for idx, val in zip(indices, values):
+            if idx.numel():
+                a = cpu_table.segment_addresses(tensors, idx)
+                cpu_table.addr_update(dtype, a, "add", val.to(dtype))
+                addrs.append(a)
+        if postscale != 1.0 and addrs:
+            a = addrs[0] if len(addrs) == 1 else torch.cat(addrs)
+            cpu_table.addr_update(dtype, a, "set", cpu_table.addr_update(dtype, a, "gather_scaled", scale=postscale))
 
     def reset(self) -> None:
         self._out.clear()

@@ -1,12 +1,16 @@
 """The DeepSpeed hook: DeepSpeed's flattened gradient buckets in, averaged gradients out.
 
-Hook point: ``DeepSpeedEngine.allreduce_bucket(bucket, dp_group, dp_world_size)`` is overridden on the
-engine *instance* (DeepSpeed 0.19.8 ``runtime/engine.py``: ``allreduce_gradients`` →
-``buffered_allreduce_fallback`` → ``allreduce_no_retain`` → ``allreduce_and_copy`` →
-``allreduce_bucket``). It receives same-dtype buckets of the ZeRO stage-0 path and must apply
-DeepSpeed's averaging (``gradient_predivide_factor``, ``prescale_gradients``) itself, which
-:func:`reduction_scales` reproduces. Warm-up steps and small buckets call DeepSpeed's own method.
-Every rank takes the same branch: the decision depends only on the step, the bucket size and the config.
+Hook points: ``DeepSpeedEngine.allreduce_and_copy(small_bucket, dp_group, dp_world_size)`` and
+``allreduce_bucket(bucket, dp_group, dp_world_size)`` are overridden on the engine *instance*
+(DeepSpeed 0.19.8 ``runtime/engine.py``: ``allreduce_gradients`` → ``buffered_allreduce_fallback`` →
+``allreduce_no_retain`` → ``allreduce_and_copy`` → ``allreduce_bucket``, then a copy of the flat result
+into the gradients). Both receive same-dtype buckets of the ZeRO stage-0 path and must apply DeepSpeed's
+averaging (``gradient_predivide_factor``, ``prescale_gradients``) themselves, which
+:func:`reduction_scales` reproduces. ``allreduce_and_copy`` lets the compressed path decode straight
+into the gradients (no flat result, no copy back); ``allreduce_bucket`` serves every other caller.
+Warm-up steps and small buckets call DeepSpeed's own ``allreduce_bucket``. Every rank takes the same
+branch: the decision depends only on the step, the bucket size, the config and the auto policy's
+agreed state.
 """
 from __future__ import annotations
 
@@ -85,6 +89,7 @@ class DragonnHook:
         from deepspeed.utils import groups
         self._pipeline(groups._get_sequence_data_parallel_group())
         self.engine.allreduce_bucket = self.allreduce_bucket
+        self.engine.allreduce_and_copy = self.allreduce_and_copy
         self.engine.dragonn = self
         print_dist(f"DRAGONN enabled: compressor={self.compressor.name} density={self.cfg.density} "
                    f"kernel={getattr(self.cfg.kernel, 'value', self.cfg.kernel)} "
@@ -106,6 +111,22 @@ class DragonnHook:
     # -- the hook -----------------------------------------------------------------------------------
     def allreduce_bucket(self, bucket, dp_group, dp_world_size=None):
         """Drop-in for ``DeepSpeedEngine.allreduce_bucket``: returns the reduced flat tensor."""
+        return self._reduce(bucket, dp_group, dp_world_size, into_bucket=False)
+
+    def allreduce_and_copy(self, small_bucket, dp_group, dp_world_size=None):
+        """Drop-in for ``DeepSpeedEngine.allreduce_and_copy``: reduces and writes the gradients.
+
+        Where the pipeline can, the compressed result is decoded straight into the gradients (zeroed in the
+        compensation pass), which saves DeepSpeed's copy of a flat result back into them; otherwise the
+        flat result is copied exactly as DeepSpeed does.
+        """
+        out = self._reduce(small_bucket, dp_group, dp_world_size, into_bucket=True)
+        if out is not None:
+            for buf, synced in zip(small_bucket, self.engine.unflatten(out, small_bucket)):
+                buf.copy_(synced)
+
+    def _reduce(self, bucket, dp_group, dp_world_size, into_bucket: bool):
+        """One bucket: dense (warm-up, small, auto) or compressed; None when decoded into ``bucket``."""
         engine = self.engine
         step = int(engine.global_steps)
         if step != self._step:
@@ -149,14 +170,15 @@ class DragonnHook:
         # no flatten: the pipeline compensates the bucket's gradients straight into the persistent
         # residual and returns its persistent decode buffer, which DeepSpeed's allreduce_and_copy
         # unflattens and copies into the gradients (in the gradients' dtype)
+        into = into_bucket and pipeline.can_reduce_into(bucket, comm_dtype)
         out, stats = pipeline.reduce(bucket, key, bucket_seed(self.cfg.seed, step, ordinal), scales.prescale,
-                                     scales.postscale, comm_dtype)
+                                     scales.postscale, comm_dtype, into_inputs=into)
         if self.error_feedback.enabled:
             self._pending.add(key)
         self.telemetry.record_compressed(stats)
         total_ms = stats.compress_ms + stats.exchange_ms + stats.decode_ms
         if self.policy.record_compressed(key, total_ms):
-            compress, dense_ms, comp_ms = self.policy.decide(key, pipeline.backend, out.device)
+            compress, dense_ms, comp_ms = self.policy.decide(key, pipeline.backend, bucket[0].device)
             print_dist(f"DRAGONN auto: bucket {ordinal} ({numel} elements) dense {dense_ms:.2f} ms, compressed "
                        f"{comp_ms:.2f} ms -> {'compress' if compress else 'dense allreduce'}"
                        f"{f' (re-check in {self.cfg.auto_recheck_interval} steps)' if self.cfg.auto_recheck_interval else ''}",
@@ -185,10 +207,18 @@ class DragonnHook:
 
 
 def check_hook_point(engine_cls: Optional[type] = None) -> None:
-    """Fail loudly if a DeepSpeed upgrade no longer routes ZeRO-0 buckets through ``allreduce_bucket``."""
+    """Fail loudly if a DeepSpeed upgrade no longer routes ZeRO-0 buckets through the hooked methods.
+
+    Checks that ``allreduce_and_copy`` still only reduces through ``allreduce_bucket`` and copies the result
+    into the gradients (what our override of it reproduces), and that ``allreduce_no_retain`` calls it.
+    """
     if engine_cls is None:
         from deepspeed.runtime.engine import DeepSpeedEngine as engine_cls
     src = inspect.getsource(engine_cls.allreduce_and_copy)
-    if "self.allreduce_bucket(" not in src:
-        raise RuntimeError("this DeepSpeed version no longer calls DeepSpeedEngine.allreduce_bucket from "
-                           "allreduce_and_copy; ds_dragonn's hook would be bypassed (tested with 0.19.8)")
+    if "self.allreduce_bucket(" not in src or "buf.copy_(synced)" not in src:
+        raise RuntimeError("this DeepSpeed version no longer reduces through DeepSpeedEngine.allreduce_bucket "
+                           "and copies the result in allreduce_and_copy; ds_dragonn's hook would be bypassed "
+                           "(tested with 0.19.8)")
+    if "self.allreduce_and_copy(" not in inspect.getsource(engine_cls.allreduce_no_retain):
+        raise RuntimeError("this DeepSpeed version no longer calls DeepSpeedEngine.allreduce_and_copy from "
+                           "allreduce_no_retain; ds_dragonn's hook would be bypassed (tested with 0.19.8)")

@@ -79,7 +79,7 @@ class ErrorFeedback:
         return cached[2]
 
     def compensate_(self, key: Hashable, tensors: Sequence[torch.Tensor], dtype: torch.dtype,
-                    prescale: float = 1.0) -> torch.Tensor:
+                    prescale: float = 1.0, zero_inputs: bool = False) -> torch.Tensor:
         """The compensated buffer ``residual + prescale × cat(tensors)``, computed in the residual itself.
 
         Args:
@@ -88,6 +88,8 @@ class ErrorFeedback:
                 buffer is their concatenation (DeepSpeed's ``flatten``), never materialised.
             dtype: the wire (communication) dtype; the buffer is in ``residual_dtype(dtype)``.
             prescale: factor applied to the gradients (DeepSpeed's ``1/gradient_predivide_factor``).
+            zero_inputs: also set the gradients to 0 (in the same pass on the CPU library's path), for a
+                decode straight into them.
         Returns:
             The persistent (n,) buffer (do not keep it across steps: :meth:`commit` turns it back into the
             residual).
@@ -102,8 +104,9 @@ class ErrorFeedback:
         if not views:
             return buf
         if self.enabled and cpu_table.compensate_supported(buf, tensors):
-            cpu_table.compensate(buf, tensors, prescale)
-        elif self.enabled:
+            cpu_table.compensate(buf, tensors, prescale, zero_inputs)
+            return buf
+        if self.enabled:
             if prescale == 1.0:
                 torch._foreach_add_(views, tensors)
             else:
@@ -112,6 +115,8 @@ class ErrorFeedback:
             torch._foreach_copy_(views, tensors)
             if prescale != 1.0:
                 torch._foreach_mul_(views, prescale)
+        if zero_inputs:
+            torch._foreach_zero_(tensors)
         return buf
 
     def commit(self, key: Hashable, indices: torch.Tensor, kept: torch.Tensor, sent: torch.Tensor) -> None:

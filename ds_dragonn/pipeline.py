@@ -25,6 +25,7 @@ import torch
 
 from .comm.base import CommBackend
 from .compress.base import Compressor, Selection
+from .compress.kernels import cpu_table
 from .decode import SparseDecoder
 from .exchange.allgather import allgather_exchange, check_buffer_agreement
 from .feedback import ErrorFeedback, residual_dtype
@@ -105,7 +106,8 @@ class CompressedAllreduce:
         self._agreed: set = set()  # (key, numel, dtype) checked with every rank
 
     def reduce(self, tensors: Union[torch.Tensor, Sequence[torch.Tensor]], key: Hashable, seed: int,
-               prescale: float = 1.0, postscale: float = 1.0, dtype: torch.dtype | None = None) -> Reduced:
+               prescale: float = 1.0, postscale: float = 1.0, dtype: torch.dtype | None = None,
+               into_inputs: bool = False) -> Reduced:
         """Reduce the bucket ``tensors`` (their concatenation) across ranks.
 
         Args:
@@ -115,9 +117,13 @@ class CompressedAllreduce:
             prescale: multiplies the local gradients before compensation (DeepSpeed's 1/predivide factor).
             postscale: multiplies the decoded sum (DeepSpeed's predivide/world_size factor).
             dtype: wire (communication) dtype; default the gradients' dtype.
+            into_inputs: write the result into ``tensors`` themselves (zeroed during compensation, the
+                pairs decoded into them): no decode buffer and no copy back. Needs
+                :meth:`can_reduce_into` true.
         Returns:
             :class:`Reduced`; ``out`` is a persistent (n,) buffer of ``dtype`` holding
-            ``postscale × Σ_ranks decoded pairs``, valid until this key's next reduction.
+            ``postscale × Σ_ranks decoded pairs``, valid until this key's next reduction (None with
+            ``into_inputs``: the tensors hold the result).
         Raises:
             BufferMismatchError: on every rank, when ranks disagree on the bucket's length or dtype
                 (checked before the residual is touched).
@@ -132,7 +138,7 @@ class CompressedAllreduce:
             self._agreed.add((key, n, dtype))
 
         clock = _Clock(device)
-        compensated = self.error_feedback.compensate_(key, tensors, dtype, prescale)
+        compensated = self.error_feedback.compensate_(key, tensors, dtype, prescale, zero_inputs=into_inputs)
         compensate_ms = clock.lap()
         sel = self.compressor.compress(compensated, seed)
         wire_values = sel.values.to(dtype)
@@ -150,7 +156,11 @@ class CompressedAllreduce:
             self.error_feedback.clear_non_finite(key)
         residual_ms = clock.lap()
 
-        out = self.decoder.decode(key, n, gathered.indices, gathered.values, dtype, device, postscale)
+        if into_inputs:
+            out = None
+            self.decoder.decode_into(tensors, gathered.indices, gathered.values, postscale)
+        else:
+            out = self.decoder.decode(key, n, gathered.indices, gathered.values, dtype, device, postscale)
         decode_ms = clock.lap()
         stats = ReduceStats(numel=n, k=sel.k, kept=sel.count, capacity=sel.capacity,
                             bytes_sent=gathered.bytes_sent,
@@ -159,6 +169,12 @@ class CompressedAllreduce:
                             select_ms=select_ms, exchange_ms=exchange_ms, residual_ms=residual_ms,
                             decode_ms=decode_ms)
         return Reduced(out, stats)
+
+    def can_reduce_into(self, tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> bool:
+        """Whether :meth:`reduce` can decode into ``tensors`` (CPU fp32/bf16 contiguous, wire dtype equal to
+        theirs, error feedback on: the zeroing rides on the compensation pass)."""
+        return (self.error_feedback.enabled and bool(tensors) and tensors[0].dtype == dtype
+                and cpu_table.segments_supported(tensors))
 
     def reduce_dense(self, tensors: Sequence[torch.Tensor], key: Hashable, prescale: float = 1.0,
                      postscale: float = 1.0, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -4,8 +4,10 @@ One process, world size 1 over gloo on loopback (the exchange is then a local co
 the packing and unpacking of the pairs, not the link). The bucket is the link benchmark's model, a
 24.2 M-parameter MLP (784-4096-4096-1024-10), as DeepSpeed hands it to ``allreduce_bucket``: the list
 of gradient tensors. Per dtype it prints the median ms of each phase over the timed steps, the whole
-step, one read pass of the bucket (``g.sum()``, the floor, timed in alternation in the same run), and
-for context the local work of DeepSpeed's dense path around its allreduce (flatten, scale, copy back).
+step until the gradients hold the result (as the engine hook runs it: decoded straight into the
+gradients where the CPU library can, else a decode buffer plus DeepSpeed's copy back), one read pass of
+the bucket (``g.sum()``, the floor, timed in alternation in the same run), and for context the local
+work of DeepSpeed's dense path around its allreduce (flatten, scale, copy back).
 
     python launch/bench_step.py                      # 1 thread, fp32 and bf16, density 0.01
     python launch/bench_step.py --json docs/bench_step.json --threads 1 --steps 30
@@ -76,17 +78,26 @@ def bench_dtype(dtype, shapes, args, backend):
     flat = torch.cat([g.flatten() for g in grads[0]])
     phases = {p: [] for p in PHASES}
     total, floor, dense_local = [], [], []
+    bucket = [g.clone() for g in grads[0]]  # what backward() would have written (refilled, untimed)
+    into = pipe.can_reduce_into(bucket, dtype)  # as the engine does: decode into the gradients where it can
     for step in range(WARMUP + args.steps):
-        bucket = grads[step % 3]
+        torch._foreach_copy_(bucket, grads[step % 3])
         sync(device)
         t0 = time.perf_counter()
-        _, stats = pipe.reduce(bucket, "bucket", seed=step, prescale=1.0, postscale=0.5, dtype=dtype)
+        out, stats = pipe.reduce(bucket, "bucket", seed=step, prescale=1.0, postscale=0.5, dtype=dtype,
+                               into_inputs=into)
+        if not into:  # DeepSpeed's allreduce_and_copy copies the flat result into the gradients
+            for buf, synced in zip(bucket, torch._utils._unflatten_dense_tensors(out, bucket)):
+                buf.copy_(synced)
         sync(device)
         t1 = time.perf_counter()
         flat.sum()
         sync(device)
         t2 = time.perf_counter()
         # DeepSpeed's dense allreduce_bucket + allreduce_and_copy without the allreduce itself
+        torch._foreach_copy_(bucket, grads[step % 3])
+        sync(device)
+        t2b = time.perf_counter()
         t = torch._utils._flatten_dense_tensors(bucket)
         t.mul_(0.5)
         for buf, synced in zip(bucket, torch._utils._unflatten_dense_tensors(t, bucket)):
@@ -96,10 +107,11 @@ def bench_dtype(dtype, shapes, args, backend):
         if step >= WARMUP:
             total.append((t1 - t0) * 1e3)
             floor.append((t2 - t1) * 1e3)
-            dense_local.append((t3 - t2) * 1e3)
+            dense_local.append((t3 - t2b) * 1e3)
             for p in PHASES:
                 phases[p].append(getattr(stats, p))
-    rec = {"dtype": str(dtype).replace("torch.", ""), "device": args.device, "numel": n, "density": args.density, "threads": args.threads,
+    rec = {"dtype": str(dtype).replace("torch.", ""), "device": args.device, "decode_into_gradients": into,
+           "numel": n, "density": args.density, "threads": args.threads,
            "steps": args.steps, "kept": stats.kept, "k": stats.k}
     rec.update({p: median(v) for p, v in phases.items()})
     rec["total_ms"] = median(total)

@@ -79,3 +79,36 @@ def test_scatter_fallback_on_fp16_matches_index_ops():
     assert torch.equal(dst, ref)
     scatter.zero_(dst, idx)
     assert bool((dst[idx.long()] == 0).all())
+
+
+@pytest.mark.skipif(not cpu_table.available(), reason="no C++ compiler")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("postscale", [1.0, 0.5, 1 / 3])
+def test_decode_into_tensors_equals_decode(dtype, postscale):
+    """Decoding into a bucket's separate (zeroed) tensors, empty ones included, equals the flat decode."""
+    gen = torch.Generator().manual_seed(11)
+    shapes = [(300, 7), (0,), (1,), (5000,), (13, 11)]
+    n = sum(torch.Size(s).numel() for s in shapes)
+    for step in range(3):
+        idx, val = _pairs(n, 3, [0.01, 0.3, 1.0][step], dtype, gen)
+        ref = SparseDecoder().decode("b", n, idx, val, dtype, torch.device("cpu"), postscale)
+        tensors = [torch.zeros(s, dtype=dtype) for s in shapes]
+        SparseDecoder.decode_into(tensors, idx, val, postscale)
+        assert torch.equal(torch.cat([t.flatten() for t in tensors]), ref)
+
+
+@pytest.mark.skipif(not cpu_table.available(), reason="no C++ compiler")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("alpha", [1.0, 0.25])
+def test_cpp_compensate_zeroes_inputs_and_matches_torch(dtype, alpha):
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(70_001,), (0,), (3, 5)]
+    g = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+    res = torch.randn(70_016, generator=gen)
+    want = res + torch.cat([t.flatten() for t in g]).float() * alpha
+    cpu_table.compensate(res, g, alpha, zero_inputs=True)
+    if alpha == 1.0:
+        assert torch.equal(res, want)  # one rounding, like Tensor.add_
+    else:
+        torch.testing.assert_close(res, want, rtol=1e-6, atol=1e-6)
+    assert all(bool((t == 0).all()) for t in g)

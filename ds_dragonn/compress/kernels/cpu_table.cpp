@@ -765,7 +765,7 @@ int dragonn_sparse_update(void* dst, int dtype, const void* idx, int idx64, int6
 // alpha == 1: one rounding (res + g), as torch's add_; else res + (g * alpha) rounded twice.
 namespace {
 template <typename R, typename G, typename Conv>
-void compensate_seg(R* res, const G* g, int64_t len, R alpha, bool scaled, int nthreads, Conv conv) {
+void compensate_seg(R* res, G* g, int64_t len, R alpha, bool scaled, bool zero, int nthreads, Conv conv) {
   const int nt = len < (1 << 16) ? 1 : std::max(1, nthreads);
   parallel_for(len, nt, 64, [&](int, int64_t lo, int64_t hi) {
     if (scaled) {
@@ -773,23 +773,25 @@ void compensate_seg(R* res, const G* g, int64_t len, R alpha, bool scaled, int n
     } else {
       for (int64_t i = lo; i < hi; ++i) res[i] += conv(g[i]);
     }
+    if (zero) std::memset((void*)(g + lo), 0, (size_t)(hi - lo) * sizeof(G));  // still in cache
   });
 }
 }  // namespace
 
 extern "C" {
 // Returns 0, or -1 for a dtype pair this path does not handle (the caller uses torch).
-int dragonn_compensate(void* res, int rdt, int nseg, const void* const* gptrs, const int64_t* lens, int gdt,
-                       double alpha, int nthreads) {
+// zero: also set every gradient to 0 in the same pass (the decode then adds the reduced pairs into them).
+int dragonn_compensate(void* res, int rdt, int nseg, void* const* gptrs, const int64_t* lens, int gdt,
+                       double alpha, int zero, int nthreads) {
   const bool scaled = alpha != 1.0;
   int64_t off = 0;
   if (rdt == F32 && (gdt == F32 || gdt == BF16)) {
     float* r = (float*)res;
     for (int s = 0; s < nseg; off += lens[s], ++s) {
       if (gdt == F32)
-        compensate_seg(r + off, (const float*)gptrs[s], lens[s], (float)alpha, scaled, nthreads, [](float v) { return v; });
+        compensate_seg(r + off, (float*)gptrs[s], lens[s], (float)alpha, scaled, zero, nthreads, [](float v) { return v; });
       else
-        compensate_seg(r + off, (const uint16_t*)gptrs[s], lens[s], (float)alpha, scaled, nthreads,
+        compensate_seg(r + off, (uint16_t*)gptrs[s], lens[s], (float)alpha, scaled, zero, nthreads,
                        [](uint16_t v) { return bits2f((uint32_t)v << 16); });
     }
     return 0;
@@ -797,7 +799,80 @@ int dragonn_compensate(void* res, int rdt, int nseg, const void* const* gptrs, c
   if (rdt == F64 && gdt == F64) {
     double* r = (double*)res;
     for (int s = 0; s < nseg; off += lens[s], ++s)
-      compensate_seg(r + off, (const double*)gptrs[s], lens[s], alpha, scaled, nthreads, [](double v) { return v; });
+      compensate_seg(r + off, (double*)gptrs[s], lens[s], alpha, scaled, zero, nthreads, [](double v) { return v; });
+    return 0;
+  }
+  return -1;
+}
+}  // extern "C"
+
+// ---------------------------------------------------------------------------------------------------------
+// The same sparse updates addressed through a bucket's separate gradient tensors (segments), so the
+// decode can write straight into the gradients: positions are first turned into byte addresses (one
+// search of the segment offsets per position), then the update runs over the addresses with prefetch.
+namespace {
+template <typename I>
+void addresses_t(int nseg, const int64_t* ptrs, const int64_t* offsets, int esize, const I* idx, int64_t c,
+                 int64_t* out, int nthreads) {
+  const int nt = c < (1 << 15) ? 1 : std::max(1, nthreads);
+  parallel_for(c, nt, 64, [&](int, int64_t lo, int64_t hi) {
+    for (int64_t j = lo; j < hi; ++j) {
+      const int64_t i = (int64_t)idx[j];
+      // last s with offsets[s] <= i (offsets ascending, offsets[0] = 0, offsets[nseg] = n; empty segments
+      // share an offset with the next one and are skipped by taking the last match)
+      int64_t a = 0, b = nseg;  // invariant: offsets[a] <= i < offsets[b]
+      while (b - a > 1) {
+        const int64_t m = (a + b) >> 1;
+        if (offsets[m] <= i) a = m; else b = m;
+      }
+      out[j] = ptrs[a] + (i - offsets[a]) * esize;
+    }
+  });
+}
+template <typename Op>
+void addr_loop(const int64_t* addr, int64_t c, int nthreads, Op&& op) {
+  const int nt = c < (1 << 15) ? 1 : std::max(1, nthreads);
+  parallel_for(c, nt, 64, [&](int, int64_t lo, int64_t hi) {
+    for (int64_t j = lo; j < hi; ++j) {
+      if (j + kPf < hi) __builtin_prefetch((const void*)addr[j + kPf], 1);
+      op(j, addr[j]);
+    }
+  });
+}
+}  // namespace
+
+extern "C" {
+// out[j] = byte address of bucket position idx[j] in the segment that holds it.
+void dragonn_segment_addresses(int nseg, const int64_t* ptrs, const int64_t* offsets, int esize, const void* idx,
+                               int idx64, int64_t count, int64_t* out, int nthreads) {
+  if (count <= 0) return;
+  if (idx64) addresses_t(nseg, ptrs, offsets, esize, (const int64_t*)idx, count, out, nthreads);
+  else addresses_t(nseg, ptrs, offsets, esize, (const int32_t*)idx, count, out, nthreads);
+}
+
+// dragonn_sparse_update's modes 0 (set), 1 (add, distinct addresses) and 3 (gather_scaled) over addresses.
+// Returns 0, or -1 for an unsupported dtype or mode.
+int dragonn_addr_update(int dtype, const int64_t* addr, int64_t count, const void* src, int mode, double scale,
+                        void* tmp, int nthreads) {
+  if (count <= 0) return 0;
+  if (dtype == F32) {
+    const float* s = (const float*)src; float* t = (float*)tmp; const float sc = (float)scale;
+    if (mode == 0) addr_loop(addr, count, nthreads, [&](int64_t j, int64_t a) { *(float*)a = s[j]; });
+    else if (mode == 1) addr_loop(addr, count, nthreads, [&](int64_t j, int64_t a) { *(float*)a += s[j]; });
+    else if (mode == 3) addr_loop(addr, count, nthreads, [&](int64_t j, int64_t a) { t[j] = *(const float*)a * sc; });
+    else return -1;
+    return 0;
+  }
+  if (dtype == BF16) {
+    const uint16_t* s = (const uint16_t*)src; uint16_t* t = (uint16_t*)tmp; const float sc = (float)scale;
+    if (mode == 0) addr_loop(addr, count, nthreads, [&](int64_t j, int64_t a) { *(uint16_t*)a = s[j]; });
+    else if (mode == 1)
+      addr_loop(addr, count, nthreads, [&](int64_t j, int64_t a) {
+        *(uint16_t*)a = f_to_bf16(bf16_to_f(*(const uint16_t*)a) + bf16_to_f(s[j]));
+      });
+    else if (mode == 3)
+      addr_loop(addr, count, nthreads, [&](int64_t j, int64_t a) { t[j] = f_to_bf16(bf16_to_f(*(const uint16_t*)a) * sc); });
+    else return -1;
     return 0;
   }
   return -1;

@@ -185,8 +185,12 @@ def load() -> ctypes.CDLL:
         lib.dragonn_isa.restype = i32
         lib.dragonn_sparse_update.argtypes = [vp, i32, vp, i32, i64, vp, i32, ctypes.c_double, vp, i32]
         lib.dragonn_sparse_update.restype = i32
-        lib.dragonn_compensate.argtypes = [vp, i32, i32, vp, vp, i32, ctypes.c_double, i32]
+        lib.dragonn_compensate.argtypes = [vp, i32, i32, vp, vp, i32, ctypes.c_double, i32, i32]
         lib.dragonn_compensate.restype = i32
+        lib.dragonn_segment_addresses.argtypes = [i32, vp, vp, i32, vp, i32, i64, vp, i32]
+        lib.dragonn_segment_addresses.restype = None
+        lib.dragonn_addr_update.argtypes = [i32, vp, i64, vp, i32, ctypes.c_double, vp, i32]
+        lib.dragonn_addr_update.restype = i32
         _lib = lib
         return lib
 
@@ -350,7 +354,7 @@ def compensate_supported(dst: torch.Tensor, tensors) -> bool:
         and available()
 
 
-def compensate(dst: torch.Tensor, tensors, alpha: float = 1.0) -> None:
+def compensate(dst: torch.Tensor, tensors, alpha: float = 1.0, zero_inputs: bool = False) -> None:
     """``dst += alpha × cat([t.flatten() for t in tensors])`` in place, without the concatenation.
 
     Args:
@@ -358,6 +362,7 @@ def compensate(dst: torch.Tensor, tensors, alpha: float = 1.0) -> None:
             n = total elements of ``tensors``.
         tensors: contiguous CPU tensors of one dtype, in bucket order.
         alpha: scale of the gradients (alpha == 1 rounds once, like ``Tensor.add_``).
+        zero_inputs: also set every element of ``tensors`` to 0, in the same pass.
     Raises:
         ValueError: unsupported dtypes/devices, or sizes that do not add up to n.
     """
@@ -369,6 +374,58 @@ def compensate(dst: torch.Tensor, tensors, alpha: float = 1.0) -> None:
         raise ValueError(f"gradients hold {int(lens.sum())} elements, the buffer {dst.numel()}")
     ptrs = (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
     rc = load().dragonn_compensate(dst.data_ptr(), DTYPE_CODES[dst.dtype], len(tensors), ptrs, lens.data_ptr(),
-                                   DTYPE_CODES[tensors[0].dtype], float(alpha), torch.get_num_threads())
+                                   DTYPE_CODES[tensors[0].dtype], float(alpha), int(zero_inputs),
+                                   torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"compensate: unsupported dtypes {dst.dtype} += {tensors[0].dtype}")
+
+
+# -- sparse updates addressed through a bucket's gradient tensors -----------------------------------------
+def segments_supported(tensors) -> bool:
+    """True when :func:`segment_addresses` / :func:`addr_update` take ``tensors``: contiguous CPU tensors of one
+    dtype, fp32 or bf16, and the library loads."""
+    if not tensors:
+        return False
+    dt = tensors[0].dtype
+    return dt in (torch.float32, torch.bfloat16) and all(
+        t.dtype == dt and t.device.type == "cpu" and t.is_contiguous() for t in tensors) and available()
+
+
+def segment_addresses(tensors, indices: torch.Tensor) -> torch.Tensor:
+    """Byte addresses of bucket positions ``indices`` inside ``tensors`` (the bucket is their concatenation).
+
+    Args:
+        tensors: the bucket's tensors (see :func:`segments_supported`); they must stay alive while the
+            addresses are used.
+        indices: (c,) int32/int64 positions in [0, total elements).
+    Returns:
+        (c,) int64 addresses, for :func:`addr_update`.
+    """
+    lens = [t.numel() for t in tensors]
+    offsets = torch.tensor([0] + lens, dtype=torch.int64).cumsum_(0)
+    ptrs = torch.tensor([t.data_ptr() for t in tensors] + [0], dtype=torch.int64)
+    indices = indices.contiguous()
+    out = torch.empty(indices.numel(), dtype=torch.int64)
+    load().dragonn_segment_addresses(len(tensors), ptrs.data_ptr(), offsets.data_ptr(), tensors[0].element_size(),
+                                     indices.data_ptr(), int(indices.dtype == torch.int64), indices.numel(),
+                                     out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def addr_update(dtype: torch.dtype, addresses: torch.Tensor, mode: str, src: Optional[torch.Tensor] = None,
+                scale: float = 1.0) -> Optional[torch.Tensor]:
+    """:func:`sparse_update`'s ``"set"``, ``"add"`` (distinct addresses) and ``"gather_scaled"`` on addresses
+    from :func:`segment_addresses` of fp32 or bf16 tensors."""
+    code = _SPARSE_MODES[mode]
+    c = addresses.numel()
+    tmp = torch.empty(c, dtype=dtype) if code == 3 else None
+    if code in (0, 1):
+        if src is None or src.numel() != c or src.dtype != dtype:
+            raise ValueError(f"addr_update({mode!r}) needs {c} values of {dtype}")
+        src = src.contiguous()
+    rc = load().dragonn_addr_update(DTYPE_CODES[dtype], addresses.data_ptr(), c,
+                                    None if code not in (0, 1) else src.data_ptr(), code, float(scale),
+                                    None if tmp is None else tmp.data_ptr(), torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"addr_update: unsupported dtype {dtype} or mode {mode!r}")
+    return tmp
