@@ -4,17 +4,19 @@ This is the only place that fixes that order. The residual is committed only onc
 succeeded, so a failed exchange leaves ``old residual + gradient`` in it: nothing recorded as sent that
 never left, nothing lost.
 
-Step budget (memory passes over the bucket of n elements, per step, CPU and GPU alike):
+Step budget (memory passes over the bucket of n elements, per step):
 
-1. compensate: residual += gradient, in place (reads the gradient and the residual, writes the residual;
-   the bucket is never flattened into a new tensor);
+1. compensate: residual += gradient, in place (reads the gradients and the residual, writes the
+   residual; the bucket is never flattened into a new tensor). With ``into_inputs`` the gradients are
+   zeroed in the same pass, block by block while in cache (CPU library);
 2. the selection kernel's scan of the compensated buffer (its threshold sample reads ~0.1 % of it);
 
-and nothing else of size n: the residual commit, the non-finite check, the decode, the clearing of the
-previous step's decoded positions and the averaging all touch only the ~k (commit) or ~P·k (decode)
-selected positions. A full pass is added only where it is needed: an overflow step (a sent value is
-non-finite: the residual's non-finite entries are cleared), a compressor that does not always send
-non-finite entries (random-k), or a decode buffer somebody else wrote into.
+and nothing else of size n: the residual commit, the non-finite check, the decode (into the gradients,
+or into a persistent buffer whose previous positions are cleared) and the averaging all touch only the
+~k (commit) or ~P·k (decode) selected positions. A full pass is added only where it is needed: an
+overflow step (a sent value is non-finite: the residual's non-finite entries are cleared), a compressor
+that does not always send non-finite entries (random-k), or a decode buffer somebody else wrote into.
+Measured: ``launch/bench_step.py``, ``docs/bench_step.txt``.
 """
 from __future__ import annotations
 

@@ -158,6 +158,7 @@ class Runner:
     step: Callable[[torch.Tensor, torch.Tensor], None]  # forward, backward, exchange, optimizer step
     module: torch.nn.Module                              # the model to evaluate
     bytes_sent: Callable[[], int]                        # modelled bytes this rank has sent so far
+    details: Optional[Callable[[], dict]] = None         # extra record fields (DeepSpeed modes: where time goes)
 
 
 def counted(step: Callable, per_step: int):
@@ -197,15 +198,34 @@ def setup_deepspeed(model, args, world, comm_dtype: Optional[str] = None, dragon
         config["dragonn"] = {"enabled": True, **dragonn}
     engine, _, _, _ = ds_dragonn.initialize(model=model, model_parameters=model.parameters(), config=config)
 
+    parts = {"forward_ms": [], "backward_ms": [], "optimizer_ms": []}  # backward includes the reduction
+
     def step(x, y):
-        engine.backward(F.cross_entropy(engine(x), y))
+        t0 = time.perf_counter()
+        loss = F.cross_entropy(engine(x), y)
+        t1 = time.perf_counter()
+        engine.backward(loss)
+        t2 = time.perf_counter()
         engine.step()
+        t3 = time.perf_counter()
+        for k, v in zip(parts, (t1 - t0, t2 - t1, t3 - t2)):
+            parts[k].append(v * 1e3)
+
+    def details():
+        d = {k: statistics.median(v[args.warmup_steps:] or v) for k, v in parts.items()}
+        if dragonn is not None:
+            t = engine.dragonn.telemetry.summary()
+            d["dragonn_telemetry"] = {k: t[k] for k in ("compressed_reductions", "dense_reductions",
+                                                        "compensate_ms_mean", "select_ms_mean", "exchange_ms_mean",
+                                                        "residual_ms_mean", "decode_ms_mean", "dense_ms_mean",
+                                                        "kept_over_k", "achieved_density")}
+        return d
 
     if dragonn is not None:
-        return Runner(step, engine.module, lambda: engine.dragonn.telemetry.bytes_sent)
+        return Runner(step, engine.module, lambda: engine.dragonn.telemetry.bytes_sent, details)
     numel = sum(p.numel() for p in model.parameters())
     step, sent = counted(step, ring_bytes(numel, 2 if comm_dtype == "bf16" else 4, world))
-    return Runner(step, engine.module, sent)
+    return Runner(step, engine.module, sent, details)
 
 
 def setup_ddp(model, args, hook: Callable, state, bytes_per_bucket: Callable) -> Runner:
@@ -343,6 +363,8 @@ def train(args) -> Optional[dict]:
               "step_ms": [round(t, 1) for t in step_ms]}
     if args.mode == "dragonn":
         record["dragonn"] = json.loads(args.dragonn)
+    if runner.details is not None:
+        record.update(runner.details())
     dist.barrier()
     dist.destroy_process_group()
     return record if rank == 0 else None
