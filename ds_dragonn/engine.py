@@ -164,8 +164,13 @@ class DragonnHook:
 
         if not self._announced:
             self._announced = True
-            print_dist(f"DRAGONN: compressing from step {step + 1} (warm-up: {self.cfg.warmup_steps} dense steps"
-                       f"{', auto probes before' if self.cfg.policy == Policy.auto else ''})", ranks=[0])
+            if self.cfg.policy == Policy.auto:
+                print_dist(f"DRAGONN auto: timing the compressed path from step {step + 1} (after "
+                           f"{self.cfg.warmup_steps} warm-up steps and the dense probes); the decision follows "
+                           f"after {self.cfg.auto_probe_steps} compressed steps", ranks=[0])
+            else:
+                print_dist(f"DRAGONN: compressing from step {step + 1} (after {self.cfg.warmup_steps} dense "
+                           f"warm-up steps)", ranks=[0])
         scales = reduction_scales(engine, dp_world_size)
         # no flatten: the pipeline compensates the bucket's gradients straight into the persistent
         # residual and returns its persistent decode buffer, which DeepSpeed's allreduce_and_copy

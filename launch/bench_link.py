@@ -393,7 +393,7 @@ def print_table(records: list) -> None:
         print("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
     print(f"\nms/step: median of the timed steps; x no-exchange: ms / ms of 'none' on the same link; "
           f"tx: the rank's veth tx_bytes; time to acc: training time until held-out accuracy >= "
-          f"{records[0]['target_accuracy']} ('-': not reached in {records[0]['steps']} steps)")
+          f"{records[0].get('target_accuracy', TARGET_ACCURACY)} ('-': not reached in {records[0]['steps']} steps)")
 
 
 def plot(records: list, path: str) -> None:

@@ -39,7 +39,7 @@ def test_bench_link_report_table_json_plot(tmp_path):
                            ("none", "unthrottled", 90.0), ("ds_dense_fp32", "unthrottled", 120.0)]:
         rec = {"mode": mode, "link": link, "link_gbit": 1.0 if link == "1gbit" else None, "world_size": 2,
                "ms_per_step": ms, "steps_per_s": 1e3 / ms, "tx_bytes_per_step": 1e6, "bytes_sent_per_step": 1e6,
-               "heldout_accuracy": 0.9, "steps": 10, "time_to_accuracy_s": None}
+               "heldout_accuracy": 0.9, "steps": 10, "time_to_accuracy_s": None, "target_accuracy": 0.88}
         path = tmp_path / f"{mode}@{link}.json"
         path.write_text(json.dumps(rec))
         recs.append(str(path))
