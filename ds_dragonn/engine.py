@@ -14,6 +14,7 @@ agreed state.
 """
 from __future__ import annotations
 
+import hashlib
 import inspect
 import time
 from typing import Any, Dict, Hashable, NamedTuple, Optional
@@ -140,7 +141,7 @@ class DragonnHook:
         world = pipeline.backend.world_size
         if dp_world_size is None:
             dp_world_size = world
-        key: Hashable = (ordinal, str(comm_dtype), numel)
+        key: Hashable = (ordinal, str(comm_dtype), numel, self._layout(bucket))
         small = numel < max(self.cfg.min_compress_numel, 1)
         if small and not self._warned_small:
             self._warned_small = True
@@ -193,6 +194,19 @@ class DragonnHook:
             log_reduction(step + 1, stats)
         self._monitor(stats)
         return out
+
+    def _layout(self, bucket) -> str:
+        """Digest of the bucket's layout: its parameters' names (matched by gradient storage), or the
+        gradients' shapes where a gradient is not a parameter's ``.grad``. Part of the residual's key, so
+        that when the set of trainable parameters changes, one tensor's residual is never applied to
+        another of the same size (each layout keeps its own residual, resumed when it returns)."""
+        names = {}
+        for name, p in self.engine.module.named_parameters():
+            g = p.grad
+            if g is not None and g.numel():
+                names[g.data_ptr()] = name
+        layout = repr(tuple(names.get(t.data_ptr(), tuple(t.shape)) for t in bucket))
+        return hashlib.blake2b(layout.encode(), digest_size=8).hexdigest()
 
     def _monitor(self, stats: Optional[ReduceStats], dense_ms: Optional[float] = None) -> None:
         monitor = getattr(self.engine, "monitor", None)

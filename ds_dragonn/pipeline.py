@@ -72,6 +72,19 @@ def dense_allreduce_bytes(numel: int, itemsize: int, world_size: int) -> int:
     return int(2 * (world_size - 1) * numel * itemsize // max(world_size, 1))
 
 
+def to_wire(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``values`` in the wire dtype; finite values beyond its range are clamped to its largest finite value.
+
+    A residual accumulated in float32 can exceed fp16's 65504 although no gradient does: sent as Inf it
+    would poison the result (fp32 training has no loss scaler to catch it) and the residual would drop
+    it. Clamped, the excess stays in the residual. Non-finite values are sent as they are.
+    """
+    if dtype not in (torch.float16, torch.bfloat16) or values.dtype == dtype:
+        return values.to(dtype)
+    big = torch.finfo(dtype).max
+    return torch.where(torch.isfinite(values), values.clamp(-big, big), values).to(dtype)
+
+
 class _Clock:
     """Phase timer; synchronises the device at each mark so that the times are the device's."""
 
@@ -143,7 +156,7 @@ class CompressedAllreduce:
         compensated = self.error_feedback.compensate_(key, tensors, dtype, prescale, zero_inputs=into_inputs)
         compensate_ms = clock.lap()
         sel = self.compressor.compress(compensated, seed)
-        wire_values = sel.values.to(dtype)
+        wire_values = to_wire(sel.values, dtype)
         select_ms = clock.lap()
 
         sent = Selection(sel.indices, wire_values, sel.threshold, sel.k, sel.capacity)

@@ -129,6 +129,24 @@ def engine_runs(rank: int, world: int, out_dir: str) -> None:
         out[name] = {"params": [p.detach().float().clone() for p in engine.module.parameters()],
                      "telemetry": hook.telemetry.summary() if hook else None,
                      "hooked": hook is not None and engine.allreduce_bucket == hook.allreduce_bucket}
+    # frozen layers that take turns: b's true gradient is 0, a's residual must never reach b
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"a": torch.nn.Linear(10, 10, bias=False), "b": torch.nn.Linear(10, 10, bias=False)})
+    cfg = _engine_config({"enabled": True, "density": 0.1, "min_compress_numel": 1})
+    cfg["optimizer"] = {"type": "SGD", "params": {"lr": 0.0}}  # steps advance, weights stay
+    engine, *_ = ds_dragonn.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    b_grads = []
+    for step in range(6):
+        train_a = step % 2 == 0
+        model["a"].weight.requires_grad_(train_a)
+        model["b"].weight.requires_grad_(not train_a)
+        x = torch.ones(4, 10)
+        loss = engine.module["a"](x).sum() * 100 + engine.module["b"](x).sum() * 0
+        engine.backward(loss)
+        if not train_a:
+            b_grads.append(float(model["b"].weight.grad.abs().max()))
+        engine.step()
+    out["frozen_b_grads"] = b_grads
     # the pipeline engine is refused at initialize
     from deepspeed.pipe import PipelineModule
     pipe = PipelineModule(layers=[torch.nn.Linear(4, 4)], num_stages=1)

@@ -111,3 +111,8 @@ def test_monitor_events_on_deepspeeds_sample_axis(runs, tmp_path_factory):
         rows = _csv(out, f"{phase}_ms")
         assert len(rows) == ENGINE_STEPS - 2 and all(v >= 0 for _, v in rows)
     assert len(_csv(out, "dense_ms")) == 2
+
+
+def test_residuals_follow_the_parameters_when_the_trainable_set_changes(runs):
+    """Two same-size layers frozen in turn: a's residual is never decoded into b (whose gradient is 0)."""
+    assert runs[0]["frozen_b_grads"] == [0.0, 0.0, 0.0]

@@ -96,3 +96,18 @@ def test_flush_sends_the_residual_nothing_lost(dtype):
         assert bool((res == 0).all())  # a flush leaves nothing behind
     else:
         assert float(res.abs().max()) < 0.02  # only the bf16 rounding of the flush
+
+
+def test_residual_beyond_fp16_range_is_clamped_not_lost():
+    """fp32 gradients over an fp16 wire: the residual outgrows 65504; nothing Inf is sent, nothing is lost."""
+    pipe = CompressedAllreduce(DragonnCompressor(0.01), LocalBackend(), ErrorFeedback())
+    raw = torch.zeros(1000, dtype=torch.float64)
+    applied = torch.zeros(1000, dtype=torch.float64)
+    for step in range(4):
+        g = torch.full((1000,), 40000.0)
+        raw += g.double()
+        out, _ = pipe.reduce([g], "b", seed=step, dtype=torch.float16)
+        assert bool(torch.isfinite(out).all()), f"step {step}"
+        applied += out.double()
+    res = pipe.error_feedback.residuals["b"].double()
+    torch.testing.assert_close(applied + res, raw, rtol=1e-6, atol=0)
