@@ -40,6 +40,17 @@ def decode_sum(numel: int, indices: Sequence[torch.Tensor], values: Sequence[tor
     return out
 
 
+def check_indices(indices: Sequence[torch.Tensor], numel: int) -> None:
+    """Raise ValueError when a rank's indices fall outside [0, numel) (a corrupt or mismatched peer): the
+    fast paths write through raw addresses, so this must hold before any write. One min/max per rank."""
+    for r, idx in enumerate(indices):
+        if idx.numel():
+            lo, hi = int(idx.min()), int(idx.max())
+            if lo < 0 or hi >= numel:
+                raise ValueError(f"rank {r} sent indices in [{lo}, {hi}], outside the bucket's [0, {numel}): "
+                                 f"a corrupt exchange, or ranks reducing different buckets")
+
+
 class SparseDecoder:
     """Persistent per-bucket decode buffers, cleared and scaled sparsely."""
 
@@ -56,7 +67,10 @@ class SparseDecoder:
             after the summation, as DeepSpeed's dense path does.
         Returns:
             The persistent (n,) buffer of ``dtype``; valid until the next ``decode`` of the same key.
+        Raises:
+            ValueError: a rank's indices fall outside [0, numel) (nothing is written).
         """
+        check_indices(indices, numel)
         out = self._out.get(key)
         if out is None or out.numel() != numel or out.dtype != dtype or out.device != device:
             out = persistent_zeros(numel, dtype, device)
@@ -90,6 +104,7 @@ class SparseDecoder:
         fp32 or bf16 only (``cpu_table.segments_supported``); values are cast to their dtype.
         """
         tensors = list(tensors)
+        check_indices(indices, sum(t.numel() for t in tensors))
         dtype = tensors[0].dtype
         addrs = []
         for idx, val in zip(indices, values):

@@ -112,3 +112,19 @@ def test_cpp_compensate_zeroes_inputs_and_matches_torch(dtype, alpha):
     else:
         torch.testing.assert_close(res, want, rtol=1e-6, atol=1e-6)
     assert all(bool((t == 0).all()) for t in g)
+
+
+@pytest.mark.parametrize("bad", [-1, 10])
+def test_out_of_range_indices_are_refused_before_any_write(bad):
+    dec = SparseDecoder()
+    good = [torch.tensor([1, 2], dtype=torch.int32)]
+    out = dec.decode("b", 10, good, [torch.tensor([1.0, 2.0])], torch.float32, torch.device("cpu"))
+    before = out.clone()
+    idx = [torch.tensor([3], dtype=torch.int32), torch.tensor([0, bad], dtype=torch.int32)]
+    with pytest.raises(ValueError, match="rank 1 sent indices"):
+        dec.decode("b", 10, idx, [torch.tensor([1.0]), torch.tensor([1.0, 1.0])], torch.float32, torch.device("cpu"))
+    assert torch.equal(out, before)
+    tensors = [torch.zeros(4), torch.zeros(6)]
+    with pytest.raises(ValueError, match="outside the bucket"):
+        SparseDecoder.decode_into(tensors, idx, [torch.tensor([1.0]), torch.tensor([1.0, 1.0])])
+    assert all(bool((t == 0).all()) for t in tensors)
