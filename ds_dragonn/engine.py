@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-import time
 from typing import Any, Dict, Hashable, NamedTuple, Optional
 
 from deepspeed.utils.logging import print_dist
@@ -26,7 +25,7 @@ from .comm.base import CommBackend
 from .compress import build_compressor
 from .config import DragonnConfig, Policy
 from .feedback import ErrorFeedback
-from .pipeline import CompressedAllreduce, ReduceStats
+from .pipeline import CompressedAllreduce, PhaseClock, ReduceStats
 from .policy import AutoPolicy
 from .telemetry import Telemetry, log_reduction, monitor_events
 
@@ -45,14 +44,6 @@ def reduction_scales(engine: Any, dp_world_size: float) -> Scales:
         pre = engine.gradient_predivide_factor()
         return Scales(1.0 / pre if pre != 1.0 else 1.0, pre / dp_world_size if pre != dp_world_size else 1.0)
     return Scales(1.0 / dp_world_size, 1.0)
-
-
-def _now(bucket) -> float:
-    """perf_counter after the bucket's device finished its queued work (CUDA), for phase timing."""
-    if bucket and bucket[0].is_cuda:
-        import torch
-        torch.cuda.synchronize(bucket[0].device)
-    return time.perf_counter()
 
 
 def bucket_seed(seed: int, step: int, ordinal: int) -> int:
@@ -150,13 +141,13 @@ class DragonnHook:
                        f"'dragonn.min_compress_numel' to compress it)", ranks=[0])
         warm = step < self.cfg.warmup_steps
         if small or warm or not self.policy.compress(key):
-            t0 = _now(bucket)
+            clock = PhaseClock(bucket[0].device)
             if key in self._pending and not small:  # compressed before: flush its residual now
                 out = pipeline.reduce_dense(bucket, key, *reduction_scales(engine, dp_world_size), comm_dtype)
                 self._pending.discard(key)
             else:
                 out = self._dense_allreduce_bucket(bucket, dp_group, dp_world_size)
-            ms = (_now(bucket) - t0) * 1e3
+            ms = clock.lap()
             if not small:
                 self.policy.record_dense(key, ms)
             self.telemetry.record_dense(numel, comm_dtype.itemsize, world, ms)
@@ -174,8 +165,8 @@ class DragonnHook:
                            f"warm-up steps)", ranks=[0])
         scales = reduction_scales(engine, dp_world_size)
         # no flatten: the pipeline compensates the bucket's gradients straight into the persistent
-        # residual and returns its persistent decode buffer, which DeepSpeed's allreduce_and_copy
-        # unflattens and copies into the gradients (in the gradients' dtype)
+        # residual; it decodes into the gradients themselves (from allreduce_and_copy, where it can), or
+        # returns its persistent decode buffer, which is unflattened and copied into them
         into = into_bucket and pipeline.can_reduce_into(bucket, comm_dtype)
         out, stats = pipeline.reduce(bucket, key, bucket_seed(self.cfg.seed, step, ordinal), scales.prescale,
                                      scales.postscale, comm_dtype, into_inputs=into)

@@ -100,12 +100,12 @@ class ErrorFeedback:
         numel = sum(t.numel() for t in tensors)
         device = tensors[0].device if tensors else torch.device("cpu")
         buf = self._buffer(key, numel, residual_dtype(dtype), device)
-        views = self._views_of(key, buf, tensors)
-        if not views:
+        if not tensors:
             return buf
         if self.enabled and cpu_table.compensate_supported(buf, tensors):
             cpu_table.compensate(buf, tensors, prescale, zero_inputs)
             return buf
+        views = self._views_of(key, buf, tensors)
         if self.enabled:
             if prescale == 1.0:
                 torch._foreach_add_(views, tensors)

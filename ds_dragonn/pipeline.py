@@ -85,7 +85,7 @@ def to_wire(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(torch.isfinite(values), values.clamp(-big, big), values).to(dtype)
 
 
-class _Clock:
+class PhaseClock:
     """Phase timer; synchronises the device at each mark so that the times are the device's."""
 
     def __init__(self, device: torch.device):
@@ -126,7 +126,8 @@ class CompressedAllreduce:
         """Reduce the bucket ``tensors`` (their concatenation) across ranks.
 
         Args:
-            tensors: one tensor or the bucket's gradients (any shapes, one device); not modified.
+            tensors: one tensor or the bucket's gradients (any shapes, one device); not modified unless
+                ``into_inputs``.
             key: stable id of this bucket across steps (selects its residual and decode buffer).
             seed: per-step, per-bucket seed, equal on every rank.
             prescale: multiplies the local gradients before compensation (DeepSpeed's 1/predivide factor).
@@ -152,7 +153,7 @@ class CompressedAllreduce:
             check_buffer_agreement(n, dtype, self.backend, device)
             self._agreed.add((key, n, dtype))
 
-        clock = _Clock(device)
+        clock = PhaseClock(device)
         compensated = self.error_feedback.compensate_(key, tensors, dtype, prescale, zero_inputs=into_inputs)
         compensate_ms = clock.lap()
         sel = self.compressor.compress(compensated, seed)
@@ -222,4 +223,4 @@ class CompressedAllreduce:
         return stats
 
 
-__all__ = ["CompressedAllreduce", "ReduceStats", "Reduced", "dense_allreduce_bytes", "residual_dtype"]
+__all__ = ["CompressedAllreduce", "PhaseClock", "ReduceStats", "Reduced", "dense_allreduce_bytes", "residual_dtype"]

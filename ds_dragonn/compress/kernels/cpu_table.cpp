@@ -705,44 +705,46 @@ inline uint16_t f_to_bf16(float f) {
   b += 0x7FFFu + ((b >> 16) & 1u);
   return (uint16_t)(b >> 16);
 }
+// Calls op(j, element pointer) for the c positions idx[j] of dst, prefetching kPf positions ahead.
 template <typename I, typename Op>
 void sparse_loop(const I* idx, int64_t c, int nthreads, char* dst, int esize, Op&& op) {
   const int nt = c < (1 << 15) ? 1 : std::max(1, nthreads);
   parallel_for(c, nt, 64, [&](int, int64_t lo, int64_t hi) {
     for (int64_t j = lo; j < hi; ++j) {
       if (j + kPf < hi) __builtin_prefetch(dst + (int64_t)idx[j + kPf] * esize, 1);
-      op(j, (int64_t)idx[j]);
+      op(j, dst + (int64_t)idx[j] * esize);
     }
   });
 }
-template <typename I>
-void sparse_update_t(void* dst, int dtype, const I* idx, int64_t c, const void* src, int mode, double scale,
-                     void* tmp, int nthreads) {
-  const int es = elem_size(dtype);
-  char* d = (char*)dst;
-  // mode 0: dst[i] = src[j]; 1: dst[i] += src[j]; 2: dst[i] = 0; 3: tmp[j] = dst[i] * scale
-  if (dtype == F32) {
-    float* o = (float*)dst; const float* s = (const float*)src; float* t = (float*)tmp; const float sc = (float)scale;
-    if (mode == 0) sparse_loop(idx, c, nthreads, d, es, [&](int64_t j, int64_t i) { o[i] = s[j]; });
-    else if (mode == 1) sparse_loop(idx, c, nthreads, d, es, [&](int64_t j, int64_t i) { o[i] += s[j]; });
-    else if (mode == 2) sparse_loop(idx, c, nthreads, d, es, [&](int64_t, int64_t i) { o[i] = 0.0f; });
-    else sparse_loop(idx, c, nthreads, d, es, [&](int64_t j, int64_t i) { t[j] = o[i] * sc; });
-  } else if (dtype == F64) {
-    double* o = (double*)dst; const double* s = (const double*)src; double* t = (double*)tmp;
-    if (mode == 0) sparse_loop(idx, c, nthreads, d, es, [&](int64_t j, int64_t i) { o[i] = s[j]; });
-    else if (mode == 1) sparse_loop(idx, c, nthreads, d, es, [&](int64_t j, int64_t i) { o[i] += s[j]; });
-    else if (mode == 2) sparse_loop(idx, c, nthreads, d, es, [&](int64_t, int64_t i) { o[i] = 0.0; });
-    else sparse_loop(idx, c, nthreads, d, es, [&](int64_t j, int64_t i) { t[j] = o[i] * scale; });
-  } else {  // BF16
-    uint16_t* o = (uint16_t*)dst; const uint16_t* s = (const uint16_t*)src; uint16_t* t = (uint16_t*)tmp;
+// The typed update, written once for every way of reaching the elements: loop(op) calls op(j, element
+// pointer) for each of the positions. mode 0: *e = src[j]; 1: *e += src[j]; 2: *e = 0;
+// 3: tmp[j] = *e * scale. Returns -1 for an unsupported dtype or mode.
+template <typename Loop>
+int update_elements(int dtype, int mode, const void* src, double scale, void* tmp, Loop&& loop) {
+  if (mode < 0 || mode > 3) return -1;
+  if (dtype == F32 || dtype == F64) {
+    auto run = [&](auto zero) {
+      using T = decltype(zero);
+      const T* s = (const T*)src; T* t = (T*)tmp; const T sc = (T)scale;
+      if (mode == 0) loop([&](int64_t j, char* e) { *(T*)e = s[j]; });
+      else if (mode == 1) loop([&](int64_t j, char* e) { *(T*)e += s[j]; });
+      else if (mode == 2) loop([&](int64_t, char* e) { *(T*)e = zero; });
+      else loop([&](int64_t j, char* e) { t[j] = *(const T*)e * sc; });
+    };
+    if (dtype == F32) run(0.0f); else run(0.0);
+    return 0;
+  }
+  if (dtype == BF16) {
+    const uint16_t* s = (const uint16_t*)src; uint16_t* t = (uint16_t*)tmp;
     // torch multiplies a bf16 tensor by a Python scalar in float32 (the scalar rounded to float32)
     const float sc = (float)scale;
-    if (mode == 0) sparse_loop(idx, c, nthreads, d, es, [&](int64_t j, int64_t i) { o[i] = s[j]; });
-    else if (mode == 1)
-      sparse_loop(idx, c, nthreads, d, es, [&](int64_t j, int64_t i) { o[i] = f_to_bf16(bf16_to_f(o[i]) + bf16_to_f(s[j])); });
-    else if (mode == 2) sparse_loop(idx, c, nthreads, d, es, [&](int64_t, int64_t i) { o[i] = 0; });
-    else sparse_loop(idx, c, nthreads, d, es, [&](int64_t j, int64_t i) { t[j] = f_to_bf16(bf16_to_f(o[i]) * sc); });
+    if (mode == 0) loop([&](int64_t j, char* e) { *(uint16_t*)e = s[j]; });
+    else if (mode == 1) loop([&](int64_t j, char* e) { *(uint16_t*)e = f_to_bf16(bf16_to_f(*(uint16_t*)e) + bf16_to_f(s[j])); });
+    else if (mode == 2) loop([&](int64_t, char* e) { *(uint16_t*)e = 0; });
+    else loop([&](int64_t j, char* e) { t[j] = f_to_bf16(bf16_to_f(*(const uint16_t*)e) * sc); });
+    return 0;
   }
+  return -1;
 }
 }  // namespace
 
@@ -750,11 +752,13 @@ extern "C" {
 // See the block comment above. Returns 0, or -1 for a dtype this path does not handle (F16).
 int dragonn_sparse_update(void* dst, int dtype, const void* idx, int idx64, int64_t count, const void* src,
                           int mode, double scale, void* tmp, int nthreads) {
-  if (dtype != F32 && dtype != F64 && dtype != BF16) return -1;
-  if (count <= 0) return 0;
-  if (idx64) sparse_update_t(dst, dtype, (const int64_t*)idx, count, src, mode, scale, tmp, nthreads);
-  else sparse_update_t(dst, dtype, (const int32_t*)idx, count, src, mode, scale, tmp, nthreads);
-  return 0;
+  if (count <= 0) return (dtype == F32 || dtype == F64 || dtype == BF16) ? 0 : -1;
+  const int es = elem_size(dtype);
+  char* d = (char*)dst;
+  return update_elements(dtype, mode, src, scale, tmp, [&](auto&& op) {
+    if (idx64) sparse_loop((const int64_t*)idx, count, nthreads, d, es, op);
+    else sparse_loop((const int32_t*)idx, count, nthreads, d, es, op);
+  });
 }
 }  // extern "C"
 
@@ -839,7 +843,7 @@ void addr_loop(const int64_t* addr, int64_t c, int nthreads, Op&& op) {
   parallel_for(c, nt, 64, [&](int, int64_t lo, int64_t hi) {
     for (int64_t j = lo; j < hi; ++j) {
       if (j + kPf < hi) __builtin_prefetch((const void*)addr[j + kPf], 1);
-      op(j, addr[j]);
+      op(j, (char*)addr[j]);
     }
   });
 }
@@ -854,31 +858,12 @@ void dragonn_segment_addresses(int nseg, const int64_t* ptrs, const int64_t* off
   else addresses_t(nseg, ptrs, offsets, esize, (const int32_t*)idx, count, out, nthreads);
 }
 
-// dragonn_sparse_update's modes 0 (set), 1 (add, distinct addresses) and 3 (gather_scaled) over addresses.
-// Returns 0, or -1 for an unsupported dtype or mode.
+// dragonn_sparse_update's modes over addresses (add: distinct addresses). Returns 0, or -1 for an
+// unsupported dtype or mode.
 int dragonn_addr_update(int dtype, const int64_t* addr, int64_t count, const void* src, int mode, double scale,
                         void* tmp, int nthreads) {
   if (count <= 0) return 0;
-  if (dtype == F32) {
-    const float* s = (const float*)src; float* t = (float*)tmp; const float sc = (float)scale;
-    if (mode == 0) addr_loop(addr, count, nthreads, [&](int64_t j, int64_t a) { *(float*)a = s[j]; });
-    else if (mode == 1) addr_loop(addr, count, nthreads, [&](int64_t j, int64_t a) { *(float*)a += s[j]; });
-    else if (mode == 3) addr_loop(addr, count, nthreads, [&](int64_t j, int64_t a) { t[j] = *(const float*)a * sc; });
-    else return -1;
-    return 0;
-  }
-  if (dtype == BF16) {
-    const uint16_t* s = (const uint16_t*)src; uint16_t* t = (uint16_t*)tmp; const float sc = (float)scale;
-    if (mode == 0) addr_loop(addr, count, nthreads, [&](int64_t j, int64_t a) { *(uint16_t*)a = s[j]; });
-    else if (mode == 1)
-      addr_loop(addr, count, nthreads, [&](int64_t j, int64_t a) {
-        *(uint16_t*)a = f_to_bf16(bf16_to_f(*(const uint16_t*)a) + bf16_to_f(s[j]));
-      });
-    else if (mode == 3)
-      addr_loop(addr, count, nthreads, [&](int64_t j, int64_t a) { t[j] = f_to_bf16(bf16_to_f(*(const uint16_t*)a) * sc); });
-    else return -1;
-    return 0;
-  }
-  return -1;
+  return update_elements(dtype, mode, src, scale, tmp,
+                         [&](auto&& op) { addr_loop(addr, count, nthreads, op); });
 }
 }  // extern "C"

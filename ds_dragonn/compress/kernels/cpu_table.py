@@ -328,20 +328,25 @@ def sparse_update(dst: torch.Tensor, indices: torch.Tensor, mode: str, src: Opti
         raise ValueError(f"sparse_update takes a contiguous CPU tensor of {SPARSE_DTYPES} and int32/int64 "
                          f"CPU indices, got {dst.dtype} on {dst.device}, indices {indices.dtype}")
     indices = indices.contiguous()
-    c = indices.numel()
-    code = _SPARSE_MODES[mode]
-    tmp = None
-    if code in (0, 1):
-        if src is None or src.numel() != c or src.dtype != dst.dtype:
-            raise ValueError(f"sparse_update({mode!r}) needs {c} values of {dst.dtype}")
-        src = src.contiguous()
-    if code == 3:
-        tmp = torch.empty(c, dtype=dst.dtype)
+    code, src, tmp = _update_operands("sparse_update", mode, dst.dtype, indices.numel(), src)
     load().dragonn_sparse_update(dst.data_ptr(), DTYPE_CODES[dst.dtype], indices.data_ptr(),
-                                 int(indices.dtype == torch.int64), c,
-                                 None if src is None or code not in (0, 1) else src.data_ptr(), code,
+                                 int(indices.dtype == torch.int64), indices.numel(),
+                                 None if src is None else src.data_ptr(), code,
                                  float(scale), None if tmp is None else tmp.data_ptr(), torch.get_num_threads())
     return tmp
+
+
+def _update_operands(fn: str, mode: str, dtype: torch.dtype, count: int, src: Optional[torch.Tensor]):
+    """(mode code, contiguous src or None, tmp tensor or None) for :func:`sparse_update` / :func:`addr_update`."""
+    code = _SPARSE_MODES[mode]
+    if code in (0, 1):
+        if src is None or src.numel() != count or src.dtype != dtype:
+            raise ValueError(f"{fn}({mode!r}) needs {count} values of {dtype}")
+        src = src.contiguous()
+    else:
+        src = None
+    tmp = torch.empty(count, dtype=dtype) if code == 3 else None
+    return code, src, tmp
 
 
 def compensate_supported(dst: torch.Tensor, tensors) -> bool:
@@ -416,16 +421,10 @@ def addr_update(dtype: torch.dtype, addresses: torch.Tensor, mode: str, src: Opt
                 scale: float = 1.0) -> Optional[torch.Tensor]:
     """:func:`sparse_update`'s ``"set"``, ``"add"`` (distinct addresses) and ``"gather_scaled"`` on addresses
     from :func:`segment_addresses` of fp32 or bf16 tensors."""
-    code = _SPARSE_MODES[mode]
-    c = addresses.numel()
-    tmp = torch.empty(c, dtype=dtype) if code == 3 else None
-    if code in (0, 1):
-        if src is None or src.numel() != c or src.dtype != dtype:
-            raise ValueError(f"addr_update({mode!r}) needs {c} values of {dtype}")
-        src = src.contiguous()
-    rc = load().dragonn_addr_update(DTYPE_CODES[dtype], addresses.data_ptr(), c,
-                                    None if code not in (0, 1) else src.data_ptr(), code, float(scale),
-                                    None if tmp is None else tmp.data_ptr(), torch.get_num_threads())
+    code, src, tmp = _update_operands("addr_update", mode, dtype, addresses.numel(), src)
+    rc = load().dragonn_addr_update(DTYPE_CODES[dtype], addresses.data_ptr(), addresses.numel(),
+                                    None if src is None else src.data_ptr(), code,
+                                    float(scale), None if tmp is None else tmp.data_ptr(), torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"addr_update: unsupported dtype {dtype} or mode {mode!r}")
     return tmp
