@@ -206,7 +206,9 @@ class CompressedAllreduce:
         tensors = list(tensors)
         dtype = dtype or tensors[0].dtype
         compensated = self.error_feedback.compensate_(key, tensors, dtype, prescale)
-        wire = compensated.to(dtype, copy=True)
+        wire = to_wire(compensated, dtype)
+        if wire.data_ptr() == compensated.data_ptr():  # same dtype: reduce a copy, the residual stays
+            wire = wire.clone()
         if self.error_feedback.enabled:
             compensated.sub_(wire.to(compensated.dtype))
             self.error_feedback.clear_non_finite(key)

@@ -111,3 +111,16 @@ def test_residual_beyond_fp16_range_is_clamped_not_lost():
         applied += out.double()
     res = pipe.error_feedback.residuals["b"].double()
     torch.testing.assert_close(applied + res, raw, rtol=1e-6, atol=0)
+
+
+def test_flush_over_an_fp16_wire_clamps_like_the_compressed_path():
+    """The dense flush sends the residual through the same wire rule: no Inf, the excess stays."""
+    pipe = CompressedAllreduce(DragonnCompressor(0.01), LocalBackend(), ErrorFeedback())
+    g = torch.full((1000,), 40000.0)
+    out, _ = pipe.reduce([g], "b", seed=0, dtype=torch.float16)
+    applied = out.double().clone()
+    out = pipe.reduce_dense([g], "b", dtype=torch.float16)
+    assert bool(torch.isfinite(out).all())
+    applied += out.double()
+    res = pipe.error_feedback.residuals["b"].double()
+    torch.testing.assert_close(applied + res, g.double() * 2, rtol=1e-6, atol=0)
