@@ -35,6 +35,7 @@ class CommBackend(str, Enum):
 
 class ExchangeScheme(str, Enum):
     allgather = "allgather"  # every rank gathers every rank's (index, value) pairs (DRAGONN paper, Sec. 4)
+    partitioned = "partitioned"  # sparse reduce-scatter to balanced owners + server residual + allgather
 
 
 class Policy(str, Enum):
@@ -112,7 +113,10 @@ class DragonnConfig(DeepSpeedConfigModel):
     """MPI only: hand device buffers to MPI directly (true) or stage them through host memory (false)."""
 
     exchange: ExchangeScheme = ExchangeScheme.allgather
-    """How the selected pairs are exchanged: ``allgather`` (each rank gathers all ranks' pairs)."""
+    """How the selected pairs are exchanged: ``allgather`` (each rank gathers all ranks' pairs: P·k pairs
+    received per rank, fewest collectives; best for few ranks) or ``partitioned`` (each pair goes to the
+    rank owning its index, owners re-sparsify their sum with a second residual and allgather it:
+    about 2k(P−1)/P pairs per rank whatever the world size; best from ~4 ranks up)."""
 
     seed: int = Field(0, ge=0, lt=2**32, strict=True)
     """Base seed for threshold sampling and the hash; every rank advances it the same way each step."""

@@ -21,6 +21,7 @@ from typing import Any, Dict, Hashable, NamedTuple, Optional
 from deepspeed.utils.logging import print_dist
 
 from .comm import build_backend
+from .exchange import build_exchange
 from .comm.base import CommBackend
 from .compress import build_compressor
 from .config import DragonnConfig, Policy
@@ -97,7 +98,8 @@ class DragonnHook:
         key = id(dp_group)
         if key not in self._pipelines:
             backend: CommBackend = build_backend(self.cfg, dp_group)
-            self._pipelines[key] = CompressedAllreduce(self.compressor, backend, self.error_feedback)
+            self._pipelines[key] = CompressedAllreduce(self.compressor, backend, self.error_feedback,
+                                                       build_exchange(self.cfg, backend, self.compressor))
         return self._pipelines[key]
 
     # -- the hook -----------------------------------------------------------------------------------
@@ -209,11 +211,14 @@ class DragonnHook:
 
     # -- state --------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Residuals and counters, for ``engine.save_checkpoint(client_state=...)``."""
-        return {"error_feedback": self.error_feedback.state_dict(), "telemetry": self.telemetry.summary()}
+        """Residuals (the partitioned exchange's server residuals too) and counters, of this rank."""
+        return {"error_feedback": self.error_feedback.state_dict(), "telemetry": self.telemetry.summary(),
+                "exchange": [p.exchange.state_dict() for p in self._pipelines.values()]}
 
     def load_state_dict(self, state: dict) -> None:
         self.error_feedback.load_state_dict(state["error_feedback"])
+        for pipe, ex_state in zip(self._pipelines.values(), state.get("exchange", [])):
+            pipe.exchange.load_state_dict(ex_state)
 
 
 def check_hook_point(engine_cls: Optional[type] = None) -> None:

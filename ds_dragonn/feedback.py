@@ -70,6 +70,19 @@ class ErrorFeedback:
                              f"{buf.device}; the buffer has ({numel},) of {dtype} on {device}")
         return buf
 
+    def buffer(self, key: Hashable, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The key's persistent (numel,) buffer in :func:`residual_dtype` of ``dtype``, for sparse
+        compensation (the partitioned exchange's owner adds the pairs it receives into it): the residual
+        when enabled, else a scratch buffer zeroed now.
+
+        Raises:
+            ValueError: the key's buffer has another length, dtype or device.
+        """
+        buf = self._buffer(key, numel, residual_dtype(dtype), device)
+        if not self.enabled:
+            buf.zero_()
+        return buf
+
     def _views_of(self, key: Hashable, buf: torch.Tensor, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         shapes = tuple(t.shape for t in tensors)
         cached = self._views.get(key)

@@ -29,7 +29,7 @@ from .comm.base import CommBackend
 from .compress.base import Compressor, Selection
 from .compress.kernels import cpu_table
 from .decode import SparseDecoder
-from .exchange.allgather import allgather_exchange, check_buffer_agreement
+from .exchange import AllgatherExchange, Exchange, check_buffer_agreement, to_wire
 from .feedback import ErrorFeedback, residual_dtype
 
 
@@ -45,7 +45,10 @@ class ReduceStats(NamedTuple):
         dense_bytes: what a ring allreduce of the buffer sends per rank, ``2(P-1)/P × numel × itemsize``.
         compress_ms: compensate + select + residual, in ms (the compression overhead).
         compensate_ms, select_ms, exchange_ms, residual_ms, decode_ms: wall time of each phase in ms
-            (device-synchronised on CUDA). ``exchange_ms`` includes waiting for the slowest rank.
+            (device-synchronised on CUDA). ``exchange_ms`` includes waiting for the slowest rank, and for
+            the partitioned exchange the owners' reduction and re-selection.
+        bytes_received: bytes this rank took off the wire.
+        imbalance: partitioned exchange: max over owners of the pairs received ÷ their mean (0 otherwise).
     """
     numel: int
     k: int
@@ -59,6 +62,8 @@ class ReduceStats(NamedTuple):
     exchange_ms: float = 0.0
     residual_ms: float = 0.0
     decode_ms: float = 0.0
+    bytes_received: int = 0
+    imbalance: float = 0.0
 
 
 class Reduced(NamedTuple):
@@ -70,19 +75,6 @@ class Reduced(NamedTuple):
 def dense_allreduce_bytes(numel: int, itemsize: int, world_size: int) -> int:
     """Bytes each rank sends in a ring allreduce of ``numel`` elements: ``2(P-1)/P × numel × itemsize``."""
     return int(2 * (world_size - 1) * numel * itemsize // max(world_size, 1))
-
-
-def to_wire(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``values`` in the wire dtype; finite values beyond its range are clamped to its largest finite value.
-
-    A residual accumulated in float32 can exceed fp16's 65504 although no gradient does: sent as Inf it
-    would poison the result (fp32 training has no loss scaler to catch it) and the residual would drop
-    it. Clamped, the excess stays in the residual. Non-finite values are sent as they are.
-    """
-    if dtype not in (torch.float16, torch.bfloat16) or values.dtype == dtype:
-        return values.to(dtype)
-    big = torch.finfo(dtype).max
-    return torch.where(torch.isfinite(values), values.clamp(-big, big), values).to(dtype)
 
 
 class PhaseClock:
@@ -111,12 +103,15 @@ class CompressedAllreduce:
         compressor: selection method.
         backend: collective transport for the data-parallel group.
         error_feedback: residual store (``ErrorFeedback(enabled=False)`` to drop what is not sent).
+        exchange: the exchange scheme over ``backend`` (default :class:`~ds_dragonn.exchange.AllgatherExchange`).
     """
 
-    def __init__(self, compressor: Compressor, backend: CommBackend, error_feedback: ErrorFeedback):
+    def __init__(self, compressor: Compressor, backend: CommBackend, error_feedback: ErrorFeedback,
+                 exchange: Exchange | None = None):
         self.compressor = compressor
         self.backend = backend
         self.error_feedback = error_feedback
+        self.exchange = exchange if exchange is not None else AllgatherExchange(backend)
         self.decoder = SparseDecoder()
         self._agreed: set = set()  # (key, numel, dtype) checked with every rank
 
@@ -161,7 +156,7 @@ class CompressedAllreduce:
         select_ms = clock.lap()
 
         sent = Selection(sel.indices, wire_values, sel.threshold, sel.k, sel.capacity)
-        gathered = allgather_exchange(sent, n, dtype, self.backend)
+        gathered = self.exchange.exchange(key, sent, n, dtype, seed)
         exchange_ms = clock.lap()
 
         self.error_feedback.commit(key, sel.indices, sel.values, wire_values)
@@ -183,7 +178,8 @@ class CompressedAllreduce:
                             dense_bytes=dense_allreduce_bytes(n, dtype.itemsize, self.backend.world_size),
                             compress_ms=compensate_ms + select_ms + residual_ms, compensate_ms=compensate_ms,
                             select_ms=select_ms, exchange_ms=exchange_ms, residual_ms=residual_ms,
-                            decode_ms=decode_ms)
+                            decode_ms=decode_ms, bytes_received=gathered.bytes_received,
+                            imbalance=_imbalance(gathered.owner_pairs))
         return Reduced(out, stats)
 
     def can_reduce_into(self, tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> bool:
@@ -197,8 +193,9 @@ class CompressedAllreduce:
         """Dense allreduce of ``residual + prescale × gradients``, which empties the residual (flush).
 
         Used when a bucket that has been compressed goes dense (the auto policy's choice): what its
-        residual still holds is sent now instead of being lost. The residual keeps only the rounding of
-        the wire dtype. Allocates a buffer (this runs on switches, not every step).
+        residual (and, for the partitioned exchange, this rank's server residual) still holds is sent now
+        instead of being lost. The residual keeps only the rounding of the wire dtype. Allocates a buffer
+        (this runs on switches, not every step).
 
         Returns:
             A new (n,) tensor of ``dtype``: ``postscale × Σ_ranks (residual + prescale × gradients)``.
@@ -206,6 +203,7 @@ class CompressedAllreduce:
         tensors = list(tensors)
         dtype = dtype or tensors[0].dtype
         compensated = self.error_feedback.compensate_(key, tensors, dtype, prescale)
+        self.exchange.flush_into(key, compensated)
         wire = to_wire(compensated, dtype)
         if wire.data_ptr() == compensated.data_ptr():  # same dtype: reduce a copy, the residual stays
             wire = wire.clone()
@@ -225,4 +223,10 @@ class CompressedAllreduce:
         return stats
 
 
-__all__ = ["CompressedAllreduce", "PhaseClock", "ReduceStats", "Reduced", "dense_allreduce_bytes", "residual_dtype"]
+def _imbalance(owner_pairs) -> float:
+    """max / mean of the pairs each owner received (0 without owners or pairs)."""
+    total = sum(owner_pairs)
+    return max(owner_pairs) * len(owner_pairs) / total if total else 0.0
+
+
+__all__ = ["CompressedAllreduce", "PhaseClock", "ReduceStats", "Reduced", "dense_allreduce_bytes", "residual_dtype", "to_wire"]

@@ -158,3 +158,56 @@ def engine_runs(rank: int, world: int, out_dir: str) -> None:
         out["pipeline_error"] = str(err)
     torch.save(out, Path(out_dir) / f"engine_rank{rank}.pt")
     torch.distributed.destroy_process_group()
+
+
+# -- exchange schemes: allgather vs partitioned, float64 references and the nothing-lost invariant ------
+SCHEME_SIZES = [0, 1, 5, 1000, 20_011]  # 1 and 5: fewer elements than some owners need; 20_011 prime
+SCHEME_CASES = [dict(exchange=x, numel=n, dtype=d, density=dens, compressor=c)
+                for x in ("allgather", "partitioned") for n in SCHEME_SIZES
+                for d, dens, c in ((torch.float64, 0.01, "dragonn"), (torch.float64, 0.3, "topk"),
+                                   (torch.float32, 0.01, "dragonn"), (torch.bfloat16, 0.05, "dragonn"),
+                                   (torch.float64, 1.0, "dragonn"))]
+SCHEME_STEPS = 4
+
+
+def scheme_case_id(c: dict) -> str:
+    return f"{c['exchange']}-{case_id(c)}"
+
+
+def make_compressor(name: str, density: float):
+    from ds_dragonn.compress import DragonnCompressor, RandomKCompressor, TopKCompressor
+    return {"dragonn": lambda: DragonnCompressor(density, min_sample=64), "topk": lambda: TopKCompressor(density),
+            "randomk": lambda: RandomKCompressor(density)}[name]()
+
+
+def scheme_input(case_index: int, rank: int, step: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    return rank_input(7919 + case_index, rank, step, numel, dtype)
+
+
+def scheme_cases(rank: int, world: int, out_dir: str) -> None:
+    """Every scheme case for SCHEME_STEPS steps; saves outputs, worker and server residuals, statistics."""
+    _init()
+    from ds_dragonn.comm.torch_backend import TorchCommBackend
+    from ds_dragonn.exchange import AllgatherExchange, PartitionedExchange
+    from ds_dragonn.feedback import ErrorFeedback
+    from ds_dragonn.pipeline import CompressedAllreduce
+
+    backend = TorchCommBackend()
+    results = []
+    for i, case in enumerate(SCHEME_CASES):
+        comp = make_compressor(case["compressor"], case["density"])
+        ex = (PartitionedExchange(backend, make_compressor(case["compressor"], case["density"]))
+              if case["exchange"] == "partitioned" else AllgatherExchange(backend))
+        ef = ErrorFeedback(True)
+        pipe = CompressedAllreduce(comp, backend, ef, ex)
+        steps = []
+        for step in range(SCHEME_STEPS):
+            x = scheme_input(i, rank, step, case["numel"], case["dtype"])
+            out, stats = pipe.reduce(x, "b", seed=31 * step + 5, postscale=1.0 / world)
+            server = getattr(ex, "server", None)
+            steps.append(dict(out=out.clone(), residual=ef.residuals["b"].clone(),
+                              server=None if server is None else server.residuals["b"].clone(),
+                              stats=stats._asdict()))
+        results.append(steps)
+    torch.save(results, Path(out_dir) / f"scheme_rank{rank}.pt")
+    torch.distributed.destroy_process_group()

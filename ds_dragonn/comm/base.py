@@ -1,6 +1,6 @@
 """The collective primitives every exchange scheme is written against.
 
-An exchange scheme (``ds_dragonn.exchange``) needs only these three collectives, so each transport —
+An exchange scheme (``ds_dragonn.exchange``) needs only these four collectives, so each transport —
 ``deepspeed.comm`` (NCCL/gloo) or mpi4py — implements them once and every scheme runs on every
 transport unchanged (one signature for every backend; DeepSpeed's near-duplicate ``nccl.py``/``mpi.py``
 are the counter-example). Failures are re-raised as :class:`CommError` naming the rank.
@@ -39,6 +39,20 @@ class CommBackend(ABC):
     @abstractmethod
     def all_gather_bytes(self, payload: torch.Tensor) -> torch.Tensor:
         """Gather a (L,) uint8 tensor (same L on every rank) → (world_size, L) uint8 on payload's device."""
+
+    @abstractmethod
+    def all_to_all_bytes(self, payload: torch.Tensor, send_sizes: Sequence[int],
+                         recv_sizes: Sequence[int]) -> torch.Tensor:
+        """Personalised exchange of bytes (variable sizes): rank r's block j goes to rank j.
+
+        Args:
+            payload: (Σ send_sizes,) uint8; block j (``send_sizes[j]`` bytes, in rank order) is for rank j.
+            send_sizes: bytes this rank sends to each rank (``world_size`` ints, self included).
+            recv_sizes: bytes this rank receives from each rank; must equal what each sender sends it
+                (the caller exchanges the sizes first, e.g. with :meth:`all_gather_ints`).
+        Returns:
+            (Σ recv_sizes,) uint8 on ``payload``'s device: block r (``recv_sizes[r]`` bytes) from rank r.
+        """
 
     @abstractmethod
     def all_reduce_sum_(self, tensor: torch.Tensor) -> None:

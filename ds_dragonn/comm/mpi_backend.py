@@ -122,6 +122,31 @@ class MPICommBackend(CommBackend):
         self._call("Allgather(bytes)", self.comm.Allgather, send, out)
         return out.to(payload.device) if staged else out
 
+    def all_to_all_bytes(self, payload: torch.Tensor, send_sizes: Sequence[int],
+                         recv_sizes: Sequence[int]) -> torch.Tensor:
+        """``MPI_Alltoallv`` of bytes; see :meth:`CommBackend.all_to_all_bytes`.
+
+        Raises:
+            TypeError: ``payload`` is not a 1-D uint8 tensor.
+            ValueError: the sizes do not have ``world_size`` entries or do not add up to the payload.
+            CommError: MPI failed.
+        """
+        if payload.dtype != torch.uint8 or payload.dim() != 1:
+            raise TypeError(f"[rank {self._rank}] all_to_all_bytes takes a 1-D uint8 tensor, "
+                            f"got {payload.dtype} of shape {tuple(payload.shape)}")
+        send_sizes, recv_sizes = [int(v) for v in send_sizes], [int(v) for v in recv_sizes]
+        if len(send_sizes) != self._world_size or len(recv_sizes) != self._world_size \
+                or sum(send_sizes) != payload.numel():
+            raise ValueError(f"[rank {self._rank}] all_to_all_bytes: {len(send_sizes)} send / {len(recv_sizes)} "
+                             f"receive sizes for {self._world_size} ranks, {sum(send_sizes)} bytes declared for a "
+                             f"payload of {payload.numel()}")
+        send, staged = self._to_mpi(payload.contiguous())
+        out = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=send.device)
+        s_disp, r_disp = np.cumsum([0] + send_sizes[:-1]), np.cumsum([0] + recv_sizes[:-1])
+        self._call("Alltoallv(bytes)", self.comm.Alltoallv,
+                   [send, (send_sizes, s_disp.tolist()), MPI.BYTE], [out, (recv_sizes, r_disp.tolist()), MPI.BYTE])
+        return out.to(payload.device) if staged else out
+
     def all_reduce_sum_(self, tensor: torch.Tensor) -> None:
         """In-place sum over ranks of a dense tensor (any shape, contiguous; any device).
 

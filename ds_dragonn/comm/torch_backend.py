@@ -46,6 +46,16 @@ class TorchCommBackend(CommBackend):
             raise self._fail("all_gather_into_tensor(payload)", err) from err
         return out.view(self.world_size, -1)
 
+    def all_to_all_bytes(self, payload: torch.Tensor, send_sizes: Sequence[int],
+                         recv_sizes: Sequence[int]) -> torch.Tensor:
+        out = torch.empty(int(sum(recv_sizes)), dtype=torch.uint8, device=payload.device)
+        try:
+            dist.all_to_all_single(out, payload, output_split_sizes=[int(v) for v in recv_sizes],
+                                   input_split_sizes=[int(v) for v in send_sizes], group=self.group)
+        except Exception as err:  # noqa: BLE001
+            raise self._fail("all_to_all_single(payload)", err) from err
+        return out
+
     def all_reduce_sum_(self, tensor: torch.Tensor) -> None:
         try:
             dist.all_reduce(tensor, group=self.group)

@@ -1,4 +1,20 @@
-"""Exchange: move each rank's selected pairs to the ranks that decode them."""
-from .allgather import BufferMismatchError, Gathered, allgather_exchange
+"""Exchange: move each rank's selected pairs to the ranks that decode them (one interface, two schemes)."""
+from .allgather import AllgatherExchange, allgather_exchange
+from .base import BufferMismatchError, Exchange, Gathered, check_buffer_agreement, to_wire
+from .ownership import ContiguousOwnership, HashedOwnership, Ownership
+from .partitioned import PartitionedExchange, Scattered, sparse_reduce_scatter
 
-__all__ = ["BufferMismatchError", "Gathered", "allgather_exchange"]
+
+def build_exchange(cfg, backend, compressor) -> Exchange:
+    """The scheme named by ``cfg.exchange`` over ``backend`` (``compressor``: the partitioned owners')."""
+    name = cfg.exchange.value if hasattr(cfg.exchange, "value") else str(cfg.exchange)
+    if name == "allgather":
+        return AllgatherExchange(backend)
+    if name == "partitioned":
+        return PartitionedExchange(backend, compressor, cfg.error_feedback)
+    raise ValueError(f"unknown exchange {name!r}; choose 'allgather' or 'partitioned'")
+
+
+__all__ = ["AllgatherExchange", "BufferMismatchError", "ContiguousOwnership", "Exchange", "Gathered",
+           "HashedOwnership", "Ownership", "PartitionedExchange", "Scattered", "allgather_exchange",
+           "build_exchange", "check_buffer_agreement", "sparse_reduce_scatter", "to_wire"]

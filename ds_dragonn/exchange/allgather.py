@@ -8,39 +8,52 @@ Wire format per rank, one ``all_gather`` of bytes after one small header ``all_g
 * payload: ``C`` indices then ``C`` values as raw bytes, ``C`` = the largest count over ranks rounded
   up to a multiple of 8 (keeps every block aligned for a zero-copy view). Shorter lists are padded.
 
-Bytes reported are those a ring allgather makes each rank send: ``(P - 1) × (header + payload)``.
+Bytes reported are those a ring allgather makes each rank send (and receive): ``(P - 1) × (header +
+payload)``. Each rank receives P·k pairs, so the traffic grows with the world size; the ``partitioned``
+scheme does not.
 """
 from __future__ import annotations
 
-from typing import List, NamedTuple
+from typing import Hashable, List, Tuple
 
 import torch
 
 from ..comm.base import CommBackend
 from ..compress.base import Selection, index_dtype
+from .base import ALIGN, Exchange, Gathered, check_agreement, dtype_code
 
-_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
-_HEADER_BYTES = 3 * 8
-_ALIGN = 8
+HEADER_INTS = 3  # [count, numel, dtype code]
 
 
-class Gathered(NamedTuple):
-    """Every rank's pairs after the exchange.
+def exchange_header(count: int, numel: int, wire_dtype: torch.dtype, backend: CommBackend,
+                    device: torch.device) -> List[int]:
+    """Allgather ``[count, numel, dtype]``; check every rank reduces the same buffer; return the counts."""
+    header = backend.all_gather_ints([count, numel, dtype_code(wire_dtype)], device)
+    check_agreement([h[1] for h in header], [h[2] for h in header], backend.rank)
+    return [h[0] for h in header]
 
-    Attributes:
-        indices: per rank r, (counts[r],) int32/int64 positions.
-        values: per rank r, (counts[r],) values in the wire dtype.
-        counts: pairs sent by each rank.
-        bytes_sent: bytes this rank put on the wire (ring-allgather model, header included).
+
+def gather_pairs(indices: torch.Tensor, values: torch.Tensor, counts: List[int], idx_dtype: torch.dtype,
+                 wire_dtype: torch.dtype, backend: CommBackend) -> Tuple[List[torch.Tensor], List[torch.Tensor], int]:
+    """Allgather every rank's ``counts[r]`` pairs (counts from :func:`exchange_header`).
+
+    Returns:
+        (indices per rank in ``idx_dtype``, values per rank in ``wire_dtype``, payload bytes per rank).
     """
-    indices: List[torch.Tensor]
-    values: List[torch.Tensor]
-    counts: List[int]
-    bytes_sent: int
-
-
-class BufferMismatchError(ValueError):
-    """Ranks tried to reduce buffers of different sizes or dtypes."""
+    world, device = backend.world_size, values.device
+    if max(counts, default=0) == 0:
+        return ([torch.empty(0, dtype=idx_dtype, device=device)] * world,
+                [torch.empty(0, dtype=wire_dtype, device=device)] * world, 0)
+    cap = -(-max(counts) // ALIGN) * ALIGN
+    ib, vb = idx_dtype.itemsize, wire_dtype.itemsize
+    payload = torch.zeros(cap * (ib + vb), dtype=torch.uint8, device=device)
+    c = indices.numel()
+    payload[:c * ib].view(idx_dtype).copy_(indices.to(idx_dtype))
+    payload[cap * ib:cap * ib + c * vb].view(wire_dtype).copy_(values.to(wire_dtype))
+    rows = backend.all_gather_bytes(payload)
+    idx = [rows[r, :counts[r] * ib].view(idx_dtype) for r in range(world)]
+    val = [rows[r, cap * ib:cap * ib + counts[r] * vb].view(wire_dtype) for r in range(world)]
+    return idx, val, payload.numel()
 
 
 def allgather_exchange(selection: Selection, numel: int, wire_dtype: torch.dtype,
@@ -55,50 +68,18 @@ def allgather_exchange(selection: Selection, numel: int, wire_dtype: torch.dtype
     Raises:
         BufferMismatchError: on every rank, when ranks disagree on ``numel`` or ``wire_dtype``.
     """
-    device = selection.values.device
-    if wire_dtype not in _DTYPE_CODES:
-        raise TypeError(f"unsupported gradient dtype {wire_dtype}; supported: {list(_DTYPE_CODES)}")
-    world = backend.world_size
-    header = backend.all_gather_ints([selection.count, numel, _DTYPE_CODES[wire_dtype]], device)
-    _check_agreement(header, backend.rank)
-    counts = [h[0] for h in header]
-    idx_dtype = index_dtype(numel)
-    if max(counts) == 0:
-        empty_i = torch.empty(0, dtype=idx_dtype, device=device)
-        empty_v = torch.empty(0, dtype=wire_dtype, device=device)
-        return Gathered([empty_i] * world, [empty_v] * world, counts, (world - 1) * _HEADER_BYTES)
-
-    cap = -(-max(counts) // _ALIGN) * _ALIGN
-    ib = torch.empty((), dtype=idx_dtype).element_size()
-    vb = torch.empty((), dtype=wire_dtype).element_size()
-    payload = torch.zeros(cap * (ib + vb), dtype=torch.uint8, device=device)
-    c = selection.count
-    payload[:c * ib].view(idx_dtype).copy_(selection.indices.to(idx_dtype))
-    payload[cap * ib:cap * ib + c * vb].view(wire_dtype).copy_(selection.values.to(wire_dtype))
-
-    rows = backend.all_gather_bytes(payload)
-    indices = [rows[r, :counts[r] * ib].view(idx_dtype) for r in range(world)]
-    values = [rows[r, cap * ib:cap * ib + counts[r] * vb].view(wire_dtype) for r in range(world)]
-    bytes_sent = (world - 1) * (_HEADER_BYTES + payload.numel())
-    return Gathered(indices, values, counts, bytes_sent)
+    counts = exchange_header(selection.count, numel, wire_dtype, backend, selection.values.device)
+    idx, val, payload = gather_pairs(selection.indices, selection.values, counts, index_dtype(numel), wire_dtype,
+                                     backend)
+    moved = (backend.world_size - 1) * (HEADER_INTS * 8 + payload)
+    return Gathered(idx, val, counts, moved, moved)
 
 
-def check_buffer_agreement(numel: int, dtype: torch.dtype, backend: CommBackend, device: torch.device) -> None:
-    """One small allgather of ``(numel, dtype)``: every rank raises :class:`BufferMismatchError` when they differ.
+class AllgatherExchange(Exchange):
+    """``"exchange": "allgather"``: :func:`allgather_exchange` behind the :class:`Exchange` interface."""
 
-    The pipeline runs it the first time it sees a bucket, before it touches the residual; the header of
-    every exchange repeats the check.
-    """
-    if dtype not in _DTYPE_CODES:
-        raise TypeError(f"unsupported gradient dtype {dtype}; supported: {list(_DTYPE_CODES)}")
-    _check_agreement(backend.all_gather_ints([0, numel, _DTYPE_CODES[dtype]], device), backend.rank)
+    name = "allgather"
 
-
-def _check_agreement(header: List[List[int]], rank: int) -> None:
-    sizes = {h[1] for h in header}
-    dtypes = {h[2] for h in header}
-    if len(sizes) > 1 or len(dtypes) > 1:
-        names = {v: str(k).replace("torch.", "") for k, v in _DTYPE_CODES.items()}
-        per_rank = ", ".join(f"rank {r}: {h[1]} x {names.get(h[2], h[2])}" for r, h in enumerate(header))
-        raise BufferMismatchError(f"[rank {rank}] ranks disagree on the gradient buffer to reduce "
-                                  f"({per_rank}); every rank must reduce the same model's gradients")
+    def exchange(self, key: Hashable, selection: Selection, numel: int, wire_dtype: torch.dtype,
+                 seed: int) -> Gathered:
+        return allgather_exchange(selection, numel, wire_dtype, self.backend)

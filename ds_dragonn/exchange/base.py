@@ -1,0 +1,135 @@
+"""The exchange interface: a rank's selected pairs in, every rank's decodable pairs out.
+
+An exchange scheme moves the pairs each rank selected (``compress``) to where they are decoded; the
+pipeline (``ds_dragonn.pipeline``) calls :meth:`Exchange.exchange` between the selection and the residual
+commit and does not know which scheme runs. Both schemes hand back a :class:`Gathered`: lists of
+(indices, values) whose sum over the lists is the bucket's reduced sparse gradient, the same on every rank.
+
+* ``allgather`` (``exchange/allgather.py``): every rank receives every rank's pairs, P·k in all.
+* ``partitioned`` (``exchange/partitioned.py``): a sparse reduce-scatter to hash-balanced owners, which
+  re-sparsify their sum with a second (server) residual, then an allgather of the owners' results:
+  about 2k(P−1)/P pairs sent per rank whatever P.
+
+The wire header shared by both (``[.., numel, dtype code]``) lets every rank check that all ranks reduce
+the same buffer: a mismatch raises :class:`BufferMismatchError` on every rank instead of hanging.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Hashable, List, NamedTuple, Sequence
+
+import torch
+
+from ..comm.base import CommBackend
+from ..compress.base import Selection
+
+DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
+ALIGN = 8  # every block of a payload starts on 8 bytes: zero-copy views of any dtype
+
+
+def align(nbytes: int) -> int:
+    """``nbytes`` rounded up to a multiple of :data:`ALIGN`."""
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+class Gathered(NamedTuple):
+    """The pairs every rank decodes after an exchange.
+
+    Attributes:
+        indices: per list, (c,) int32/int64 distinct bucket positions (one list per rank for
+            ``allgather``, per owner for ``partitioned``).
+        values: per list, (c,) values in the wire dtype.
+        counts: pairs in each list.
+        bytes_sent: bytes this rank put on the wire (headers included; ring model for allgathers, the
+            blocks addressed to other ranks for all-to-alls).
+        bytes_received: bytes this rank took off the wire, by the same rules.
+        owner_pairs: ``partitioned`` only: pairs each owner received in the reduce-scatter (self
+            included); ``max / mean`` is the owner imbalance.
+    """
+    indices: List[torch.Tensor]
+    values: List[torch.Tensor]
+    counts: List[int]
+    bytes_sent: int
+    bytes_received: int = 0
+    owner_pairs: Sequence[int] = ()
+
+
+class BufferMismatchError(ValueError):
+    """Ranks tried to reduce buffers of different sizes or dtypes."""
+
+
+def to_wire(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``values`` in the wire dtype; finite values beyond its range are clamped to its largest finite value.
+
+    A residual accumulated in float32 can exceed fp16's 65504 although no gradient does: sent as Inf it
+    would poison the result (fp32 training has no loss scaler to catch it) and the residual would drop
+    it. Clamped, the excess stays in the residual. Non-finite values are sent as they are.
+    """
+    if dtype not in (torch.float16, torch.bfloat16) or values.dtype == dtype:
+        return values.to(dtype)
+    big = torch.finfo(dtype).max
+    return torch.where(torch.isfinite(values), values.clamp(-big, big), values).to(dtype)
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """Wire code of a value dtype. Raises TypeError for dtypes the exchanges do not carry."""
+    if dtype not in DTYPE_CODES:
+        raise TypeError(f"unsupported gradient dtype {dtype}; supported: {list(DTYPE_CODES)}")
+    return DTYPE_CODES[dtype]
+
+
+def check_agreement(numels: Sequence[int], codes: Sequence[int], rank: int) -> None:
+    """Raise :class:`BufferMismatchError` (same text on every rank) unless all ranks gave one numel and dtype."""
+    if len(set(numels)) > 1 or len(set(codes)) > 1:
+        names = {v: str(k).replace("torch.", "") for k, v in DTYPE_CODES.items()}
+        per_rank = ", ".join(f"rank {r}: {n} x {names.get(c, c)}" for r, (n, c) in enumerate(zip(numels, codes)))
+        raise BufferMismatchError(f"[rank {rank}] ranks disagree on the gradient buffer to reduce "
+                                  f"({per_rank}); every rank must reduce the same model's gradients")
+
+
+def check_buffer_agreement(numel: int, dtype: torch.dtype, backend: CommBackend, device: torch.device) -> None:
+    """One small allgather of ``(numel, dtype)``: every rank raises :class:`BufferMismatchError` when they differ.
+
+    The pipeline runs it the first time it sees a bucket, before it touches the residual; the header of
+    every exchange repeats the check.
+    """
+    rows = backend.all_gather_ints([numel, dtype_code(dtype)], device)
+    check_agreement([r[0] for r in rows], [r[1] for r in rows], backend.rank)
+
+
+class Exchange(ABC):
+    """One exchange scheme over one transport (``backend``); may keep per-bucket state (``partitioned``)."""
+
+    name: str = "base"
+
+    def __init__(self, backend: CommBackend):
+        self.backend = backend
+
+    @abstractmethod
+    def exchange(self, key: Hashable, selection: Selection, numel: int, wire_dtype: torch.dtype,
+                 seed: int) -> Gathered:
+        """Exchange this rank's ``selection`` (values already in ``wire_dtype``) of the bucket ``key``.
+
+        Args:
+            key: the bucket's stable key (selects any per-bucket state of the scheme).
+            selection: this rank's pairs; indices distinct, in [0, numel).
+            numel: the bucket's length (must agree across ranks).
+            wire_dtype: dtype of values on the wire.
+            seed: the step's seed, equal on every rank.
+        Raises:
+            BufferMismatchError: on every rank, when ranks disagree on ``numel`` or ``wire_dtype``.
+            CommError: a collective failed.
+        """
+
+    def flush_into(self, key: Hashable, buf: torch.Tensor) -> None:
+        """Add any state the scheme holds for ``key`` that is still owed to the sum into ``buf`` (this rank's
+        share of a dense allreduce), and forget it. Default: the scheme holds nothing."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned."""
+
+    def reset(self) -> None:
+        """Forget all per-bucket state."""

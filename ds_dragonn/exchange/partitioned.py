@@ -1,0 +1,236 @@
+"""Partitioned exchange: a sparse reduce-scatter to balanced owners, a second residual, an allgather.
+
+The two-phase scheme of DeepSpeed's former compressed backends (``runtime/comm/nccl.py``
+``compressed_allreduce(buffer, worker_error, server_error)``, last shipped in 0.19.7) and of Ok-Topk
+(PPoPP'22), with owners balanced by a shared index permutation as in Zen (OSDI'25):
+
+1. **Sparse reduce-scatter** (:func:`sparse_reduce_scatter`). Each rank sends each selected pair to the
+   owner of its index (:class:`~ds_dragonn.exchange.ownership.HashedOwnership`: every owner holds n/P
+   indices and receives about k/P pairs from every rank). Counts go first in one small allgather (which
+   also carries the agreement check), then one ``all_to_all`` of bytes; pairs travel as (slot in the
+   owner's part, value).
+2. **Owner reduce + re-sparsify.** The owner adds the pairs into its part's *second residual* (the server
+   error, a persistent (n/P,) buffer), rank after rank so that the sum is deterministic, and selects
+   ``ceil(density · n/P)`` entries of it with the same compressor. What it does not send stays in the
+   server residual: nothing is lost, only delayed.
+3. **Allgather of the owners' results**, as pairs (global index, value) or — when it is smaller, i.e.
+   above ~3 % density — as a bitmap over the owner's part plus the values in slot order (Zen). Every rank
+   decodes the same lists, so all ranks end bit-identical.
+
+Traffic per rank: phase 1 sends ≈ k(P−1)/P pairs and phase 2 ≈ k(P−1)/P, together the lower bound
+2k(P−1)/P of any sparse allreduce (Ok-Topk, Sec. 3), against (P−1)·k for the allgather exchange. Only
+k pairs (not P·k) are decoded. The owner's selection and its server-residual pass over n/P elements
+are timed inside the pipeline's exchange phase.
+
+Failure: a collective that fails after phase 1 leaves the server residual holding what it received
+while the senders keep it in their own residuals (they commit only after the exchange); a failed
+collective ends the run, so this state is never used.
+"""
+from __future__ import annotations
+
+from typing import Dict, Hashable, List, NamedTuple, Tuple
+
+import torch
+
+from .. import scatter
+from ..comm.base import CommBackend
+from ..compress.base import Compressor, Selection, index_dtype
+from ..feedback import ErrorFeedback
+from .allgather import HEADER_INTS, exchange_header, gather_pairs
+from .base import Exchange, Gathered, align, check_agreement, dtype_code, to_wire
+from .ownership import HashedOwnership, Ownership
+
+_BIT_WEIGHTS = [1 << b for b in range(8)]
+
+
+class Scattered(NamedTuple):
+    """What this rank (an owner) received in a sparse reduce-scatter.
+
+    Attributes:
+        slots: per source rank r, (c_r,) int32/int64 distinct slots in this rank's part.
+        values: per source rank r, (c_r,) values in the wire dtype.
+        matrix: ``matrix[src][dst]`` pairs ``src`` sent to ``dst`` (the same on every rank).
+        bytes_sent, bytes_received: bytes this rank put on / took off the wire (header allgather by the ring
+            model, plus the all-to-all blocks addressed to / from other ranks).
+    """
+    slots: List[torch.Tensor]
+    values: List[torch.Tensor]
+    matrix: List[List[int]]
+    bytes_sent: int
+    bytes_received: int
+
+    @property
+    def owner_pairs(self) -> List[int]:
+        """Pairs each owner received (self included)."""
+        return [sum(row[d] for row in self.matrix) for d in range(len(self.matrix))]
+
+
+def _block_bytes(count: int, idx_dtype: torch.dtype, wire_dtype: torch.dtype) -> int:
+    return align(count * idx_dtype.itemsize) + align(count * wire_dtype.itemsize)
+
+
+def sparse_reduce_scatter(selection: Selection, numel: int, wire_dtype: torch.dtype, ownership: Ownership,
+                          backend: CommBackend) -> Scattered:
+    """Send each selected pair to the rank that owns its index (phase 1 of the partitioned exchange).
+
+    Also the primitive ZeRO-1/2 needs: with a :class:`~ds_dragonn.exchange.ownership.ContiguousOwnership`
+    of the gradient partitions, each rank receives exactly the pairs of the partition it owns.
+
+    Args:
+        selection: this rank's pairs; indices distinct, in [0, numel); values already in ``wire_dtype``.
+        numel: the bucket's length (checked to agree across ranks).
+        wire_dtype: dtype of values on the wire.
+        ownership: the index → (owner, slot) map; ``ownership.world_size`` must be the backend's.
+        backend: the transport.
+    Returns:
+        :class:`Scattered`: the pairs addressed to this rank, per source rank, in slot coordinates.
+    Raises:
+        BufferMismatchError: on every rank, when ranks disagree on ``numel`` or ``wire_dtype``.
+        ValueError: the ownership map is for another world size or length.
+        CommError: a collective failed.
+    """
+    world, rank, device = backend.world_size, backend.rank, selection.values.device
+    if ownership.world_size != world or ownership.numel != numel:
+        raise ValueError(f"[rank {rank}] ownership map of {ownership.numel} elements over {ownership.world_size} "
+                         f"ranks used for a bucket of {numel} over {world}")
+    owner, slot = ownership.owner_and_slot(selection.indices)
+    owner, order = torch.sort(owner, stable=True)
+    counts = torch.bincount(owner, minlength=world).tolist() if owner.numel() else [0] * world
+    header = backend.all_gather_ints(counts + [numel, dtype_code(wire_dtype)], device)
+    check_agreement([h[world] for h in header], [h[world + 1] for h in header], rank)
+    matrix = [h[:world] for h in header]
+
+    sdt = index_dtype(numel)  # slots < numel
+    send_sizes = [_block_bytes(c, sdt, wire_dtype) for c in counts]
+    recv_counts = [matrix[src][rank] for src in range(world)]
+    recv_sizes = [_block_bytes(c, sdt, wire_dtype) for c in recv_counts]
+    payload = torch.zeros(sum(send_sizes), dtype=torch.uint8, device=device)
+    slot, values = slot[order], selection.values[order]
+    off = first = 0
+    for dst, c in enumerate(counts):
+        if c:
+            ib = align(c * sdt.itemsize)
+            payload[off:off + c * sdt.itemsize].view(sdt).copy_(slot[first:first + c])
+            payload[off + ib:off + ib + c * wire_dtype.itemsize].view(wire_dtype).copy_(values[first:first + c])
+        off, first = off + send_sizes[dst], first + c
+    recv = backend.all_to_all_bytes(payload, send_sizes, recv_sizes)
+
+    slots, vals, off = [], [], 0
+    for src, c in enumerate(recv_counts):
+        ib = align(c * sdt.itemsize)
+        slots.append(recv[off:off + c * sdt.itemsize].view(sdt))
+        vals.append(recv[off + ib:off + ib + c * wire_dtype.itemsize].view(wire_dtype))
+        off += recv_sizes[src]
+    header_bytes = (world - 1) * (world + 2) * 8
+    sent = header_bytes + sum(s for d, s in enumerate(send_sizes) if d != rank)
+    received = header_bytes + sum(s for d, s in enumerate(recv_sizes) if d != rank)
+    return Scattered(slots, vals, matrix, sent, received)
+
+
+def owner_seed(seed: int, owner: int) -> int:
+    """The seed of ``owner``'s re-sparsification at the step whose seed is ``seed`` (not the workers')."""
+    return (seed * 0x9E3779B1 + owner + 1) & 0xFFFF_FFFF
+
+
+class PartitionedExchange(Exchange):
+    """``"exchange": "partitioned"``: :func:`sparse_reduce_scatter` → owner reduce with a server residual →
+    allgather of the owners' selections (module docstring).
+
+    Args:
+        backend: the transport.
+        compressor: the owners' re-sparsification (the workers' compressor: same density, same kernel).
+        error_feedback: keep the server residual (False: what an owner does not send is dropped).
+    """
+
+    name = "partitioned"
+
+    def __init__(self, backend: CommBackend, compressor: Compressor, error_feedback: bool = True):
+        super().__init__(backend)
+        self.compressor = compressor
+        self.server = ErrorFeedback(error_feedback)  # keyed like the workers' residuals; (n_r,) each
+        self._ownership: Dict[int, Ownership] = {}
+
+    def ownership(self, numel: int) -> Ownership:
+        """The (cached) owner map of a bucket of ``numel`` elements over this group."""
+        own = self._ownership.get(numel)
+        if own is None:
+            own = self._ownership[numel] = HashedOwnership(numel, self.backend.world_size)
+        return own
+
+    def exchange(self, key: Hashable, selection: Selection, numel: int, wire_dtype: torch.dtype,
+                 seed: int) -> Gathered:
+        backend, rank, device = self.backend, self.backend.rank, selection.values.device
+        own = self.ownership(numel)
+        scattered = sparse_reduce_scatter(selection, numel, wire_dtype, own, backend)
+
+        # owner: server residual += every rank's pairs (rank order: deterministic), then re-sparsify
+        part = self.server.buffer(key, own.size(rank), wire_dtype, device)
+        for slots, vals in zip(scattered.slots, scattered.values):
+            scatter.add_(part, slots, vals)
+        sel = self.compressor.compress(part, owner_seed(seed, rank))
+        wire = to_wire(sel.values, wire_dtype)
+
+        counts = exchange_header(sel.count, numel, wire_dtype, backend, device)
+        idx, val, moved = self._gather(own, sel.indices, wire, counts, numel, wire_dtype)
+        self.server.commit(key, sel.indices, sel.values, wire)
+        if self.server.enabled and (not getattr(self.compressor, "sends_non_finite", False)
+                                    or not bool(torch.isfinite(sel.values).all())):
+            self.server.clear_non_finite(key)
+        header = (backend.world_size - 1) * HEADER_INTS * 8
+        return Gathered(idx, val, counts, scattered.bytes_sent + header + moved,
+                        scattered.bytes_received + header + moved, scattered.owner_pairs)
+
+    def _gather(self, own: Ownership, slots: torch.Tensor, wire: torch.Tensor, counts: List[int], numel: int,
+                wire_dtype: torch.dtype) -> Tuple[List[torch.Tensor], List[torch.Tensor], int]:
+        """Allgather the owners' (slot, value) selections as pairs or as bitmap + values, whichever is
+        smaller (every rank decides the same from ``counts``). Returns (global indices, values, bytes
+        each rank sends and receives: (P−1) × payload)."""
+        world, rank, device = self.backend.world_size, self.backend.rank, wire.device
+        idt = index_dtype(numel)
+        cap = align(max(counts, default=0))
+        bitmap_bytes = align(-(-max(own.size(r) for r in range(world)) // 8))
+        if max(counts, default=0) == 0 or cap * (idt.itemsize + wire_dtype.itemsize) <= bitmap_bytes + cap * wire_dtype.itemsize:
+            idx, val, payload = gather_pairs(own.to_index(rank, slots).to(idt), wire, counts, idt, wire_dtype,
+                                             self.backend)
+            return idx, val, (world - 1) * payload
+        # bitmap over the owner's part (bit s = slot s sent), then the values in slot order
+        slots, order = torch.sort(slots.long())
+        payload = torch.zeros(bitmap_bytes + cap * wire_dtype.itemsize, dtype=torch.uint8, device=device)
+        bits = torch.zeros(bitmap_bytes * 8, dtype=torch.uint8, device=device)
+        bits[slots] = 1
+        weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=device)
+        payload[:bitmap_bytes] = (bits.view(-1, 8) * weights).sum(1, dtype=torch.uint8)
+        payload[bitmap_bytes:bitmap_bytes + slots.numel() * wire_dtype.itemsize].view(wire_dtype).copy_(wire[order])
+        rows = self.backend.all_gather_bytes(payload)
+        idx, val = [], []
+        for r in range(world):
+            flags = (rows[r, :bitmap_bytes].unsqueeze(1) & weights).ne(0).flatten()[:own.size(r)]
+            got = flags.nonzero().flatten()
+            if got.numel() != counts[r]:
+                raise ValueError(f"[rank {rank}] owner {r}'s bitmap marks {got.numel()} slots for {counts[r]} values: "
+                                 f"a corrupt exchange, or ranks reducing different buckets")
+            idx.append(own.to_index(r, got).to(idt))
+            val.append(rows[r, bitmap_bytes:bitmap_bytes + counts[r] * wire_dtype.itemsize].view(wire_dtype))
+        return idx, val, (world - 1) * payload.numel()
+
+    def flush_into(self, key: Hashable, buf: torch.Tensor) -> None:
+        """Add this rank's server residual of ``key`` into the bucket-sized ``buf`` at the indices it owns,
+        and zero it (a compressed→dense switch sends it with the dense allreduce)."""
+        part = self.server.residuals.get(key)
+        if part is None or part.numel() == 0:
+            return
+        own = self.ownership(buf.numel())
+        scatter.add_(buf, own.to_index(self.backend.rank, torch.arange(part.numel(), device=part.device)), part)
+        part.zero_()
+
+    def state_dict(self) -> dict:
+        return {"server": self.server.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.server.load_state_dict(state["server"])
+
+    def reset(self) -> None:
+        self.server.reset()
+
+
+__all__ = ["PartitionedExchange", "Scattered", "owner_seed", "sparse_reduce_scatter"]
