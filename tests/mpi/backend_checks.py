@@ -14,7 +14,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cases import CHECKS as CHECK_NAMES, IDENTITY_CASES  # noqa: E402
+from cases import CHECKS as CHECK_NAMES, IDENTITY_CASES, PARTITIONED_CASES  # noqa: E402
 from rankio import RankLog, run_checks  # noqa: E402
 
 OUT_DIR = sys.argv[1]
@@ -39,7 +39,8 @@ from ds_dragonn.comm.base import CommError  # noqa: E402
 from ds_dragonn.comm.mpi_backend import MPICommBackend, MPIWorldMismatchError  # noqa: E402
 from ds_dragonn.comm.torch_backend import TorchCommBackend  # noqa: E402
 from ds_dragonn.compress import DragonnCompressor, RandomKCompressor, TopKCompressor  # noqa: E402
-from ds_dragonn.exchange import BufferMismatchError  # noqa: E402
+from ds_dragonn.exchange import BufferMismatchError, PartitionedExchange  # noqa: E402
+from ds_dragonn.exchange.ownership import HashedOwnership  # noqa: E402
 from ds_dragonn.feedback import ErrorFeedback  # noqa: E402
 from ds_dragonn.pipeline import CompressedAllreduce  # noqa: E402
 
@@ -142,6 +143,41 @@ def identity_case(case: str):
     return stats
 
 
+def partitioned_case(case: str):
+    """The partitioned exchange: MPI and torch transports give bit-identical outputs, worker residuals and
+    server residuals, step after step; every rank decodes the same; nothing is lost (float64 sums)."""
+    comp_name, dtype_name, rest = case.split("-", 2)
+    n = int(rest.split("-")[0][1:])
+    dtype = DTYPES[dtype_name]
+    make = (lambda: DragonnCompressor(0.5, min_sample=64)) if rest.endswith("dense") else COMPRESSORS[comp_name]
+    pipes = {label: CompressedAllreduce(make(), backend, ErrorFeedback(True), PartitionedExchange(backend, make()))
+             for label, backend in (("mpi", MPI_BACKEND), ("torch", TORCH_BACKEND))}
+    key, raw, applied, stats = ("bucket", case), np.zeros(n), np.zeros(n), []
+    for step in range(STEPS):
+        seed = 7919 * step + len(case)
+        outs = {}
+        for label, pipe in pipes.items():
+            flat = rank_input(case, step, n, dtype)
+            outs[label], s = pipe.reduce(flat, key, seed, postscale=1.0 / WORLD)
+        raw += np.sum(COMM.allgather(flat.double().numpy()), axis=0)
+        assert same_bits(outs["mpi"], outs["torch"]), f"step {step}: outputs differ between mpi and torch"
+        for store in ("error_feedback", "server"):
+            get = (lambda p: p.error_feedback) if store == "error_feedback" else (lambda p: p.exchange.server)
+            m, t = get(pipes["mpi"]).residuals[key], get(pipes["torch"]).residuals[key]
+            assert same_bits(m, t), f"step {step}: {store} residuals differ between mpi and torch transports"
+        assert len(set(COMM.allgather(digest(outs["mpi"])))) == 1, f"step {step}: ranks decoded different outputs"
+        applied += outs["mpi"].double().numpy()
+        stats.append({"step": step, "bytes_sent": s.bytes_sent, "imbalance": s.imbalance, "k": s.k})
+    own = HashedOwnership(n, WORLD)
+    held = pipes["mpi"].error_feedback.residuals[key].double().clone()
+    server = pipes["mpi"].exchange.server.residuals[key].double()
+    held.index_add_(0, own.to_index(RANK, torch.arange(server.numel())), server)
+    total = applied * WORLD + np.sum(COMM.allgather(held.numpy()), axis=0)
+    tol = 4 * STEPS * WORLD * UNIT_ROUNDOFF[dtype] * (1 + np.abs(raw).max(initial=0))
+    assert np.abs(total - raw).max(initial=0) <= tol, f"lost {np.abs(total - raw).max()} (tolerance {tol})"
+    return stats
+
+
 # -- other checks --------------------------------------------------------------------------------------
 def check_mpi_env():
     """The launcher mapping gave torch.distributed the MPI layout, on loopback."""
@@ -169,6 +205,14 @@ def check_primitives():
         expect = np.stack(COMM.allgather(payload.numpy())) if length else np.zeros((WORLD, 0), np.uint8)
         assert np.array_equal(rows.numpy(), expect), f"all_gather_bytes({length}) differs from the reference"
         assert same_bits(rows, TORCH_BACKEND.all_gather_bytes(payload)), "mpi and torch all_gather_bytes differ"
+    for sizes in ([0] * WORLD, [(3 * RANK + 5 * d) % 11 for d in range(WORLD)], [1 << 15] * WORLD):
+        blocks = [rng.integers(0, 256, size=c, dtype=np.uint8) for c in sizes]
+        recv_sizes = [row[RANK] for row in COMM.allgather(sizes)]
+        got = MPI_BACKEND.all_to_all_bytes(torch.from_numpy(np.concatenate(blocks)), sizes, recv_sizes)
+        expect = np.concatenate(COMM.alltoall(blocks))
+        assert np.array_equal(got.numpy(), expect), f"all_to_all_bytes({sizes}) differs from the reference"
+        assert same_bits(got, TORCH_BACKEND.all_to_all_bytes(torch.from_numpy(np.concatenate(blocks)), sizes,
+                                                             recv_sizes)), "mpi and torch all_to_all_bytes differ"
     for dtype in (torch.int64, torch.float64, torch.float32, torch.bfloat16, torch.float16):
         x = torch.from_numpy(rng.standard_normal(1001) * 100).to(dtype)
         ref = np.sum(COMM.allgather(x.double().numpy()), axis=0)
@@ -200,6 +244,16 @@ def _expect(exc_type, fn, *needles):
             assert needle in msg, f"{exc_type.__name__} message lacks {needle!r}: {msg}"
         return msg
     raise AssertionError(f"no {exc_type.__name__} on rank {RANK}")
+
+
+def check_mismatch_partitioned():
+    """The partitioned exchange's own header catches ranks exchanging different buckets, on every rank."""
+    n = 3000 + (7 if RANK == WORLD - 1 else 0)
+    ex = PartitionedExchange(MPI_BACKEND, DragonnCompressor(0.01))
+    sel = DragonnCompressor(0.01).compress(torch.randn(n), 1)
+    msg = _expect(BufferMismatchError, lambda: ex.exchange("k", sel, n, torch.float32, 1), "disagree", "3007")
+    _in_sync()
+    return msg
 
 
 def check_mismatch_numel():
@@ -257,6 +311,8 @@ CHECKS = {
     "mpi_env": check_mpi_env,
     "primitives": check_primitives,
     **{f"identity/{case}": (lambda c=case: identity_case(c)) for case in IDENTITY_CASES},
+    **{f"partitioned/{case}": (lambda c=case: partitioned_case(c)) for case in PARTITIONED_CASES},
+    "mismatch_partitioned": check_mismatch_partitioned,
     "mismatch_numel": check_mismatch_numel,
     "mismatch_dtype": check_mismatch_dtype,
     "mismatch_bytes": check_mismatch_bytes,
