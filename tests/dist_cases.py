@@ -87,6 +87,10 @@ def _engine_config(dragonn: dict | None, bf16: bool = False, predivide: float | 
 ENGINE_RUNS = {
     "dense": _engine_config(None),
     "dragonn_d1": _engine_config({"enabled": True, "density": 1.0, "min_compress_numel": 1}),
+    "dragonn_d1_partitioned": _engine_config({"enabled": True, "density": 1.0, "min_compress_numel": 1,
+                                              "exchange": "partitioned"}),
+    "dragonn_d001_partitioned": _engine_config({"enabled": True, "density": 0.01, "min_compress_numel": 1,
+                                                "exchange": "partitioned"}),
     "dragonn_d1_predivide": _engine_config({"enabled": True, "density": 1.0, "min_compress_numel": 1}, predivide=2.0),
     "dense_predivide": _engine_config(None, predivide=2.0),
     "dragonn_d001": _engine_config({"enabled": True, "density": 0.01, "min_compress_numel": 1}),

@@ -52,3 +52,21 @@ def test_bench_link_report_table_json_plot(tmp_path):
     for key in ("mode", "link_gbit", "world_size", "ms_per_step", "steps_per_s", "tx_bytes_per_step",
                 "bytes_sent_per_step", "heldout_accuracy", "steps", "time_to_accuracy_s"):
         assert key in rows[("dragonn", "1gbit")]
+
+
+def test_bench_scaling_records_both_schemes(tmp_path):
+    out, png = tmp_path / "scaling.json", tmp_path / "scaling.png"
+    text = _run(["launch/bench_scaling.py", "--world-sizes", "2,3", "--layers", "784,64,10", "--steps", "1",
+                 "--json", str(out), "--plot", str(png)])
+    assert "partitioned" in text and "allgather" in text and png.stat().st_size > 0
+    recs = json.loads(out.read_text())["records"]
+    keys = {"exchange", "world_size", "density", "bytes_sent_per_rank", "bytes_received_per_rank", "imbalance",
+            "exchange_ms"}
+    assert all(keys <= set(r) for r in recs)
+    got = {(r["exchange"], r["gradient"], r["world_size"], r["density"]) for r in recs}
+    assert got == {(x, g, p, d) for x, g in (("allgather", "real"), ("partitioned", "real"), ("partitioned", "skewed"))
+                   for p in (2, 3) for d in (0.01, 0.001)}
+    for r in recs:
+        assert r["bytes_sent_per_rank"] > 0 and r["bytes_received_per_rank"] > 0
+        if r["exchange"] == "partitioned":
+            assert r["imbalance"] >= 1.0

@@ -29,7 +29,7 @@ def test_ranks_stay_in_sync(runs, name):
 
 
 @pytest.mark.parametrize("dense, dragonn", [("dense", "dragonn_d1"), ("dense_predivide", "dragonn_d1_predivide"),
-                                            ("dense", "dragonn_disabled")])
+                                            ("dense", "dragonn_disabled"), ("dense", "dragonn_d1_partitioned")])
 def test_density_one_equals_dense_engine(runs, dense, dragonn):
     """Density 1.0 goes through the sparse path (allgather + index_add + averaging) and must give the
     dense engine's parameters bit for bit over several steps (sum of 2 addends is order-free)."""
@@ -50,6 +50,13 @@ def test_low_density_goes_through_hook_and_sends_less(runs):
     assert t["compressed_reductions"] == ENGINE_STEPS and t["dense_reductions"] == 0
     assert 0 < t["bytes_sent"] < 0.1 * t["dense_bytes_equivalent"]
     assert not _params_equal(runs[0]["dense"]["params"], runs[0]["dragonn_d001"]["params"])
+
+
+def test_partitioned_exchange_from_the_config_sends_less(runs):
+    t = runs[0]["dragonn_d001_partitioned"]["telemetry"]
+    assert runs[0]["dragonn_d001_partitioned"]["hooked"]
+    assert t["compressed_reductions"] == ENGINE_STEPS and 0 < t["bytes_sent"] < 0.1 * t["dense_bytes_equivalent"]
+    assert not _params_equal(runs[0]["dragonn_d001"]["params"], runs[0]["dragonn_d001_partitioned"]["params"])
 
 
 def test_warmup_uses_dense_allreduce_first(runs):
