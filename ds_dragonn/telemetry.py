@@ -41,6 +41,8 @@ class Telemetry:
     residual_ms_total: float = 0.0
     decode_ms_total: float = 0.0
     dense_ms_total: float = 0.0
+    bytes_received: int = 0  # compressed reductions only
+    max_imbalance: float = 0.0  # partitioned exchange: worst owner max/mean seen
 
     def record_dense(self, numel: int, itemsize: int, world_size: int, ms: float = 0.0) -> None:
         b = dense_allreduce_bytes(numel, itemsize, world_size)
@@ -59,6 +61,8 @@ class Telemetry:
         self.target_k += s.k
         self.compressed_numel += s.numel
         self.compress_ms_total += s.compress_ms
+        self.bytes_received += s.bytes_received
+        self.max_imbalance = max(self.max_imbalance, s.imbalance)
         for p in PHASES:
             setattr(self, f"{p}_ms_total", getattr(self, f"{p}_ms_total") + getattr(s, f"{p}_ms"))
 
@@ -102,6 +106,7 @@ def log_reduction(step: int, s: ReduceStats) -> None:
     phases = " ".join(f"{p}={getattr(s, p + '_ms'):.2f}" for p in PHASES)
     print_dist(f"DRAGONN step={step} numel={s.numel} kept={s.kept} k={s.k} kept/k={s.kept / max(s.k, 1):.3f} "
                f"bytes={s.bytes_sent} dense_bytes={s.dense_bytes} ratio={ratio:.4f} "
+               f"{f'imbalance={s.imbalance:.3f} ' if s.imbalance else ''}"
                f"compress_ms={s.compress_ms:.2f} ms: {phases}", ranks=[0])
 
 
@@ -122,6 +127,8 @@ def monitor_events(t: Telemetry, samples: int, s: Optional[ReduceStats] = None,
         ev += [("Train/dragonn/kept_over_k", s.kept / max(s.k, 1), samples),
                ("Train/dragonn/bytes_ratio", s.bytes_sent / s.dense_bytes if s.dense_bytes else 0.0, samples),
                ("Train/dragonn/compress_ms", s.compress_ms, samples)]
+        if s.imbalance:
+            ev.append(("Train/dragonn/owner_imbalance", s.imbalance, samples))
         ev += [(f"Train/dragonn/{p}_ms", getattr(s, f"{p}_ms"), samples) for p in PHASES]
     elif dense_ms is not None:
         ev.append(("Train/dragonn/dense_ms", dense_ms, samples))

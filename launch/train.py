@@ -112,6 +112,7 @@ def main():
     acc = (pred == y_te).float().mean().item()
     summary = {"world_size": world, "steps": args.steps, "dragonn_enabled": dragonn is not None,
                "density": dragonn.cfg.density if dragonn else 1.0, "test_accuracy": acc,
+               "exchange": dragonn.cfg.exchange.value if dragonn else None,
                "final_loss": last_loss, "wall_s": time.time() - t0}
     if dragonn:
         summary.update(dragonn.telemetry.summary())

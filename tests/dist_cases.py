@@ -212,6 +212,11 @@ def scheme_cases(rank: int, world: int, out_dir: str) -> None:
             steps.append(dict(out=out.clone(), residual=ef.residuals["b"].clone(),
                               server=None if server is None else server.residuals["b"].clone(),
                               stats=stats._asdict()))
+        if case["dtype"] == torch.float64:  # then the bucket goes dense (auto policy): a flush step
+            x = scheme_input(i, rank, SCHEME_STEPS, case["numel"], case["dtype"])
+            out = pipe.reduce_dense([x], "b", postscale=1.0 / world)
+            steps.append(dict(out=out, residual=ef.residuals["b"].clone(),
+                              server=None if server is None else server.residuals["b"].clone()))
         results.append(steps)
     torch.save(results, Path(out_dir) / f"scheme_rank{rank}.pt")
     torch.distributed.destroy_process_group()

@@ -51,5 +51,13 @@ def test_compare_flags_missed_targets(tmp_path):
            "--json", str(tmp_path / "out.json")]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 1 and "MISSED" in proc.stdout
-    out = json.loads((tmp_path / "out.json").read_text())
+    out = json.loads((tmp_path / "out.json").read_text())["runs"]["c"]
     assert not out["accuracy_ok"] and out["bytes_ok"] and abs(out["accuracy_gap_pp"] - 3.0) < 1e-9
+    (tmp_path / "p.json").write_text(json.dumps(dict(base, density=0.01, test_accuracy=0.975, bytes_sent=2,
+                                                     dense_bytes_equivalent=100, exchange="partitioned",
+                                                     dragonn_enabled=True)))
+    cmd.insert(4, str(tmp_path / "p.json"))
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 1 and "partitioned" in proc.stdout  # c still misses
+    runs = json.loads((tmp_path / "out.json").read_text())["runs"]
+    assert runs["p"]["accuracy_ok"] and runs["p"]["bytes_ok"] and not runs["c"]["accuracy_ok"]

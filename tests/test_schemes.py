@@ -69,6 +69,27 @@ def test_nothing_lost(schemes, ci):
         assert float(held.abs().sum()) > 0, "a sparse run must hold something back"
 
 
+@pytest.mark.parametrize("ci", F64, ids=[scheme_case_id(SCHEME_CASES[i]) for i in F64])
+def test_dense_flush_sends_worker_and_server_residuals(schemes, ci):
+    """A compressed → dense switch (reduce_dense) sends every worker and server residual: afterwards
+    they are empty and everything applied × P equals all raw gradients, flush step included."""
+    world, ranks = schemes
+    case = SCHEME_CASES[ci]
+    n = case["numel"]
+    raw = torch.zeros(n, dtype=torch.float64)
+    applied = torch.zeros(n, dtype=torch.float64)
+    for step in range(SCHEME_STEPS + 1):
+        applied += _step(ranks, ci, step, 0)["out"]
+        for r in range(world):
+            raw += scheme_input(ci, r, step, n, case["dtype"])
+    for r in range(world):
+        flush = _step(ranks, ci, SCHEME_STEPS, r)
+        assert torch.equal(flush["out"], _step(ranks, ci, SCHEME_STEPS, 0)["out"])
+        assert not bool(flush["residual"].any())
+        assert flush["server"] is None or not bool(flush["server"].any())
+    torch.testing.assert_close(applied * world, raw, rtol=1e-12, atol=1e-12 * (1 + float(raw.abs().max()) if n else 1))
+
+
 def _simulate(ci: int, world: int):
     """float64 two-phase reference: (outputs per step, worker residuals, server residuals) at the end."""
     case = SCHEME_CASES[ci]
