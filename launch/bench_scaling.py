@@ -8,7 +8,9 @@ real MNIST batches, and reduces it with each scheme (``allgather``, ``partitione
 deliberately skewed (every large entry in the first 10 % of the buffer), measures the owner imbalance
 where contiguous owner ranges fail. Per rank and timed step it records the bytes sent and received, the
 owner imbalance (max over owners of the pairs received ÷ their mean) of the hash-permuted owners and, for
-comparison, of contiguous ranges (DeepSpeed 0.19.7's and Ok-Topk's split), and the exchange time.
+comparison, of contiguous ranges (DeepSpeed 0.19.7's and Ok-Topk's split), the exchange time (for
+``partitioned`` it includes the owners' reduction and re-selection) and the decode time (P·k pairs for
+``allgather``, k for ``partitioned``).
 
     python launch/bench_scaling.py --world-sizes 2,4,8 --json docs/bench_scaling.json --plot docs/bench_scaling.png
     bash launch/bench_scaling.sh        # the same, after the set-up, with the table in docs/bench_scaling.txt
@@ -115,7 +117,8 @@ def worker(args) -> None:
             dist.all_reduce(contiguous)
             if step >= WARMUP:
                 samples[id(pipe)].append(dict(bytes_sent=s.bytes_sent, bytes_received=s.bytes_received,
-                                              exchange_ms=s.exchange_ms, imbalance=s.imbalance, k=s.k, kept=s.kept,
+                                              exchange_ms=s.exchange_ms, decode_ms=s.decode_ms,
+                                              imbalance=s.imbalance, k=s.k, kept=s.kept,
                                               imbalance_contiguous=float(contiguous.max() / contiguous.mean())
                                               if contiguous.sum() else 0.0))
     gathered = [None] * world
@@ -135,7 +138,8 @@ def worker(args) -> None:
                 kept_over_k=statistics.mean(s["kept"] for s in per) / k,
                 imbalance=max(s["imbalance"] for s in per) if scheme == "partitioned" else None,
                 imbalance_contiguous=max(s["imbalance_contiguous"] for s in per),
-                exchange_ms=statistics.median(s["exchange_ms"] for s in per)))
+                exchange_ms=statistics.median(s["exchange_ms"] for s in per),
+                decode_ms=statistics.median(s["decode_ms"] for s in per)))
         Path(args.worker).write_text(json.dumps(records))
     dist.barrier()
     dist.destroy_process_group()
@@ -181,7 +185,8 @@ COLUMNS = (("exchange", "exchange", "{}"), ("grad", "gradient", "{}"), ("P", "wo
            ("density", "density", "{}"), ("k", "k", "{}"), ("KB sent/rank", "bytes_sent_per_rank", "{:.1f}"),
            ("KB recv/rank", "bytes_received_per_rank", "{:.1f}"), ("pairs sent", "pairs_equivalent_sent", "{:.0f}"),
            ("2k(P-1)/P", "lower_bound_pairs", "{:.0f}"), ("imbalance", "imbalance", "{:.3f}"),
-           ("imb. contiguous", "imbalance_contiguous", "{:.3f}"), ("exchange ms", "exchange_ms", "{:.1f}"))
+           ("imb. contiguous", "imbalance_contiguous", "{:.3f}"), ("exchange ms", "exchange_ms", "{:.1f}"),
+           ("decode ms", "decode_ms", "{:.1f}"))
 
 
 def table(records: list) -> str:
