@@ -13,7 +13,7 @@ comparison, of contiguous ranges (DeepSpeed 0.19.7's and Ok-Topk's split), the e
 ``allgather``, k for ``partitioned``).
 
     python launch/bench_scaling.py --world-sizes 2,4,8 --json docs/bench_scaling.json --plot docs/bench_scaling.png
-    bash launch/bench_scaling.sh        # the same, after the set-up, with the table in docs/bench_scaling.txt
+    OUT=docs bash launch/bench_scaling.sh   # the same after the set-up, table in docs/bench_scaling.txt
 
 Exchange times on loopback with more ranks than cores measure scheduling as much as the exchange; the
 bytes and the imbalance do not depend on the machine.
@@ -228,13 +228,13 @@ def plot(records: list, path: str) -> None:
     ax.set_yscale("log")
     ax.set_xticks(sorted({r["world_size"] for r in records}))
     ax.set_title("bytes per rank (dotted: lower bound 2k(P-1)/P pairs)")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="lower right")
     part = [r for r in records if r["exchange"] == "partitioned"]
     for kind, marker in (("real", "o"), ("skewed", "s")):
         for density in sorted({r["density"] for r in part}, reverse=True):
             pts = sorted((r["world_size"], r["imbalance"], r["imbalance_contiguous"]) for r in part
                          if r["gradient"] == kind and r["density"] == density)
-            ax2.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=f"hashed, {kind}, d={density}")
+            ax2.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=f"permuted, {kind}, d={density}")
             ax2.plot([p[0] for p in pts], [p[2] for p in pts], marker=marker, linestyle="--",
                      label=f"contiguous, {kind}, d={density}")
     ax2.set_xlabel("world size (ranks)")
@@ -242,7 +242,7 @@ def plot(records: list, path: str) -> None:
     ax2.set_yscale("log")
     ax2.set_xticks(sorted({r["world_size"] for r in records}))
     ax2.set_title("owner imbalance: permuted vs contiguous ranges")
-    ax2.legend(fontsize=7)
+    ax2.legend(fontsize=7, loc="upper left", ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
