@@ -34,14 +34,16 @@ def initialize(*args: Any, **kwargs: Any):
     Takes and returns exactly what ``deepspeed.initialize`` does: ``(engine, optimizer,
     training_dataloader, lr_scheduler)``. The ``"dragonn"`` block is read from the same config
     (``args.deepspeed_config``, ``config=`` dict or JSON path) and validated before DeepSpeed starts.
-    With the block absent or ``"enabled": false`` the engine is returned untouched.
+    With the block absent or ``"enabled": false`` the engine is returned untouched. ZeRO stage 0 hooks the
+    engine's gradient allreduce, stages 1 and 2 the ZeRO optimizer's gradient reduce-scatter.
 
     Raises:
         DragonnConfigError: the ``"dragonn"`` block has an unknown key or an invalid value.
-        DragonnUnsupportedError: DRAGONN is enabled together with ZeRO stage >= 1 or a pipeline engine.
+        DragonnUnsupportedError: DRAGONN is enabled together with ZeRO stage 3, ZeRO offload,
+            ``"reduce_scatter": false`` or a pipeline engine.
     """
     import deepspeed
-    from .engine import DragonnHook, check_hook_point
+    from .engine import DragonnHook, ZeroHook, check_hook_point, check_zero_hook_point
 
     bound = inspect.signature(deepspeed.initialize).bind(*args, **kwargs)
     ds_config = load_ds_config(_resolve_ds_config(bound))
@@ -49,23 +51,49 @@ def initialize(*args: Any, **kwargs: Any):
     if cfg.enabled:
         zero = ds_config.get("zero_optimization") or {}
         stage = zero.get("stage", 0) if isinstance(zero, dict) else zero  # legacy form: true = ZeRO on
-        if stage not in (0, None, False):
-            raise DragonnUnsupportedError(
-                f"'dragonn' compresses the ZeRO stage-0 gradient allreduce; 'zero_optimization.stage' is {stage}. "
-                f"Set the stage to 0 or 'dragonn.enabled' to false")
+        stage = 1 if stage is True else int(stage or 0)
+        _check_zero(stage, zero if isinstance(zero, dict) else {})
         from deepspeed.pipe import PipelineModule
         if isinstance(bound.arguments.get("model"), PipelineModule):
             raise DragonnUnsupportedError("'dragonn' does not support the pipeline engine (PipelineModule model)")
-        check_hook_point()
+        check_hook_point() if stage == 0 else check_zero_hook_point()
 
     result = deepspeed.initialize(*args, **kwargs)
     if cfg.enabled:
         engine = result[0]
-        if engine.zero_optimization_stage() != 0:
-            raise DragonnUnsupportedError(
-                f"'dragonn' needs ZeRO stage 0, the engine runs stage {engine.zero_optimization_stage()}")
-        DragonnHook(engine, cfg).install()
+        stage = engine.zero_optimization_stage()
+        if stage == 0:
+            DragonnHook(engine, cfg).install()
+        elif stage in (1, 2) and hasattr(engine.optimizer, "average_tensor"):
+            if not engine.optimizer.reduce_scatter:
+                raise DragonnUnsupportedError(_NO_REDUCE_SCATTER)
+            ZeroHook(engine, cfg).install()
+        else:
+            raise DragonnUnsupportedError(f"'dragonn' supports ZeRO stages 0, 1 and 2; the engine runs stage {stage} "
+                                          f"with {type(engine.optimizer).__name__}")
     return result
+
+
+_NO_REDUCE_SCATTER = ("'dragonn' compresses the gradient reduce-scatter of ZeRO stages 1/2, but "
+                      "'zero_optimization.reduce_scatter' is false (a dense allreduce); remove the key or set it to true")
+
+
+def _check_zero(stage: int, zero: dict) -> None:
+    """Refuse what the hooks do not cover, before DeepSpeed starts (a clear error instead of a wrong result)."""
+    if stage >= 3:
+        raise DragonnUnsupportedError(
+            f"'dragonn' compresses the gradient reduction of ZeRO stages 0, 1 and 2; 'zero_optimization.stage' is "
+            f"{stage} (stage 3 reduces gradients inside its parameter partitioning, which ds_dragonn does not hook; "
+            f"DeepSpeed's ZeRO++ qgZ compresses stage 3). Use stage 0-2 or set 'dragonn.enabled' to false")
+    if stage in (1, 2):
+        if zero.get("reduce_scatter", True) is False:
+            raise DragonnUnsupportedError(_NO_REDUCE_SCATTER)
+        for key in ("offload_optimizer", "offload_param", "cpu_offload"):
+            value = zero.get(key)
+            if value and (not isinstance(value, dict) or value.get("device", "cpu") not in (None, "none")):
+                raise DragonnUnsupportedError(
+                    f"'dragonn' with ZeRO stage {stage} does not support 'zero_optimization.{key}' ({value!r}): "
+                    f"remove it, or set 'dragonn.enabled' to false")
 
 
 __all__ = ["initialize", "DragonnConfig", "DragonnConfigError", "DragonnUnsupportedError", "__version__"]

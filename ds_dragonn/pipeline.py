@@ -30,6 +30,7 @@ from .compress.base import Compressor, Selection
 from .compress.kernels import cpu_table
 from .decode import SparseDecoder
 from .exchange import AllgatherExchange, Exchange, check_buffer_agreement, to_wire
+from .exchange.base import dense_allreduce_bytes
 from .feedback import ErrorFeedback, residual_dtype
 
 
@@ -42,7 +43,8 @@ class ReduceStats(NamedTuple):
         kept: pairs this rank sent.
         capacity: most pairs the compressor may return (hash-table size for DRAGONN).
         bytes_sent: bytes this rank put on the wire.
-        dense_bytes: what a ring allreduce of the buffer sends per rank, ``2(P-1)/P × numel × itemsize``.
+        dense_bytes: what the dense collective replaced sends per rank: a ring allreduce,
+            ``2(P-1)/P × numel × itemsize`` (for ZeRO's reduce-scatter ``(P-1)/P × numel × itemsize``).
         compress_ms: compensate + select + residual, in ms (the compression overhead).
         compensate_ms, select_ms, exchange_ms, residual_ms, decode_ms: wall time of each phase in ms
             (device-synchronised on CUDA). ``exchange_ms`` includes waiting for the slowest rank, and for
@@ -70,11 +72,6 @@ class Reduced(NamedTuple):
     """Result of :meth:`CompressedAllreduce.reduce`: the averaged buffer and the statistics."""
     out: torch.Tensor
     stats: ReduceStats
-
-
-def dense_allreduce_bytes(numel: int, itemsize: int, world_size: int) -> int:
-    """Bytes each rank sends in a ring allreduce of ``numel`` elements: ``2(P-1)/P × numel × itemsize``."""
-    return int(2 * (world_size - 1) * numel * itemsize // max(world_size, 1))
 
 
 class PhaseClock:
@@ -136,8 +133,8 @@ class CompressedAllreduce:
             ``postscale × Σ_ranks decoded pairs``, valid until this key's next reduction (None with
             ``into_inputs``: the tensors hold the result).
         Raises:
-            BufferMismatchError: on every rank, when ranks disagree on the bucket's length or dtype
-                (checked before the residual is touched).
+            BufferMismatchError: on every rank, when ranks disagree on the bucket's length, its dtype or
+                the exchange scheme (checked before the residual is touched).
             CommError: a collective failed.
         """
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
@@ -145,7 +142,7 @@ class CompressedAllreduce:
         device = tensors[0].device if tensors else torch.device("cpu")
         dtype = dtype or (tensors[0].dtype if tensors else torch.float32)
         if (key, n, dtype) not in self._agreed:
-            check_buffer_agreement(n, dtype, self.backend, device)
+            check_buffer_agreement(n, dtype, self.backend, device, self.exchange.name)
             self._agreed.add((key, n, dtype))
 
         clock = PhaseClock(device)
@@ -175,7 +172,7 @@ class CompressedAllreduce:
         decode_ms = clock.lap()
         stats = ReduceStats(numel=n, k=sel.k, kept=sel.count, capacity=sel.capacity,
                             bytes_sent=gathered.bytes_sent,
-                            dense_bytes=dense_allreduce_bytes(n, dtype.itemsize, self.backend.world_size),
+                            dense_bytes=self.exchange.dense_bytes(n, dtype.itemsize, self.backend.world_size),
                             compress_ms=compensate_ms + select_ms + residual_ms, compensate_ms=compensate_ms,
                             select_ms=select_ms, exchange_ms=exchange_ms, residual_ms=residual_ms,
                             decode_ms=decode_ms, bytes_received=gathered.bytes_received,

@@ -44,8 +44,10 @@ class Telemetry:
     bytes_received: int = 0  # compressed reductions only
     max_imbalance: float = 0.0  # partitioned exchange: worst owner max/mean seen
 
-    def record_dense(self, numel: int, itemsize: int, world_size: int, ms: float = 0.0) -> None:
-        b = dense_allreduce_bytes(numel, itemsize, world_size)
+    def record_dense(self, numel: int, itemsize: int, world_size: int, ms: float = 0.0,
+                     bytes_sent: Optional[int] = None) -> None:
+        """A dense reduction of ``numel`` elements; ``bytes_sent`` defaults to a ring allreduce's."""
+        b = dense_allreduce_bytes(numel, itemsize, world_size) if bytes_sent is None else int(bytes_sent)
         self.dense_reductions += 1
         self.bytes_sent += b
         self.dense_bytes_equivalent += b

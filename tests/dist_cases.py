@@ -167,7 +167,7 @@ def engine_runs(rank: int, world: int, out_dir: str) -> None:
 # -- exchange schemes: allgather vs partitioned, float64 references and the nothing-lost invariant ------
 SCHEME_SIZES = [0, 1, 5, 1000, 20_011]  # 1 and 5: fewer elements than some owners need; 20_011 prime
 SCHEME_CASES = [dict(exchange=x, numel=n, dtype=d, density=dens, compressor=c)
-                for x in ("allgather", "partitioned") for n in SCHEME_SIZES
+                for x in ("allgather", "partitioned", "reduce_scatter") for n in SCHEME_SIZES
                 for d, dens, c in ((torch.float64, 0.01, "dragonn"), (torch.float64, 0.3, "topk"),
                                    (torch.float32, 0.01, "dragonn"), (torch.bfloat16, 0.05, "dragonn"),
                                    (torch.float64, 1.0, "dragonn"))]
@@ -188,11 +188,19 @@ def scheme_input(case_index: int, rank: int, step: int, numel: int, dtype: torch
     return rank_input(7919 + case_index, rank, step, numel, dtype)
 
 
+def zero_like_ranges(numel: int, world: int, seed: int = 3) -> list:
+    """(start, length, owner) slices covering [0, numel), owners in no particular order (like ZeRO's)."""
+    g = torch.Generator().manual_seed(seed + numel)
+    cuts = sorted(set(torch.randint(0, max(numel, 1), (6,), generator=g).tolist()) | {0, numel})
+    return [(a, b - a, int(torch.randint(0, world, (1,), generator=g))) for a, b in zip(cuts, cuts[1:])]
+
+
 def scheme_cases(rank: int, world: int, out_dir: str) -> None:
     """Every scheme case for SCHEME_STEPS steps; saves outputs, worker and server residuals, statistics."""
     _init()
     from ds_dragonn.comm.torch_backend import TorchCommBackend
     from ds_dragonn.exchange import AllgatherExchange, PartitionedExchange
+    from ds_dragonn.exchange.reduce_scatter import RangeOwnership, ReduceScatterExchange
     from ds_dragonn.feedback import ErrorFeedback
     from ds_dragonn.pipeline import CompressedAllreduce
 
@@ -200,8 +208,13 @@ def scheme_cases(rank: int, world: int, out_dir: str) -> None:
     results = []
     for i, case in enumerate(SCHEME_CASES):
         comp = make_compressor(case["compressor"], case["density"])
-        ex = (PartitionedExchange(backend, make_compressor(case["compressor"], case["density"]))
-              if case["exchange"] == "partitioned" else AllgatherExchange(backend))
+        if case["exchange"] == "partitioned":
+            ex = PartitionedExchange(backend, make_compressor(case["compressor"], case["density"]))
+        elif case["exchange"] == "reduce_scatter":
+            ex = ReduceScatterExchange(backend)
+            ex.ownership = RangeOwnership(case["numel"], zero_like_ranges(case["numel"], world), world)
+        else:
+            ex = AllgatherExchange(backend)
         ef = ErrorFeedback(True)
         pipe = CompressedAllreduce(comp, backend, ef, ex)
         steps = []
@@ -218,5 +231,17 @@ def scheme_cases(rank: int, world: int, out_dir: str) -> None:
             steps.append(dict(out=out, residual=ef.residuals["b"].clone(),
                               server=None if server is None else server.residuals["b"].clone()))
         results.append(steps)
-    torch.save(results, Path(out_dir) / f"scheme_rank{rank}.pt")
+    # ranks configured with different exchange schemes: one clear error on every rank, then in sync
+    from ds_dragonn.exchange import BufferMismatchError
+    mixed = PartitionedExchange(backend, make_compressor("dragonn", 0.01)) if rank == 0 else AllgatherExchange(backend)
+    try:
+        CompressedAllreduce(make_compressor("dragonn", 0.01), backend, ErrorFeedback(True), mixed).reduce(
+            torch.randn(1000), "m", 1)
+        mismatch = None
+    except BufferMismatchError as err:
+        mismatch = str(err)
+    after, _ = CompressedAllreduce(make_compressor("dragonn", 1.0), backend, ErrorFeedback(True)).reduce(
+        torch.ones(1000), "ok", 2)
+    torch.save({"results": results, "scheme_mismatch": mismatch, "after_mismatch": after.clone()},
+               Path(out_dir) / f"scheme_rank{rank}.pt")
     torch.distributed.destroy_process_group()

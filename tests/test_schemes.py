@@ -24,16 +24,21 @@ def schemes(request, tmp_path_factory):
     world = request.param
     out = tmp_path_factory.mktemp(f"schemes{world}")
     run_ranks("tests.dist_cases:scheme_cases", world, out, timeout=400)
-    return world, [torch.load(out / f"scheme_rank{r}.pt", weights_only=False) for r in range(world)]
+    saved = [torch.load(out / f"scheme_rank{r}.pt", weights_only=False) for r in range(world)]
+    request.node.saved = saved
+    return world, [s["results"] for s in saved], saved
 
 
 def _step(ranks, ci, step, r):
     return ranks[r][ci][step]
 
 
-@pytest.mark.parametrize("ci", range(len(SCHEME_CASES)), ids=[scheme_case_id(c) for c in SCHEME_CASES])
+SHARED = [i for i, c in enumerate(SCHEME_CASES) if c["exchange"] != "reduce_scatter"]
+
+
+@pytest.mark.parametrize("ci", SHARED, ids=[scheme_case_id(SCHEME_CASES[i]) for i in SHARED])
 def test_ranks_end_bit_identical(schemes, ci):
-    world, ranks = schemes
+    world, ranks, _ = schemes
     for step in range(SCHEME_STEPS):
         outs = [_step(ranks, ci, step, r)["out"] for r in range(world)]
         for o in outs[1:]:
@@ -43,13 +48,16 @@ def test_ranks_end_bit_identical(schemes, ci):
 @pytest.mark.parametrize("ci", F64, ids=[scheme_case_id(SCHEME_CASES[i]) for i in F64])
 def test_nothing_lost(schemes, ci):
     """Everything applied × P + all worker and server residuals == all raw gradients (float64 buckets)."""
-    world, ranks = schemes
+    world, ranks, _ = schemes
     case = SCHEME_CASES[ci]
     n = case["numel"]
     raw = torch.zeros(n, dtype=torch.float64)
     applied = torch.zeros(n, dtype=torch.float64)
     for step in range(SCHEME_STEPS):
-        applied += _step(ranks, ci, step, 0)["out"]
+        if case["exchange"] == "reduce_scatter":  # each owner decodes its own slices only
+            applied += sum(_step(ranks, ci, step, r)["out"] for r in range(world))
+        else:
+            applied += _step(ranks, ci, step, 0)["out"]
         for r in range(world):
             raw += scheme_input(ci, r, step, n, case["dtype"])
     held = torch.zeros(n, dtype=torch.float64)
@@ -69,11 +77,14 @@ def test_nothing_lost(schemes, ci):
         assert float(held.abs().sum()) > 0, "a sparse run must hold something back"
 
 
-@pytest.mark.parametrize("ci", F64, ids=[scheme_case_id(SCHEME_CASES[i]) for i in F64])
+F64_SHARED = [i for i in F64 if i in SHARED]
+
+
+@pytest.mark.parametrize("ci", F64_SHARED, ids=[scheme_case_id(SCHEME_CASES[i]) for i in F64_SHARED])
 def test_dense_flush_sends_worker_and_server_residuals(schemes, ci):
     """A compressed → dense switch (reduce_dense) sends every worker and server residual: afterwards
     they are empty and everything applied × P equals all raw gradients, flush step included."""
-    world, ranks = schemes
+    world, ranks, _ = schemes
     case = SCHEME_CASES[ci]
     n = case["numel"]
     raw = torch.zeros(n, dtype=torch.float64)
@@ -122,7 +133,7 @@ def _simulate(ci: int, world: int):
 @pytest.mark.parametrize("ci", [i for i in F64 if SCHEME_CASES[i]["exchange"] == "partitioned"],
                          ids=[scheme_case_id(SCHEME_CASES[i]) for i in F64 if SCHEME_CASES[i]["exchange"] == "partitioned"])
 def test_partitioned_matches_float64_two_phase_reference(schemes, ci):
-    world, ranks = schemes
+    world, ranks, _ = schemes
     outs, worker, server = _simulate(ci, world)
     for step in range(SCHEME_STEPS):
         got = _step(ranks, ci, step, 0)["out"]
@@ -134,6 +145,35 @@ def test_partitioned_matches_float64_two_phase_reference(schemes, ci):
         torch.testing.assert_close(last["server"], server[r], rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("ci", [i for i, c in enumerate(SCHEME_CASES) if c["exchange"] == "reduce_scatter"],
+                         ids=[scheme_case_id(c) for c in SCHEME_CASES if c["exchange"] == "reduce_scatter"])
+def test_reduce_scatter_owners_get_only_their_slices(schemes, ci):
+    """Each rank decodes only positions it owns; their union over ranks is the allgather's sum (float64)."""
+    from ds_dragonn.exchange.reduce_scatter import RangeOwnership
+    from tests.dist_cases import zero_like_ranges
+    world, ranks, _ = schemes
+    case = SCHEME_CASES[ci]
+    n = case["numel"]
+    own = RangeOwnership(n, zero_like_ranges(n, world), world)
+    owner = own.owner_and_slot(torch.arange(n))[0]
+    for step in range(SCHEME_STEPS):
+        for r in range(world):
+            st = _step(ranks, ci, step, r)
+            assert not bool(st["out"][owner != r].any()), "a rank decoded a slice it does not own"
+            assert st["stats"]["dense_bytes"] == (world - 1) * n * case["dtype"].itemsize // world
+
+
+def test_ranks_on_different_schemes_all_get_a_clear_error(schemes):
+    """Rank 0 partitioned, the others allgather: the same BufferMismatchError on every rank (no crash in a
+    collective of unequal size, no hang), and the next reduction works."""
+    world, _, saved = schemes
+    for r in range(world):
+        msg = saved[r]["scheme_mismatch"]
+        assert msg is not None and msg.startswith(f"[rank {r}]") and "'dragonn.exchange'" in msg, msg
+        assert "rank 0: partitioned" in msg and f"rank {world - 1}: allgather" in msg, msg
+        assert torch.equal(saved[r]["after_mismatch"], torch.ones(1000) * world), "ranks out of sync after the error"
+
+
 def _pairs_equivalent(stats, case) -> float:
     pair = (4 + case["dtype"].itemsize)
     return stats["bytes_sent"] / pair
@@ -142,7 +182,7 @@ def _pairs_equivalent(stats, case) -> float:
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_partitioned_bytes_bounded_and_below_allgather(schemes, dtype):
     """At density 0.01 partitioned sends ≤ 3k(P−1)/P pairs-equivalent per rank; allgather sends (P−1)·k."""
-    world, ranks = schemes
+    world, ranks, _ = schemes
     find = {(c["exchange"], c["numel"], c["dtype"], c["density"]): i for i, c in enumerate(SCHEME_CASES)}
     part = find[("partitioned", 20_011, dtype, 0.01)]
     gath = find[("allgather", 20_011, dtype, 0.01)]
@@ -155,3 +195,39 @@ def test_partitioned_bytes_bounded_and_below_allgather(schemes, dtype):
             assert p["bytes_received"] > 0 and p["imbalance"] >= 1.0
             if world >= 3:
                 assert p["bytes_sent"] < g["bytes_sent"]
+
+
+class _FakeGroup:
+    """rank/world only: load_state_dict runs no collective."""
+
+    def __init__(self, rank, world):
+        self.rank, self.world_size = rank, world
+
+
+def _state_of(world: int, rank: int, numel: int, length=None) -> dict:
+    from ds_dragonn.exchange import PartitionedExchange
+    ex = PartitionedExchange(_FakeGroup(rank, world), make_compressor("dragonn", 0.01))
+    size = HashedOwnership(numel, world).size(rank) if length is None else length
+    ex.server.residuals["b"] = torch.arange(float(size))
+    ex._numel["b"] = numel
+    return ex.state_dict()
+
+
+def test_server_residuals_of_another_owner_are_dropped_with_a_warning(caplog):
+    """Saved at 3 ranks, loaded at 4 (rank 1 of n=10 owns 3 indices either way): dropped, never reused."""
+    from ds_dragonn.exchange import PartitionedExchange
+    ex = PartitionedExchange(_FakeGroup(1, 4), make_compressor("dragonn", 0.01))
+    with caplog.at_level("WARNING"):
+        ex.load_state_dict(_state_of(3, 1, 10))
+    assert ex.server.residuals == {} and "saved by rank 1 of 3" in caplog.text and "rank 1 of 4" in caplog.text
+    same = PartitionedExchange(_FakeGroup(1, 3), make_compressor("dragonn", 0.01))
+    same.load_state_dict(_state_of(3, 1, 10))
+    assert torch.equal(same.server.residuals["b"], torch.arange(3.0))
+
+
+def test_server_residual_of_the_wrong_length_is_refused():
+    from ds_dragonn.exchange import PartitionedExchange
+    ex = PartitionedExchange(_FakeGroup(0, 3), make_compressor("dragonn", 0.01))
+    with pytest.raises(ValueError, match=r"server residual for bucket 'b' has shape \(7,\).*gives rank 0 20 indices"):
+        ex.load_state_dict(_state_of(3, 0, 60, length=7))
+    assert ex.server.residuals == {}

@@ -71,6 +71,11 @@ def to_wire(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(torch.isfinite(values), values.clamp(-big, big), values).to(dtype)
 
 
+def dense_allreduce_bytes(numel: int, itemsize: int, world_size: int) -> int:
+    """Bytes each rank sends in a ring allreduce of ``numel`` elements: ``2(P-1)/P × numel × itemsize``."""
+    return int(2 * (world_size - 1) * numel * itemsize // max(world_size, 1))
+
+
 def dtype_code(dtype: torch.dtype) -> int:
     """Wire code of a value dtype. Raises TypeError for dtypes the exchanges do not carry."""
     if dtype not in DTYPE_CODES:
@@ -87,14 +92,27 @@ def check_agreement(numels: Sequence[int], codes: Sequence[int], rank: int) -> N
                                   f"({per_rank}); every rank must reduce the same model's gradients")
 
 
-def check_buffer_agreement(numel: int, dtype: torch.dtype, backend: CommBackend, device: torch.device) -> None:
-    """One small allgather of ``(numel, dtype)``: every rank raises :class:`BufferMismatchError` when they differ.
+#: wire codes of the exchange schemes, for the agreement check
+SCHEME_CODES = {"allgather": 0, "partitioned": 1, "reduce_scatter": 2}
 
-    The pipeline runs it the first time it sees a bucket, before it touches the residual; the header of
-    every exchange repeats the check.
+
+def check_buffer_agreement(numel: int, dtype: torch.dtype, backend: CommBackend, device: torch.device,
+                           scheme: str = "allgather") -> None:
+    """One small allgather of ``(numel, dtype, exchange scheme)``: every rank raises
+    :class:`BufferMismatchError` naming what differs and each rank's value when they disagree.
+
+    The pipeline runs it the first time it sees a bucket, before it touches the residual and before the
+    scheme's own collectives (schemes send different headers: ranks on different schemes would otherwise
+    crash or hang in them); the header of every exchange repeats the size/dtype check.
     """
-    rows = backend.all_gather_ints([numel, dtype_code(dtype)], device)
+    rows = backend.all_gather_ints([numel, dtype_code(dtype), SCHEME_CODES.get(scheme, -1)], device)
     check_agreement([r[0] for r in rows], [r[1] for r in rows], backend.rank)
+    schemes = [r[2] for r in rows]
+    if len(set(schemes)) > 1:
+        names = {v: k for k, v in SCHEME_CODES.items()}
+        per_rank = ", ".join(f"rank {r}: {names.get(c, c)}" for r, c in enumerate(schemes))
+        raise BufferMismatchError(f"[rank {backend.rank}] ranks disagree on 'dragonn.exchange' ({per_rank}); "
+                                  f"every rank must use the same exchange scheme")
 
 
 class Exchange(ABC):
@@ -120,6 +138,11 @@ class Exchange(ABC):
             BufferMismatchError: on every rank, when ranks disagree on ``numel`` or ``wire_dtype``.
             CommError: a collective failed.
         """
+
+    def dense_bytes(self, numel: int, itemsize: int, world_size: int) -> int:
+        """What the dense collective this exchange replaces sends per rank (default: a ring allreduce,
+        ``2(P-1)/P × numel × itemsize``)."""
+        return dense_allreduce_bytes(numel, itemsize, world_size)
 
     def flush_into(self, key: Hashable, buf: torch.Tensor) -> None:
         """Add any state the scheme holds for ``key`` that is still owed to the sum into ``buf`` (this rank's

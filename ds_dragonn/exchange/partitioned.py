@@ -150,6 +150,7 @@ class PartitionedExchange(Exchange):
         self.compressor = compressor
         self.server = ErrorFeedback(error_feedback)  # keyed like the workers' residuals; (n_r,) each
         self._ownership: Dict[int, Ownership] = {}
+        self._numel: Dict[Hashable, int] = {}  # bucket length of each server residual's key
 
     def ownership(self, numel: int) -> Ownership:
         """The (cached) owner map of a bucket of ``numel`` elements over this group."""
@@ -163,6 +164,7 @@ class PartitionedExchange(Exchange):
         backend, rank, device = self.backend, self.backend.rank, selection.values.device
         own = self.ownership(numel)
         scattered = sparse_reduce_scatter(selection, numel, wire_dtype, own, backend)
+        self._numel[key] = numel
 
         # owner: server residual += every rank's pairs (rank order: deterministic), then re-sparsify
         part = self.server.buffer(key, own.size(rank), wire_dtype, device)
@@ -225,13 +227,44 @@ class PartitionedExchange(Exchange):
         part.zero_()
 
     def state_dict(self) -> dict:
-        return {"server": self.server.state_dict()}
+        """This rank's server residuals with what they belong to: the world size, this rank (the owner)
+        and each bucket's length (which fixes the owner map)."""
+        return {"server": self.server.state_dict(), "world_size": self.backend.world_size,
+                "rank": self.backend.rank, "numel": dict(self._numel)}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore server residuals saved by :meth:`state_dict`.
+
+        Rule: residuals saved by another owner (another world size or rank) are dropped with a warning
+        naming what differs: they hold sums of indices this rank no longer owns. Every rank of a
+        resized job drops its own, so all ranks stay consistent.
+
+        Raises:
+            ValueError: a residual's length does not match its bucket's owner map here (a corrupt or
+                foreign state), naming the bucket.
+        """
+        saved_world, saved_rank = state.get("world_size"), state.get("rank")
+        world, rank = self.backend.world_size, self.backend.rank
+        if (saved_world, saved_rank) != (world, rank):
+            from deepspeed.utils import logger
+            logger.warning(f"[rank {rank}] DRAGONN: server residuals saved by rank {saved_rank} of {saved_world} "
+                           f"dropped (this is rank {rank} of {world}): their owner map no longer applies")
+            self.server.reset()
+            self._numel = {}
+            return
+        numels = dict(state.get("numel", {}))
+        for key, buf in state["server"]["residuals"].items():
+            if key not in numels or buf.dim() != 1 or buf.numel() != self.ownership(numels[key]).size(rank):
+                raise ValueError(f"[rank {rank}] server residual for bucket {key!r} has shape {tuple(buf.shape)}, "
+                                 f"but the bucket's owner map gives rank {rank} "
+                                 f"{self.ownership(numels[key]).size(rank) if key in numels else '?'} indices "
+                                 f"(bucket length {numels.get(key, 'not saved')})")
         self.server.load_state_dict(state["server"])
+        self._numel = numels
 
     def reset(self) -> None:
         self.server.reset()
+        self._numel = {}
 
 
 __all__ = ["PartitionedExchange", "Scattered", "owner_seed", "sparse_reduce_scatter"]

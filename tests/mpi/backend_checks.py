@@ -256,6 +256,16 @@ def check_mismatch_partitioned():
     return msg
 
 
+def check_mismatch_scheme():
+    """Ranks configured with different exchange schemes: BufferMismatchError naming them on every rank."""
+    ex = PartitionedExchange(MPI_BACKEND, DragonnCompressor(0.01)) if RANK == 0 else None
+    pipe = CompressedAllreduce(DragonnCompressor(0.01), MPI_BACKEND, ErrorFeedback(True), ex)
+    msg = _expect(BufferMismatchError, lambda: pipe(torch.randn(3000), "k", 1), "'dragonn.exchange'",
+                  "rank 0: partitioned", f"rank {WORLD - 1}: allgather")
+    _in_sync()
+    return msg
+
+
 def check_mismatch_numel():
     """Ranks reducing buffers of different lengths: BufferMismatchError on every rank, no hang."""
     n = 3000 + (7 if RANK == WORLD - 1 else 0)
@@ -313,6 +323,7 @@ CHECKS = {
     **{f"identity/{case}": (lambda c=case: identity_case(c)) for case in IDENTITY_CASES},
     **{f"partitioned/{case}": (lambda c=case: partitioned_case(c)) for case in PARTITIONED_CASES},
     "mismatch_partitioned": check_mismatch_partitioned,
+    "mismatch_scheme": check_mismatch_scheme,
     "mismatch_numel": check_mismatch_numel,
     "mismatch_dtype": check_mismatch_dtype,
     "mismatch_bytes": check_mismatch_bytes,

@@ -12,7 +12,7 @@ IDENTITY_CASES.append("dragonn-float32-n4099-dense")  # density 0.5: many indice
 # the partitioned exchange: sparse reduce-scatter + server residual + allgather (pairs, or bitmap when dense)
 PARTITIONED_CASES = ["dragonn-float32-n0", "dragonn-float32-n1", "dragonn-bfloat16-n7", "topk-float32-n1000",
                      "dragonn-float32-n1048579", "dragonn-bfloat16-n4099-dense"]
-ERROR_CHECKS = ["mismatch_partitioned", "mismatch_numel", "mismatch_dtype", "mismatch_bytes", "mpi_error", "world_mismatch"]
+ERROR_CHECKS = ["mismatch_partitioned", "mismatch_scheme", "mismatch_numel", "mismatch_dtype", "mismatch_bytes", "mpi_error", "world_mismatch"]
 CHECKS = (["mpi_env", "primitives"] + [f"identity/{c}" for c in IDENTITY_CASES]
           + [f"partitioned/{c}" for c in PARTITIONED_CASES] + ERROR_CHECKS
           + ["cuda_aware_flag_on_host"])

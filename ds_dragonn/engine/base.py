@@ -1,0 +1,156 @@
+"""What the hook points share: the compressor, the residual store, the pipelines, the auto policy, the
+telemetry, and the per-bucket decision (dense or compressed) with its logging.
+
+Each hook point (``stage0.py``: ZeRO stage 0, ``zero.py``: ZeRO stage 1/2) receives DeepSpeed's
+flattened gradient buckets at a different method and owns only what differs there: how DeepSpeed's
+averaging is reproduced and where the result goes. The compress → exchange → decode → error-feedback
+order lives in ``ds_dragonn.pipeline`` alone.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Hashable, Optional
+
+import torch
+from deepspeed.utils.logging import print_dist
+
+from ..comm import build_backend
+from ..comm.base import CommBackend
+from ..compress import build_compressor
+from ..config import DragonnConfig, Policy
+from ..exchange import Exchange
+from ..feedback import ErrorFeedback
+from ..pipeline import CompressedAllreduce, ReduceStats
+from ..policy import AutoPolicy
+from ..telemetry import Telemetry, log_reduction, monitor_events
+
+
+def bucket_seed(seed: int, step: int, ordinal: int) -> int:
+    """Seed for (step, bucket): the same on every rank, different every step (paper: per-step hash seed)."""
+    return (seed * 1_000_003 + step * 7919 + ordinal) & 0xFFFF_FFFF_FFFF
+
+
+class HookBase:
+    """Per-engine DRAGONN state, installed as ``engine.dragonn``.
+
+    Fields: the config (``cfg``); the compressor, error-feedback store and one pipeline per data-parallel
+    group; the bucket ordinal within the current reduction round; :class:`Telemetry` totals; the auto
+    policy's state.
+    """
+
+    #: what the hook replaces, for the start-up line
+    hook_name = "base"
+
+    def __init__(self, engine: Any, cfg: DragonnConfig):
+        self.engine = engine
+        self.cfg = cfg
+        self.compressor = build_compressor(cfg)
+        self.error_feedback = ErrorFeedback(cfg.error_feedback)
+        self.telemetry = Telemetry()
+        self._pipelines: Dict[int, CompressedAllreduce] = {}
+        self._round = None  # (step, micro step) of the ordinals being counted
+        self._ordinal = 0
+        self._warned_small = False
+        self._announced = False  # the switch to compression was logged
+        self._pending: set = set()  # buckets whose residual may hold unsent gradient
+        self.policy = AutoPolicy(cfg.auto_probe_steps, cfg.auto_recheck_interval,
+                                 always=cfg.policy == Policy.always)
+
+    # -- pieces for the hook points ----------------------------------------------------------------
+    def _build_exchange(self, backend: CommBackend) -> Exchange:
+        from ..exchange import build_exchange
+        return build_exchange(self.cfg, backend, self.compressor)
+
+    def pipeline(self, group: Any) -> CompressedAllreduce:
+        """The (cached) pipeline of a data-parallel process group."""
+        key = id(group)
+        if key not in self._pipelines:
+            backend: CommBackend = build_backend(self.cfg, group)
+            self._pipelines[key] = CompressedAllreduce(self.compressor, backend, self.error_feedback,
+                                                       self._build_exchange(backend))
+        return self._pipelines[key]
+
+    def _next_ordinal(self, round_id: Hashable) -> int:
+        """The bucket's position within its reduction round (reset when ``round_id`` changes)."""
+        if round_id != self._round:
+            self._round, self._ordinal = round_id, 0
+        self._ordinal += 1
+        return self._ordinal - 1
+
+    def _goes_dense(self, key: Hashable, numel: int, step: int) -> tuple:
+        """(dense?, small?) for this bucket: below ``min_compress_numel``, in the warm-up, or the auto
+        policy's choice. Every rank decides the same (step, size, config, agreed policy state)."""
+        small = numel < max(self.cfg.min_compress_numel, 1)
+        if small and not self._warned_small:
+            self._warned_small = True
+            print_dist(f"DRAGONN: a gradient bucket of {numel} elements is below min_compress_numel="
+                       f"{self.cfg.min_compress_numel}: it uses DeepSpeed's dense path (lower "
+                       f"'dragonn.min_compress_numel' to compress it)", ranks=[0])
+        warm = step < self.cfg.warmup_steps
+        return small or warm or not self.policy.compress(key), small
+
+    def _record_dense(self, key: Hashable, numel: int, itemsize: int, world: int, ms: float, small: bool,
+                      dense_bytes: Optional[int] = None) -> None:
+        if not small:
+            self.policy.record_dense(key, ms)
+        self.telemetry.record_dense(numel, itemsize, world, ms, dense_bytes)
+        self._monitor(None, ms)
+
+    def _announce(self, step: int) -> None:
+        if self._announced:
+            return
+        self._announced = True
+        if self.cfg.policy == Policy.auto:
+            print_dist(f"DRAGONN auto: timing the compressed path from step {step + 1} (after "
+                       f"{self.cfg.warmup_steps} warm-up steps and the dense probes); the decision follows "
+                       f"after {self.cfg.auto_probe_steps} compressed steps", ranks=[0])
+        else:
+            print_dist(f"DRAGONN: compressing from step {step + 1} (after {self.cfg.warmup_steps} dense "
+                       f"warm-up steps)", ranks=[0])
+
+    def _record_compressed(self, key: Hashable, stats: ReduceStats, pipeline: CompressedAllreduce, ordinal: int,
+                           step: int, device: torch.device) -> None:
+        if self.error_feedback.enabled:
+            self._pending.add(key)
+        self.telemetry.record_compressed(stats)
+        total_ms = stats.compress_ms + stats.exchange_ms + stats.decode_ms
+        if self.policy.record_compressed(key, total_ms):
+            compress, dense_ms, comp_ms = self.policy.decide(key, pipeline.backend, device)
+            print_dist(f"DRAGONN auto: bucket {ordinal} ({stats.numel} elements) dense {dense_ms:.2f} ms, compressed "
+                       f"{comp_ms:.2f} ms -> {'compress' if compress else 'dense'}"
+                       f"{f' (re-check in {self.cfg.auto_recheck_interval} steps)' if self.cfg.auto_recheck_interval else ''}",
+                       ranks=[0])
+        if self.cfg.log_interval and self.telemetry.compressed_reductions % self.cfg.log_interval == 0:
+            # 1-based like DeepSpeed's own step logs (global_steps is incremented after engine.step())
+            log_reduction(step + 1, stats)
+        self._monitor(stats)
+
+    def _log_start(self, exchange: str) -> None:
+        cfg = self.cfg
+        print_dist(f"DRAGONN enabled ({self.hook_name}): compressor={self.compressor.name} density={cfg.density} "
+                   f"kernel={getattr(cfg.kernel, 'value', cfg.kernel)} "
+                   f"sample_ratio={cfg.sample_ratio} table_factor={cfg.table_factor} "
+                   f"min_compress_numel={cfg.min_compress_numel} warmup_steps={cfg.warmup_steps} "
+                   f"error_feedback={cfg.error_feedback} comm_backend={cfg.comm_backend.value} "
+                   f"exchange={exchange} policy={cfg.policy.value}"
+                   f"{f' (probe {cfg.auto_probe_steps} steps, re-check every {cfg.auto_recheck_interval})' if cfg.policy == Policy.auto else ''}",
+                   ranks=[0])
+
+    def _monitor(self, stats: Optional[ReduceStats], dense_ms: Optional[float] = None) -> None:
+        monitor = getattr(self.engine, "monitor", None)
+        if monitor is None or not getattr(monitor, "enabled", False):
+            return
+        # DeepSpeed's x-axis: the global samples its Train/Samples/* events of this step will carry
+        samples = int(getattr(self.engine, "global_samples", 0)) + int(self.engine.train_batch_size())
+        monitor.write_events(monitor_events(self.telemetry, samples, stats, dense_ms))
+
+    # -- state --------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Residuals (the partitioned exchange's server residuals too) and counters, of this rank."""
+        return {"error_feedback": self.error_feedback.state_dict(), "telemetry": self.telemetry.summary(),
+                "exchange": [p.exchange.state_dict() for p in self._pipelines.values()]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.error_feedback.load_state_dict(state["error_feedback"])
+        for pipe, ex_state in zip(self._pipelines.values(), state.get("exchange", [])):
+            pipe.exchange.load_state_dict(ex_state)
+

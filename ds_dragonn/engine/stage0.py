@@ -1,0 +1,141 @@
+"""ZeRO stage 0: the hook on the engine's gradient allreduce.
+
+Hook points: ``DeepSpeedEngine.allreduce_and_copy(small_bucket, dp_group, dp_world_size)`` and
+``allreduce_bucket(bucket, dp_group, dp_world_size)`` are overridden on the engine *instance*
+(DeepSpeed 0.19.8 ``runtime/engine.py``: ``allreduce_gradients`` → ``buffered_allreduce_fallback`` →
+``allreduce_no_retain`` → ``allreduce_and_copy`` → ``allreduce_bucket``, then a copy of the flat result
+into the gradients). Both receive same-dtype buckets of the ZeRO stage-0 path and must apply DeepSpeed's
+averaging (``gradient_predivide_factor``, ``prescale_gradients``) themselves, which
+:func:`reduction_scales` reproduces. ``allreduce_and_copy`` lets the compressed path decode straight
+into the gradients (no flat result, no copy back); ``allreduce_bucket`` serves every other caller.
+Warm-up steps and small buckets call DeepSpeed's own ``allreduce_bucket``. Every rank takes the same
+branch: the decision depends only on the step, the bucket size, the config and the auto policy's
+agreed state.
+"""
+from __future__ import annotations
+
+import hashlib
+import inspect
+from typing import Any, Hashable, NamedTuple, Optional
+
+from ..pipeline import PhaseClock
+from .base import HookBase, bucket_seed
+
+
+class Scales(NamedTuple):
+    """Factors applied before (to the local buffer) and after (to the sum) the reduction."""
+    prescale: float
+    postscale: float
+
+
+def reduction_scales(engine: Any, dp_world_size: float) -> Scales:
+    """The scaling DeepSpeed's dense ``allreduce_bucket`` applies (0.19.8 ``runtime/engine.py``)."""
+    if not engine.gradient_average:
+        return Scales(1.0, 1.0)
+    if engine.postscale_gradients():
+        pre = engine.gradient_predivide_factor()
+        return Scales(1.0 / pre if pre != 1.0 else 1.0, pre / dp_world_size if pre != dp_world_size else 1.0)
+    return Scales(1.0 / dp_world_size, 1.0)
+
+
+class DragonnHook(HookBase):
+    """ZeRO stage 0: compresses ``DeepSpeedEngine.allreduce_bucket`` / ``allreduce_and_copy``."""
+
+    hook_name = "ZeRO stage 0 allreduce"
+
+    def __init__(self, engine: Any, cfg):
+        super().__init__(engine, cfg)
+        self._dense_allreduce_bucket = engine.allreduce_bucket  # DeepSpeed's bound method
+
+    def install(self) -> "DragonnHook":
+        # build the transport for the engine's data-parallel group now, so a wrong launch (e.g. an MPI
+        # world that is not the data-parallel group) fails at initialize, not after the warm-up steps
+        from deepspeed.utils import groups
+        self.pipeline(groups._get_sequence_data_parallel_group())
+        self.engine.allreduce_bucket = self.allreduce_bucket
+        self.engine.allreduce_and_copy = self.allreduce_and_copy
+        self.engine.dragonn = self
+        self._log_start(self.cfg.exchange.value)
+        return self
+
+    # -- the hook -----------------------------------------------------------------------------------
+    def allreduce_bucket(self, bucket, dp_group, dp_world_size=None):
+        """Drop-in for ``DeepSpeedEngine.allreduce_bucket``: returns the reduced flat tensor."""
+        return self._reduce(bucket, dp_group, dp_world_size, into_bucket=False)
+
+    def allreduce_and_copy(self, small_bucket, dp_group, dp_world_size=None):
+        """Drop-in for ``DeepSpeedEngine.allreduce_and_copy``: reduces and writes the gradients.
+
+        Where the pipeline can, the compressed result is decoded straight into the gradients (zeroed in the
+        compensation pass), which saves DeepSpeed's copy of a flat result back into them; otherwise the
+        flat result is copied exactly as DeepSpeed does.
+        """
+        out = self._reduce(small_bucket, dp_group, dp_world_size, into_bucket=True)
+        if out is not None:
+            for buf, synced in zip(small_bucket, self.engine.unflatten(out, small_bucket)):
+                buf.copy_(synced)
+
+    def _reduce(self, bucket, dp_group, dp_world_size, into_bucket: bool):
+        """One bucket: dense (warm-up, small, auto) or compressed; None when decoded into ``bucket``."""
+        engine = self.engine
+        step = int(engine.global_steps)
+        ordinal = self._next_ordinal(step)
+        numel = sum(t.numel() for t in bucket)
+        comm_dtype = engine.communication_data_type
+        pipeline = self.pipeline(dp_group)
+        world = pipeline.backend.world_size
+        if dp_world_size is None:
+            dp_world_size = world
+        key: Hashable = (ordinal, str(comm_dtype), numel, self._layout(bucket))
+        dense, small = self._goes_dense(key, numel, step)
+        if dense:
+            clock = PhaseClock(bucket[0].device)
+            if key in self._pending and not small:  # compressed before: flush its residual now
+                out = pipeline.reduce_dense(bucket, key, *reduction_scales(engine, dp_world_size), comm_dtype)
+                self._pending.discard(key)
+            else:
+                out = self._dense_allreduce_bucket(bucket, dp_group, dp_world_size)
+            self._record_dense(key, numel, comm_dtype.itemsize, world, clock.lap(), small)
+            return out
+
+        self._announce(step)
+        scales = reduction_scales(engine, dp_world_size)
+        # no flatten: the pipeline compensates the bucket's gradients straight into the persistent
+        # residual; it decodes into the gradients themselves (from allreduce_and_copy, where it can), or
+        # returns its persistent decode buffer, which is unflattened and copied into them
+        into = into_bucket and pipeline.can_reduce_into(bucket, comm_dtype)
+        out, stats = pipeline.reduce(bucket, key, bucket_seed(self.cfg.seed, step, ordinal), scales.prescale,
+                                     scales.postscale, comm_dtype, into_inputs=into)
+        self._record_compressed(key, stats, pipeline, ordinal, step, bucket[0].device)
+        return out
+
+    def _layout(self, bucket) -> str:
+        """Digest of the bucket's layout: its parameters' names (matched by gradient storage), or the
+        gradients' shapes where a gradient is not a parameter's ``.grad``. Part of the residual's key, so
+        that when the set of trainable parameters changes, one tensor's residual is never applied to
+        another of the same size (each layout keeps its own residual, resumed when it returns)."""
+        names = {}
+        for name, p in self.engine.module.named_parameters():
+            g = p.grad
+            if g is not None and g.numel():
+                names[g.data_ptr()] = name
+        layout = repr(tuple(names.get(t.data_ptr(), tuple(t.shape)) for t in bucket))
+        return hashlib.blake2b(layout.encode(), digest_size=8).hexdigest()
+
+
+def check_hook_point(engine_cls: Optional[type] = None) -> None:
+    """Fail loudly if a DeepSpeed upgrade no longer routes ZeRO-0 buckets through the hooked methods.
+
+    Checks that ``allreduce_and_copy`` still only reduces through ``allreduce_bucket`` and copies the result
+    into the gradients (what our override of it reproduces), and that ``allreduce_no_retain`` calls it.
+    """
+    if engine_cls is None:
+        from deepspeed.runtime.engine import DeepSpeedEngine as engine_cls
+    src = inspect.getsource(engine_cls.allreduce_and_copy)
+    if "self.allreduce_bucket(" not in src or "buf.copy_(synced)" not in src:
+        raise RuntimeError("this DeepSpeed version no longer reduces through DeepSpeedEngine.allreduce_bucket "
+                           "and copies the result in allreduce_and_copy; ds_dragonn's hook would be bypassed "
+                           "(tested with 0.19.8)")
+    if "self.allreduce_and_copy(" not in inspect.getsource(engine_cls.allreduce_no_retain):
+        raise RuntimeError("this DeepSpeed version no longer calls DeepSpeedEngine.allreduce_and_copy from "
+                           "allreduce_no_retain; ds_dragonn's hook would be bypassed (tested with 0.19.8)")

@@ -1,0 +1,188 @@
+"""ZeRO stage 1 and 2: the hook on the ZeRO optimizer's gradient reduce-scatter.
+
+Hook point (DeepSpeed 0.19.8 ``runtime/zero/stage_1_and_2.py``): ``DeepSpeedZeroOptimizer.average_tensor
+(tensor, communication_data_type)``, called by ``reduce_ipg_grads`` on every flattened IPG bucket (at
+each micro step for stage 2, at the accumulation boundary for stage 1), is overridden on the optimizer
+*instance*. With ``reduce_scatter`` on (the default), DeepSpeed's method divides the bucket by the world
+size, works out which rank owns each gradient slice (``rank_and_offsets``: ZeRO's partitions) and reduces
+each slice to its owner (``allreduce_no_retain(..., rank=dst)``), which copies the sum into the bucket
+and adds it to its compact fp32 gradient partition where there is one.
+
+The override runs DeepSpeed's own method with its two reduction calls (``allreduce_no_retain``,
+``allreduce_and_scatter``) replaced by recorders, so DeepSpeed itself applies the averaging and computes
+the owners; then the bucket goes through the shared pipeline with the sparse reduce-scatter exchange
+(:class:`~ds_dragonn.exchange.reduce_scatter.ReduceScatterExchange`: each selected pair goes to the rank
+owning its offset), and each owner writes the decoded sum of its slices exactly where DeepSpeed's
+``allreduce_and_copy`` writes it. Slices a rank does not own keep the rank's local values, as after
+DeepSpeed's ``reduce``. Anything else in the recording (multi-rank slices of Muon, MoE expert groups)
+is replayed through DeepSpeed's own methods: dense, never wrong.
+
+What stays dense: ZeRO's parameter all-gather after the optimizer step (the same bytes as the dense
+gradient reduce-scatter), warm-up steps, buckets below ``min_compress_numel``, and the auto policy's
+dense choices.
+"""
+from __future__ import annotations
+
+import hashlib
+import inspect
+from typing import Any, Hashable, List, NamedTuple, Optional
+
+import torch
+
+from ..comm.base import CommBackend
+from ..exchange import Exchange
+from ..exchange.reduce_scatter import RangeOwnership, ReduceScatterExchange, dense_reduce_scatter_bytes
+from ..pipeline import PhaseClock
+from .base import HookBase, bucket_seed
+
+_RECORDED = ("allreduce_no_retain", "allreduce_and_scatter")
+
+
+class _Call(NamedTuple):
+    """One reduction DeepSpeed's ``average_tensor`` asked for."""
+    method: str
+    args: tuple
+    kwargs: dict
+
+
+class ZeroHook(HookBase):
+    """ZeRO stage 1/2: compresses ``DeepSpeedZeroOptimizer.average_tensor`` with a sparse reduce-scatter."""
+
+    hook_name = "ZeRO stage 1/2 reduce-scatter"
+
+    def __init__(self, engine: Any, cfg):
+        super().__init__(engine, cfg)
+        self.optimizer = engine.optimizer
+        self._dense_average_tensor = self.optimizer.average_tensor  # DeepSpeed's bound method
+
+    def _build_exchange(self, backend: CommBackend) -> Exchange:
+        return ReduceScatterExchange(backend)  # ZeRO's partitions are the owners, whatever "exchange" says
+
+    def install(self) -> "ZeroHook":
+        self.pipeline(self.optimizer.dp_process_group)  # a wrong launch fails at initialize
+        self.optimizer.average_tensor = self.average_tensor
+        self.engine.dragonn = self
+        self._log_start("reduce_scatter (ZeRO partitions)")
+        return self
+
+    # -- the hook -----------------------------------------------------------------------------------
+    def average_tensor(self, tensor: torch.Tensor, communication_data_type: torch.dtype):
+        """Drop-in for ``DeepSpeedZeroOptimizer.average_tensor``: averages ``tensor`` (the flattened IPG
+        bucket, (n,)) over the data-parallel group into the slices this rank owns."""
+        opt, engine = self.optimizer, self.engine
+        step = int(engine.global_steps)
+        ordinal = self._next_ordinal((step, int(engine.micro_steps)))
+        numel = tensor.numel()
+        pipeline = self.pipeline(opt.dp_process_group)
+        world = pipeline.backend.world_size
+        dt = communication_data_type
+        key: Hashable = ("zero", ordinal, str(dt), numel, self._layout(dt))
+        dense, small = self._goes_dense(key, numel, step) if numel else (True, True)
+        flush = dense and not small and key in self._pending
+        if dense and not flush:
+            clock = PhaseClock(tensor.device)
+            self._dense_average_tensor(tensor, dt)
+            self._record_dense(key, numel, dt.itemsize, world, clock.lap(), small,
+                               dense_reduce_scatter_bytes(numel, dt.itemsize, world))
+            return
+
+        clock = PhaseClock(tensor.device)
+        calls = self._record_reductions(tensor, dt)  # DeepSpeed divides the bucket and names the owners
+        mine, ranges, other = self._owners(tensor, calls, pipeline.backend.rank)
+        if other:  # slices this hook does not model: DeepSpeed's own dense reductions, unchanged
+            for call in calls:
+                getattr(opt, call.method)(*call.args, **call.kwargs)
+            self._record_dense(key, numel, dt.itemsize, world, clock.lap(), small,
+                               dense_reduce_scatter_bytes(numel, dt.itemsize, world))
+            return
+        if flush:  # compressed before, dense now: the residual goes out with this reduction
+            out = pipeline.reduce_dense([tensor], key, 1.0, 1.0, dt)
+            self._pending.discard(key)
+            self._write_owned(tensor, out, mine)
+            self._record_dense(key, numel, dt.itemsize, world, clock.lap(), small,
+                               dense_reduce_scatter_bytes(numel, dt.itemsize, world))
+            return
+
+        self._announce(step)
+        pipeline.exchange.ownership = RangeOwnership(numel, ranges, world)
+        out, stats = pipeline.reduce(tensor, key, bucket_seed(self.cfg.seed, step, ordinal), 1.0, 1.0, dt)
+        self._write_owned(tensor, out, mine)
+        self._record_compressed(key, stats, pipeline, ordinal, step, tensor.device)
+
+    def _record_reductions(self, tensor: torch.Tensor, dt: torch.dtype) -> List[_Call]:
+        """Run DeepSpeed's ``average_tensor`` with its reductions recorded instead of run."""
+        opt, calls = self.optimizer, []
+        saved = {name: opt.__dict__.get(name) for name in _RECORDED}
+        for name in _RECORDED:
+            setattr(opt, name, lambda *a, _name=name, **kw: calls.append(_Call(_name, a, kw)))
+        try:
+            self._dense_average_tensor(tensor, dt)
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    delattr(opt, name)
+                else:
+                    setattr(opt, name, value)
+        return calls
+
+    def _owners(self, tensor: torch.Tensor, calls: List[_Call], rank: int):
+        """(this rank's (slice, output) pairs, (start, length, owner) ranges, whether anything else was asked)."""
+        base, size = tensor.data_ptr(), tensor.element_size()
+        dp = self.optimizer.dp_process_group
+        mine, ranges, other = [], [], False
+        for call in calls:
+            kw = dict(call.kwargs)
+            slices = call.args[0]
+            group = kw.get("process_group")
+            if call.method != "allreduce_no_retain" or kw.get("rank") is None or (group is not None and group is not dp):
+                other = True
+                continue
+            outputs = kw.get("output_bucket") or [None] * len(slices)
+            for buf, output in zip(slices, outputs):
+                start = (buf.data_ptr() - base) // size
+                ranges.append((start, buf.numel(), int(kw["rank"])))
+                if int(kw["rank"]) == rank:
+                    mine.append((start, buf, output))
+        return mine, ranges, other
+
+    def _write_owned(self, tensor: torch.Tensor, out: torch.Tensor, mine) -> None:
+        """What DeepSpeed's ``allreduce_and_copy`` does on the owner: the compact partition gets the
+        reduced slice added, the bucket slice gets it copied."""
+        opt = self.optimizer
+        for start, buf, output in mine:
+            synced = out[start:start + buf.numel()].view_as(buf)
+            opt._add_to_grad_partition_buffer(output, synced)
+            buf.copy_(synced)
+
+    def _layout(self, dt: torch.dtype) -> str:
+        """Digest of the IPG bucket's parameters (ids and shapes), part of the residual's key."""
+        bucket = self.optimizer.ipg_buckets[dt]
+        params = self.optimizer.bit16_groups
+        layout = repr(tuple((pid, tuple(params[g][i].shape)) for g, i, pid in bucket.params))
+        return hashlib.blake2b(layout.encode(), digest_size=8).hexdigest()
+
+
+def check_zero_hook_point(optimizer_cls: Optional[type] = None) -> None:
+    """Fail loudly if a DeepSpeed upgrade changes what :class:`ZeroHook` relies on in ZeRO stage 1/2.
+
+    Checks that ``reduce_ipg_grads`` reduces through ``average_tensor``; that ``average_tensor`` averages by
+    dividing the bucket and reduces slices to their owners through ``allreduce_no_retain`` /
+    ``allreduce_and_scatter``; and that ``allreduce_and_copy`` writes an owner's result as the hook does.
+    """
+    if optimizer_cls is None:
+        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as optimizer_cls
+    checks = {
+        "reduce_ipg_grads": ["self.average_tensor("],
+        "average_tensor": ["rank_and_offsets", "self.allreduce_no_retain(", "self.allreduce_and_scatter(",
+                           "tensor.div_(", "rank=dst"],
+        "allreduce_and_copy": ["self._add_to_grad_partition_buffer(output, synced)", "buf.copy_(synced)"],
+    }
+    for method, needles in checks.items():
+        src = inspect.getsource(getattr(optimizer_cls, method))
+        missing = [n for n in needles if n not in src]
+        if missing:
+            raise RuntimeError(f"this DeepSpeed version changed DeepSpeedZeroOptimizer.{method} ({missing} not found); "
+                               f"ds_dragonn's ZeRO-1/2 hook would be bypassed or wrong (tested with 0.19.8)")
+
+
+__all__ = ["ZeroHook", "check_zero_hook_point"]
