@@ -40,7 +40,7 @@ def initialize(*args: Any, **kwargs: Any):
     Raises:
         DragonnConfigError: the ``"dragonn"`` block has an unknown key or an invalid value.
         DragonnUnsupportedError: DRAGONN is enabled together with ZeRO stage 3, ZeRO offload,
-            ``"reduce_scatter": false`` or a pipeline engine.
+            ``"reduce_scatter": false``, ``"contiguous_gradients": false`` or a pipeline engine.
     """
     import deepspeed
     from .engine import DragonnHook, ZeroHook, check_hook_point, check_zero_hook_point
@@ -88,6 +88,11 @@ def _check_zero(stage: int, zero: dict) -> None:
     if stage in (1, 2):
         if zero.get("reduce_scatter", True) is False:
             raise DragonnUnsupportedError(_NO_REDUCE_SCATTER)
+        if zero.get("contiguous_gradients", True) is False:
+            raise DragonnUnsupportedError(
+                f"'dragonn' with ZeRO stage {stage} compresses the contiguous gradient buckets; "
+                f"'zero_optimization.contiguous_gradients' is false (DeepSpeed then reduces gradient lists through "
+                f"another path, which would stay dense). Remove the key or set it to true")
         for key in ("offload_optimizer", "offload_param", "cpu_offload"):
             value = zero.get(key)
             if value and (not isinstance(value, dict) or value.get("device", "cpu") not in (None, "none")):

@@ -245,3 +245,76 @@ def scheme_cases(rank: int, world: int, out_dir: str) -> None:
     torch.save({"results": results, "scheme_mismatch": mismatch, "after_mismatch": after.clone()},
                Path(out_dir) / f"scheme_rank{rank}.pt")
     torch.distributed.destroy_process_group()
+
+
+# -- ZeRO stage 1/2 -------------------------------------------------------------------------------------
+def _zero_config(stage: int, dragonn: dict | None, bf16: bool = False, gas: int = 1, **zero) -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": gas,
+           "optimizer": {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}},
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": 6000, **zero}, "steps_per_print": 10**6}
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    if dragonn is not None:
+        cfg["dragonn"] = {"policy": "always", "min_compress_numel": 1, **dragonn}
+    return cfg
+
+
+ZERO_RUNS = {f"s{stage}_{prec}_{name}": _zero_config(stage, d, bf16=prec == "bf16")
+             for stage in (1, 2) for prec in ("fp32", "bf16")
+             for name, d in (("dense", None), ("d1", {"enabled": True, "density": 1.0}),
+                             ("d001", {"enabled": True, "density": 0.01}))}
+ZERO_RUNS.update({
+    "s2_fp32_gas2_dense": _zero_config(2, None, gas=2),
+    "s2_fp32_gas2_d1": _zero_config(2, {"enabled": True, "density": 1.0}, gas=2),
+    "s2_fp32_gas2_d001": _zero_config(2, {"enabled": True, "density": 0.01}, gas=2),
+    "s2_fp32_warmup": _zero_config(2, {"enabled": True, "density": 0.01, "warmup_steps": 2}),
+    "s2_fp32_overlap_dense": _zero_config(2, None, overlap_comm=True),
+    "s2_fp32_overlap_d1": _zero_config(2, {"enabled": True, "density": 1.0}, overlap_comm=True),
+    "s1_fp32_no_multi_rank_dense": _zero_config(1, None, use_multi_rank_bucket_allreduce=False),
+    "s1_fp32_no_multi_rank_d1": _zero_config(1, {"enabled": True, "density": 1.0},
+                                             use_multi_rank_bucket_allreduce=False),
+})
+for _name, _d in (("dense", None), ("d1", {"enabled": True, "density": 1.0})):
+    # bf16 parameters with fp32 gradient accumulation: ZeRO keeps a compact fp32 gradient partition
+    ZERO_RUNS[f"s2_bf16_accfp32_{_name}"] = {**_zero_config(2, _d, bf16=True), "data_types": {"grad_accum_dtype": "fp32"}}
+ZERO_REFUSED = {
+    "stage3": _zero_config(3, {"enabled": True}),
+    "no_reduce_scatter": _zero_config(2, {"enabled": True}, reduce_scatter=False),
+    "offload": _zero_config(2, {"enabled": True}, offload_optimizer={"device": "cpu"}),
+    "not_contiguous": _zero_config(2, {"enabled": True}, contiguous_gradients=False),
+}
+ZERO_STEPS = 4
+ZERO_LAYERS = (64, 256, 10)  # 19,210 parameters: several IPG buckets of 6000 elements
+
+
+def zero_runs(rank: int, world: int, out_dir: str) -> None:
+    _init()
+    import ds_dragonn
+
+    out = {}
+    for name, cfg in ZERO_RUNS.items():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(ZERO_LAYERS[0], ZERO_LAYERS[1]), torch.nn.Tanh(),
+                                    torch.nn.Linear(ZERO_LAYERS[1], ZERO_LAYERS[2]))
+        engine, *_ = ds_dragonn.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        dtype = next(engine.module.parameters()).dtype
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(ZERO_STEPS * cfg["gradient_accumulation_steps"]):
+            x = torch.randn(8, ZERO_LAYERS[0], generator=g).to(dtype)
+            y = torch.randint(0, ZERO_LAYERS[2], (8,), generator=g)
+            loss = torch.nn.functional.cross_entropy(engine(x).float(), y)
+            engine.backward(loss)
+            engine.step()
+        hook = getattr(engine, "dragonn", None)
+        out[name] = {"params": [p.detach().float().clone() for p in engine.module.parameters()],
+                     "telemetry": hook.telemetry.summary() if hook else None,
+                     "hooked": hook is not None and engine.optimizer.average_tensor == hook.average_tensor}
+    for name, cfg in ZERO_REFUSED.items():
+        model = torch.nn.Linear(4, 4)
+        try:
+            ds_dragonn.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+            out[name] = None
+        except ds_dragonn.DragonnUnsupportedError as err:
+            out[name] = str(err)
+    torch.save(out, Path(out_dir) / f"zero_rank{rank}.pt")
+    torch.distributed.destroy_process_group()

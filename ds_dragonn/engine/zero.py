@@ -5,8 +5,10 @@ Hook point (DeepSpeed 0.19.8 ``runtime/zero/stage_1_and_2.py``): ``DeepSpeedZero
 each micro step for stage 2, at the accumulation boundary for stage 1), is overridden on the optimizer
 *instance*. With ``reduce_scatter`` on (the default), DeepSpeed's method divides the bucket by the world
 size, works out which rank owns each gradient slice (``rank_and_offsets``: ZeRO's partitions) and reduces
-each slice to its owner (``allreduce_no_retain(..., rank=dst)``), which copies the sum into the bucket
-and adds it to its compact fp32 gradient partition where there is one.
+the slices, by default with a dense allreduce of the bucket after which each owner keeps its slices
+(``allreduce_and_scatter``, ``use_multi_rank_bucket_allreduce``), otherwise with a reduce to each owner
+(``allreduce_no_retain(..., rank=dst)``); the owner copies the sum into the bucket and adds it to its
+compact fp32 gradient partition where there is one.
 
 The override runs DeepSpeed's own method with its two reduction calls (``allreduce_no_retain``,
 ``allreduce_and_scatter``) replaced by recorders, so DeepSpeed itself applies the averaging and computes
@@ -70,6 +72,8 @@ class ZeroHook(HookBase):
         """Drop-in for ``DeepSpeedZeroOptimizer.average_tensor``: averages ``tensor`` (the flattened IPG
         bucket, (n,)) over the data-parallel group into the slices this rank owns."""
         opt, engine = self.optimizer, self.engine
+        if tensor.numel() == 0:  # ZeRO-1 flushes an empty bucket at the boundary: nothing to reduce or count
+            return self._dense_average_tensor(tensor, communication_data_type)
         step = int(engine.global_steps)
         ordinal = self._next_ordinal((step, int(engine.micro_steps)))
         numel = tensor.numel()
@@ -77,7 +81,7 @@ class ZeroHook(HookBase):
         world = pipeline.backend.world_size
         dt = communication_data_type
         key: Hashable = ("zero", ordinal, str(dt), numel, self._layout(dt))
-        dense, small = self._goes_dense(key, numel, step) if numel else (True, True)
+        dense, small = self._goes_dense(key, numel, step)
         flush = dense and not small and key in self._pending
         if dense and not flush:
             clock = PhaseClock(tensor.device)
@@ -126,22 +130,38 @@ class ZeroHook(HookBase):
         return calls
 
     def _owners(self, tensor: torch.Tensor, calls: List[_Call], rank: int):
-        """(this rank's (slice, output) pairs, (start, length, owner) ranges, whether anything else was asked)."""
+        """(this rank's (start, slice, output) triples, (start, length, owner) ranges, whether a call asked for
+        something this hook does not model).
+
+        DeepSpeed asks in one of two forms: ``allreduce_and_scatter([(copy_ranks, slice, output), ...])``
+        (``use_multi_rank_bucket_allreduce``, the default: a dense allreduce of the bucket, after which each
+        rank in ``copy_ranks`` keeps its slices) or ``allreduce_no_retain(slices, rank=dst,
+        output_bucket=outputs)`` (a reduce to ``dst``). A slice with one consumer rank is that rank's; slices
+        shared by several ranks (Muon) or reduced in another process group (MoE experts) are not modelled.
+        """
         base, size = tensor.data_ptr(), tensor.element_size()
         dp = self.optimizer.dp_process_group
         mine, ranges, other = [], [], False
         for call in calls:
-            kw = dict(call.kwargs)
-            slices = call.args[0]
-            group = kw.get("process_group")
-            if call.method != "allreduce_no_retain" or kw.get("rank") is None or (group is not None and group is not dp):
+            group = call.kwargs.get("process_group")
+            if group is not None and group is not dp:
                 other = True
                 continue
-            outputs = kw.get("output_bucket") or [None] * len(slices)
-            for buf, output in zip(slices, outputs):
+            if call.method == "allreduce_and_scatter":
+                items = [(e[0], e[1], e[2] if len(e) > 2 else None) for e in call.args[0]]
+            else:
+                dst = call.kwargs.get("rank")
+                outputs = call.kwargs.get("output_bucket") or [None] * len(call.args[0])
+                items = [(dst, buf, out) for buf, out in zip(call.args[0], outputs)]
+            for owner, buf, output in items:
+                if isinstance(owner, frozenset):
+                    owner = next(iter(owner)) if len(owner) == 1 else None
+                if owner is None:
+                    other = True
+                    continue
                 start = (buf.data_ptr() - base) // size
-                ranges.append((start, buf.numel(), int(kw["rank"])))
-                if int(kw["rank"]) == rank:
+                ranges.append((start, buf.numel(), int(owner)))
+                if int(owner) == rank:
                     mine.append((start, buf, output))
         return mine, ranges, other
 
@@ -167,7 +187,8 @@ def check_zero_hook_point(optimizer_cls: Optional[type] = None) -> None:
 
     Checks that ``reduce_ipg_grads`` reduces through ``average_tensor``; that ``average_tensor`` averages by
     dividing the bucket and reduces slices to their owners through ``allreduce_no_retain`` /
-    ``allreduce_and_scatter``; and that ``allreduce_and_copy`` writes an owner's result as the hook does.
+    ``allreduce_and_scatter``; and that ``allreduce_and_copy`` and ``allreduce_and_copy_with_multiple_ranks``
+    write an owner's result as the hook does.
     """
     if optimizer_cls is None:
         from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as optimizer_cls
@@ -176,6 +197,8 @@ def check_zero_hook_point(optimizer_cls: Optional[type] = None) -> None:
         "average_tensor": ["rank_and_offsets", "self.allreduce_no_retain(", "self.allreduce_and_scatter(",
                            "tensor.div_(", "rank=dst"],
         "allreduce_and_copy": ["self._add_to_grad_partition_buffer(output, synced)", "buf.copy_(synced)"],
+        "allreduce_and_copy_with_multiple_ranks": ["self._add_to_grad_partition_buffer(output, synced)",
+                                                   "buf.copy_(synced)", "local_rank in bucket_rank"],
     }
     for method, needles in checks.items():
         src = inspect.getsource(getattr(optimizer_cls, method))
