@@ -6,6 +6,7 @@ config switches compression on (see ``ds_dragonn.config.DragonnConfig``).
 from __future__ import annotations
 
 import inspect
+import json
 from typing import Any
 
 __version__ = "0.1.0"
@@ -39,6 +40,7 @@ def initialize(*args: Any, **kwargs: Any):
 
     Raises:
         DragonnConfigError: the ``"dragonn"`` block has an unknown key or an invalid value.
+        DragonnConfigMismatchError: (on every rank) the ranks' ``"dragonn"`` blocks or ZeRO stages differ.
         DragonnUnsupportedError: DRAGONN is enabled together with ZeRO stage 3, ZeRO offload,
             ``"reduce_scatter": false``, ``"contiguous_gradients": false`` or a pipeline engine.
     """
@@ -59,8 +61,10 @@ def initialize(*args: Any, **kwargs: Any):
         check_hook_point() if stage == 0 else check_zero_hook_point()
 
     result = deepspeed.initialize(*args, **kwargs)
+    engine = result[0]
+    from deepspeed.utils import groups
+    check_ranks_agree(cfg, int(engine.zero_optimization_stage()), groups._get_sequence_data_parallel_group())
     if cfg.enabled:
-        engine = result[0]
         stage = engine.zero_optimization_stage()
         if stage == 0:
             DragonnHook(engine, cfg).install()
@@ -101,4 +105,34 @@ def _check_zero(stage: int, zero: dict) -> None:
                     f"remove it, or set 'dragonn.enabled' to false")
 
 
-__all__ = ["initialize", "DragonnConfig", "DragonnConfigError", "DragonnUnsupportedError", "__version__"]
+
+
+class DragonnConfigMismatchError(DragonnConfigError):
+    """The ranks of one data-parallel group were started with different ``"dragonn"`` settings."""
+
+
+def check_ranks_agree(cfg: DragonnConfig, zero_stage: int, group: Any = None) -> None:
+    """Every rank raises :class:`DragonnConfigMismatchError` naming each field and each rank's value when the
+    ranks' ``"dragonn"`` blocks (or ZeRO stages) differ; nothing when they agree.
+
+    Ranks that disagree would otherwise run different collectives (one compresses, another runs
+    DeepSpeed's allreduce) and hang. One ``all_gather_object`` at ``initialize``, on every rank, also
+    where compression is off: a rank with ``"enabled": false`` is caught too.
+    """
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group=group) == 1:
+        return
+    mine = {f"dragonn.{k}": v for k, v in cfg.model_dump(mode="json").items()}
+    mine["zero_optimization.stage"] = zero_stage
+    everyone: list = [None] * dist.get_world_size(group=group)
+    dist.all_gather_object(everyone, mine, group=group)
+    diffs = [f"{key}: " + ", ".join(f"rank {r}: {json.dumps(v.get(key))}" for r, v in enumerate(everyone))
+             for key in sorted(mine) if len({json.dumps(v.get(key), sort_keys=True) for v in everyone}) > 1]
+    if diffs:
+        raise DragonnConfigMismatchError(f"[rank {dist.get_rank(group=group)}] ranks disagree on the DRAGONN "
+                                         f"settings, which would make them run different collectives and hang: "
+                                         + "; ".join(diffs))
+
+
+__all__ = ["initialize", "check_ranks_agree", "DragonnConfig", "DragonnConfigError", "DragonnConfigMismatchError",
+           "DragonnUnsupportedError", "__version__"]

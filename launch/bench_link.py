@@ -13,6 +13,10 @@ The exchange is the only thing that changes between modes:
     ddp_powersgd_r4   the same, rank 4
     ddp_bf16          torch DDP with the bf16 compression hook
     dgc               DGC-style sampled-threshold sparsifier with error feedback, allgather of (value, index)
+    ds_zero2_dense    DeepSpeed ZeRO stage 2, dense (its default: allreduce of each gradient bucket, then the
+                      parameter all-gather after the step)
+    dragonn_zero2     the same plus "dragonn": {"enabled": true} (+ --dragonn JSON): sparse reduce-scatter of
+                      the gradients; the parameter all-gather stays dense
 
 Per run, rank 0 writes one JSON record to --record-dir: the median ms of the timed steps (forward, backward,
 exchange, optimizer step; the first --warmup-steps are not timed), the rank's measured veth tx bytes and the
@@ -59,7 +63,7 @@ DGC_DENSITY = 0.01        # fraction of gradient elements DGC sends per step
 DGC_SAMPLE = 0.01         # fraction of elements sampled for DGC's threshold
 POWERSGD_START_ITER = 2   # dense allreduces before PowerSGD starts (torch requires >= 2)
 MODES = ("none", "ds_dense_fp32", "ds_dense_bf16", "dragonn", "ddp_powersgd_r1", "ddp_powersgd_r4",
-         "ddp_bf16", "dgc")
+         "ddp_bf16", "dgc", "ds_zero2_dense", "dragonn_zero2")
 TABLE = (  # report columns: header, record key, format
     ("mode", "mode", "{}"), ("link", "link", "{}"), ("ms/step", "ms_per_step", "{:.1f}"),
     ("x no-exchange", "x_no_exchange", "{:.2f}"), ("speed-up vs dense fp32", "speedup_vs_ds_dense_fp32", "{:.2f}"),
@@ -186,12 +190,13 @@ def setup_none(model, args) -> Runner:
     return Runner(step, model, sent)
 
 
-def setup_deepspeed(model, args, world, comm_dtype: Optional[str] = None, dragonn: Optional[dict] = None) -> Runner:
+def setup_deepspeed(model, args, world, comm_dtype: Optional[str] = None, dragonn: Optional[dict] = None,
+                    stage: int = 0) -> Runner:
     import ds_dragonn
 
     config = {"train_micro_batch_size_per_gpu": MICRO_BATCH,
               "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "torch_adam": True}},
-              "zero_optimization": {"stage": 0}, "steps_per_print": 1e9}
+              "zero_optimization": {"stage": stage}, "steps_per_print": 1e9}
     if comm_dtype:
         config["communication_data_type"] = comm_dtype
     if dragonn is not None:
@@ -221,10 +226,13 @@ def setup_deepspeed(model, args, world, comm_dtype: Optional[str] = None, dragon
                                                         "kept_over_k", "achieved_density")}
         return d
 
-    if dragonn is not None:
-        return Runner(step, engine.module, lambda: engine.dragonn.telemetry.bytes_sent, details)
     numel = sum(p.numel() for p in model.parameters())
-    step, sent = counted(step, ring_bytes(numel, 2 if comm_dtype == "bf16" else 4, world))
+    # ZeRO-2 also all-gathers the updated fp32 parameters after every step: (P-1)/P of them per rank
+    gather = (world - 1) * numel * 4 // world if stage else 0
+    if dragonn is not None:
+        step, gathered = counted(step, gather)
+        return Runner(step, engine.module, lambda: engine.dragonn.telemetry.bytes_sent + gathered(), details)
+    step, sent = counted(step, ring_bytes(numel, 2 if comm_dtype == "bf16" else 4, world) + gather)
     return Runner(step, engine.module, sent, details)
 
 
@@ -306,7 +314,10 @@ def setup(mode: str, model, args, world) -> Runner:
             "ddp_powersgd_r1": lambda: setup_powersgd(model, args, world, 1),
             "ddp_powersgd_r4": lambda: setup_powersgd(model, args, world, 4),
             "ddp_bf16": lambda: setup_ddp_bf16(model, args, world),
-            "dgc": lambda: setup_dgc(model, args, world)}[mode]()
+            "dgc": lambda: setup_dgc(model, args, world),
+            "ds_zero2_dense": lambda: setup_deepspeed(model, args, world, stage=2),
+            "dragonn_zero2": lambda: setup_deepspeed(model, args, world, dragonn=json.loads(args.dragonn),
+                                                     stage=2)}[mode]()
 
 
 # -- a run ----------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 LINKS="1gbit 10gbit unthrottled"
-MODES="none ds_dense_fp32 ds_dense_bf16 dragonn ddp_powersgd_r1 ddp_powersgd_r4 ddp_bf16 dgc"
+MODES="none ds_dense_fp32 ds_dense_bf16 dragonn ddp_powersgd_r1 ddp_powersgd_r4 ddp_bf16 dgc ds_zero2_dense dragonn_zero2"
 OUT="$REPO/runs/bench_link" JSON="" PLOT="" RUN_TIMEOUT=1800 ADD=0 LABEL="" EXTRA=()
 while [[ $# -gt 0 ]]; do
   case "$1" in

@@ -277,6 +277,10 @@ ZERO_RUNS.update({
 for _name, _d in (("dense", None), ("d1", {"enabled": True, "density": 1.0})):
     # bf16 parameters with fp32 gradient accumulation: ZeRO keeps a compact fp32 gradient partition
     ZERO_RUNS[f"s2_bf16_accfp32_{_name}"] = {**_zero_config(2, _d, bf16=True), "data_types": {"grad_accum_dtype": "fp32"}}
+    # fp32 gradients reduced in bf16; error feedback off, else the residual would (rightly) carry the bf16
+    # rounding of every value into the next step, which the dense path drops
+    _d = None if _d is None else {**_d, "error_feedback": False}
+    ZERO_RUNS[f"s2_fp32_commbf16_{_name}"] = {**_zero_config(2, _d), "communication_data_type": "bf16"}
 ZERO_REFUSED = {
     "stage3": _zero_config(3, {"enabled": True}),
     "no_reduce_scatter": _zero_config(2, {"enabled": True}, reduce_scatter=False),
@@ -317,4 +321,43 @@ def zero_runs(rank: int, world: int, out_dir: str) -> None:
         except ds_dragonn.DragonnUnsupportedError as err:
             out[name] = str(err)
     torch.save(out, Path(out_dir) / f"zero_rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+# -- ranks that disagree on the "dragonn" block -----------------------------------------------------------
+DISAGREE = {  # name -> per-rank "dragonn" blocks (rank r takes entry r % 2)
+    "enabled": [{"enabled": True, "density": 0.01}, {"enabled": False, "density": 0.01}],
+    "min_compress_numel": [{"enabled": True, "min_compress_numel": 1}, {"enabled": True, "min_compress_numel": 10**9}],
+    "warmup_steps": [{"enabled": True, "warmup_steps": 0}, {"enabled": True, "warmup_steps": 3}],
+    "zero_stage": [{"enabled": True}, {"enabled": True}],  # stage 0 on rank 0, stage 2 on the others
+}
+
+
+def disagree_runs(rank: int, world: int, out_dir: str) -> None:
+    """Each case: every rank must raise DragonnConfigMismatchError at initialize (a hang fails by timeout)."""
+    _init()
+    import time
+    import ds_dragonn
+
+    out = {}
+    for name, blocks in DISAGREE.items():
+        cfg = _engine_config(blocks[min(rank, 1)])
+        if name == "zero_stage" and rank > 0:
+            cfg["zero_optimization"] = {"stage": 2}
+            cfg["optimizer"] = {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}}
+        model = torch.nn.Linear(8, 4)
+        t0 = time.monotonic()
+        try:
+            ds_dragonn.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+            out[name] = (None, time.monotonic() - t0)
+        except ds_dragonn.DragonnConfigMismatchError as err:
+            out[name] = (str(err), time.monotonic() - t0)
+    # and ranks that agree still train (the check is one collective at initialize)
+    model = torch.nn.Linear(8, 4)
+    engine, *_ = ds_dragonn.initialize(model=model, model_parameters=model.parameters(),
+                                       config=_engine_config({"enabled": True, "min_compress_numel": 1}))
+    engine.backward(engine(torch.randn(8, 8)).sum())
+    engine.step()
+    out["agree_compressed"] = engine.dragonn.telemetry.compressed_reductions
+    torch.save(out, Path(out_dir) / f"disagree_rank{rank}.pt")
     torch.distributed.destroy_process_group()

@@ -28,7 +28,8 @@ def test_ranks_stay_in_sync(runs, name):
 
 DENSITY_ONE = [(f"s{s}_{p}_dense", f"s{s}_{p}_d1") for s in (1, 2) for p in ("fp32", "bf16")] + [
     ("s2_fp32_gas2_dense", "s2_fp32_gas2_d1"), ("s2_fp32_overlap_dense", "s2_fp32_overlap_d1"),
-    ("s1_fp32_no_multi_rank_dense", "s1_fp32_no_multi_rank_d1"), ("s2_bf16_accfp32_dense", "s2_bf16_accfp32_d1")]
+    ("s1_fp32_no_multi_rank_dense", "s1_fp32_no_multi_rank_d1"), ("s2_bf16_accfp32_dense", "s2_bf16_accfp32_d1"),
+    ("s2_fp32_commbf16_dense", "s2_fp32_commbf16_d1")]
 
 
 @pytest.mark.parametrize("dense, dragonn", DENSITY_ONE, ids=[d for _, d in DENSITY_ONE])
