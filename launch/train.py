@@ -112,7 +112,8 @@ def main():
     acc = (pred == y_te).float().mean().item()
     summary = {"world_size": world, "steps": args.steps, "dragonn_enabled": dragonn is not None,
                "density": dragonn.cfg.density if dragonn else 1.0, "test_accuracy": acc,
-               "exchange": dragonn.cfg.exchange.value if dragonn else None,
+               "exchange": dragonn.exchange_name if dragonn else None,
+               "zero_stage": int(engine.zero_optimization_stage()),
                "final_loss": last_loss, "wall_s": time.time() - t0}
     if dragonn:
         summary.update(dragonn.telemetry.summary())

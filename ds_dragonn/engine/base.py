@@ -40,6 +40,11 @@ class HookBase:
     #: what the hook replaces, for the start-up line
     hook_name = "base"
 
+    @property
+    def exchange_name(self) -> str:
+        """The exchange scheme this hook runs (``allgather``, ``partitioned`` or ``reduce_scatter``)."""
+        return self.cfg.exchange.value
+
     def __init__(self, engine: Any, cfg: DragonnConfig):
         self.engine = engine
         self.cfg = cfg

@@ -57,6 +57,10 @@ class ZeroHook(HookBase):
         self.optimizer = engine.optimizer
         self._dense_average_tensor = self.optimizer.average_tensor  # DeepSpeed's bound method
 
+    @property
+    def exchange_name(self) -> str:
+        return "reduce_scatter"
+
     def _build_exchange(self, backend: CommBackend) -> Exchange:
         return ReduceScatterExchange(backend)  # ZeRO's partitions are the owners, whatever "exchange" says
 
