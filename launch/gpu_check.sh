@@ -91,6 +91,14 @@ step bench_gpu "$OUTDIR/bench.log" "${BENCH[@]}" || rc=1
 step train_cuda "$OUTDIR/train_cuda.log" \
   python -m deepspeed.launcher.runner --num_gpus 1 --master_addr 127.0.0.1 --master_port 29533 \
   launch/train.py --deepspeed_config configs/dragonn.json --steps 100 --summary "$OUTDIR/train_cuda.json" || rc=1
+# the partitioned exchange and the ZeRO-2 hook (sparse reduce-scatter) on CUDA tensors, world size 1 over NCCL
+step train_cuda_partitioned "$OUTDIR/train_cuda_partitioned.log" \
+  python -m deepspeed.launcher.runner --num_gpus 1 --master_addr 127.0.0.1 --master_port 29534 \
+  launch/train.py --deepspeed_config configs/dragonn_partitioned.json --steps 100 \
+  --summary "$OUTDIR/train_cuda_partitioned.json" || rc=1
+step train_cuda_zero2 "$OUTDIR/train_cuda_zero2.log" \
+  python -m deepspeed.launcher.runner --num_gpus 1 --master_addr 127.0.0.1 --master_port 29535 \
+  launch/train.py --deepspeed_config configs/dragonn_zero2.json --steps 100 --summary "$OUTDIR/train_cuda_zero2.json" || rc=1
 step bench_step_cuda "$OUTDIR/bench_step.log" \
   python launch/bench_step.py --device cuda --steps 20 --json "$OUTDIR/bench_step.json" || rc=1
 echo "outputs in $OUTDIR:" >&2
