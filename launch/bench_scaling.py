@@ -167,6 +167,9 @@ def launch(args, world: int, out: Path) -> list:
             p.kill()
         p.wait()
         log.close()
+    # DeepSpeed's CPU allreduce leaves a /dev/shm file per rank and port behind: remove this run's
+    for leftover in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_127.0.0.1_{port}_*"):
+        leftover.unlink(missing_ok=True)
     failed = [r for r, (p, _) in enumerate(procs) if p.returncode != 0]
     if failed:
         tail = out.with_suffix(f".rank{failed[0]}.log").read_text(errors="replace")[-3000:]

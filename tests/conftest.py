@@ -13,15 +13,24 @@ SHM = Path("/dev/shm")
 DEEPSPEED_SHM_GLOB = "deepspeed_allreduce_buffer_*"
 
 
+def shm_port(path: Path):
+    """The rendezvous port in ``deepspeed_allreduce_buffer_<...>_<addr>_<port>_<rank>`` (None if absent)."""
+    parts = path.name.split("_")
+    return int(parts[-2]) if len(parts) >= 3 and parts[-2].isdigit() else None
+
+
 @pytest.fixture(scope="session", autouse=True)
 def remove_deepspeed_shm_files():
-    """Remove the DeepSpeed shared-memory files that this session's jobs created (all have exited)."""
+    """Remove the DeepSpeed shared-memory files of the ports this session's jobs used (all have exited);
+    files of other jobs on the machine, even ones created meanwhile, are left alone."""
+    from tests.multiproc import USED_PORTS
     before = set(SHM.glob(DEEPSPEED_SHM_GLOB)) if SHM.is_dir() else set()
     yield
     if not SHM.is_dir():
         return
     for path in set(SHM.glob(DEEPSPEED_SHM_GLOB)) - before:
-        try:
-            path.unlink()
-        except OSError:  # another process removed it, or it is not ours to remove
-            pass
+        if shm_port(path) in USED_PORTS:
+            try:
+                path.unlink()
+            except OSError:  # another process removed it meanwhile
+                pass

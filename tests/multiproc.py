@@ -22,10 +22,17 @@ REPO = Path(__file__).resolve().parents[1]
 PORT_ATTEMPTS = 3
 
 
+#: every port :func:`free_port` handed out in this process (tests/conftest.py removes DeepSpeed's
+#: /dev/shm files of these ports, and only of these, at the end of the session)
+USED_PORTS: set = set()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port = s.getsockname()[1]
+    USED_PORTS.add(port)
+    return port
 
 
 def port_was_taken(output: str, port: int) -> bool:

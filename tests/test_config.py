@@ -75,10 +75,23 @@ def test_initialize_rejects_bad_block_before_deepspeed_starts():
         ds_dragonn.initialize(model=None, config={"train_batch_size": 1, "dragonn": {"densty": 0.1}})
 
 
-@pytest.mark.parametrize("zero", [{"stage": 1}, {"stage": 2}, {"stage": 3}, {"stage": "1"}, True])
-def test_initialize_rejects_zero_stages(zero):
+@pytest.mark.parametrize("zero, key", [({"stage": 3}, "stage"), ({"stage": "3"}, "stage"),
+                                       ({"stage": 2, "reduce_scatter": False}, "reduce_scatter"),
+                                       ({"stage": 1, "contiguous_gradients": False}, "contiguous_gradients"),
+                                       ({"stage": 2, "offload_optimizer": {"device": "cpu"}}, "offload_optimizer"),
+                                       ({"stage": 2, "offload_param": {"device": "nvme"}}, "offload_param")])
+def test_initialize_refuses_unsupported_zero_settings_before_deepspeed_starts(zero, key):
     cfg = {"train_batch_size": 1, "zero_optimization": zero, "dragonn": {"enabled": True}}
-    with pytest.raises(ds_dragonn.DragonnUnsupportedError, match="zero_optimization"):
+    with pytest.raises(ds_dragonn.DragonnUnsupportedError, match=f"'zero_optimization.{key}'"):
+        ds_dragonn.initialize(model=None, config=cfg)
+
+
+@pytest.mark.parametrize("zero", [{"stage": 1}, {"stage": 2}, {"stage": "1"}, True,
+                                  {"stage": 2, "offload_optimizer": {"device": "none"}}])
+def test_initialize_accepts_zero_stages_1_and_2(zero):
+    """Accepted: the call gets past ds_dragonn's checks to DeepSpeed (which wants a model)."""
+    cfg = {"train_batch_size": 1, "zero_optimization": zero, "dragonn": {"enabled": True}}
+    with pytest.raises(AssertionError, match="requires a model"):
         ds_dragonn.initialize(model=None, config=cfg)
 
 

@@ -33,6 +33,7 @@ import torch
 
 from ..comm.base import CommBackend
 from ..exchange import Exchange
+from ..exchange.base import dense_allreduce_bytes
 from ..exchange.reduce_scatter import RangeOwnership, ReduceScatterExchange, dense_reduce_scatter_bytes
 from ..pipeline import PhaseClock
 from .base import HookBase, bucket_seed
@@ -91,7 +92,7 @@ class ZeroHook(HookBase):
             clock = PhaseClock(tensor.device)
             self._dense_average_tensor(tensor, dt)
             self._record_dense(key, numel, dt.itemsize, world, clock.lap(), small,
-                               dense_reduce_scatter_bytes(numel, dt.itemsize, world))
+                               self._dense_bytes(numel, dt.itemsize, world))
             return
 
         clock = PhaseClock(tensor.device)
@@ -101,14 +102,14 @@ class ZeroHook(HookBase):
             for call in calls:
                 getattr(opt, call.method)(*call.args, **call.kwargs)
             self._record_dense(key, numel, dt.itemsize, world, clock.lap(), small,
-                               dense_reduce_scatter_bytes(numel, dt.itemsize, world))
+                               self._dense_bytes(numel, dt.itemsize, world))
             return
         if flush:  # compressed before, dense now: the residual goes out with this reduction
             out = pipeline.reduce_dense([tensor], key, 1.0, 1.0, dt)
             self._pending.discard(key)
             self._write_owned(tensor, out, mine)
             self._record_dense(key, numel, dt.itemsize, world, clock.lap(), small,
-                               dense_reduce_scatter_bytes(numel, dt.itemsize, world))
+                               self._dense_bytes(numel, dt.itemsize, world))
             return
 
         self._announce(step)
@@ -116,6 +117,13 @@ class ZeroHook(HookBase):
         out, stats = pipeline.reduce(tensor, key, bucket_seed(self.cfg.seed, step, ordinal), 1.0, 1.0, dt)
         self._write_owned(tensor, out, mine)
         self._record_compressed(key, stats, pipeline, ordinal, step, tensor.device)
+
+    def _dense_bytes(self, numel: int, itemsize: int, world: int) -> int:
+        """Bytes DeepSpeed's own reduction of a bucket sends per rank: an allreduce
+        (``use_multi_rank_bucket_allreduce``, its default) or a reduce to each owner (≈ a reduce-scatter)."""
+        if getattr(self.optimizer, "use_multi_rank_bucket_allreduce", True):
+            return dense_allreduce_bytes(numel, itemsize, world)
+        return dense_reduce_scatter_bytes(numel, itemsize, world)
 
     def _record_reductions(self, tensor: torch.Tensor, dt: torch.dtype) -> List[_Call]:
         """Run DeepSpeed's ``average_tensor`` with its reductions recorded instead of run."""
