@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import inspect
 import json
-from typing import Any
+from typing import Any, Optional
 
 __version__ = "0.1.0"
 
@@ -49,22 +49,34 @@ def initialize(*args: Any, **kwargs: Any):
 
     bound = inspect.signature(deepspeed.initialize).bind(*args, **kwargs)
     ds_config = load_ds_config(_resolve_ds_config(bound))
-    cfg = DragonnConfig.from_ds_config(ds_config)
-    if cfg.enabled:
+    cfg, stage, refusal = None, 0, None
+    try:  # a refusal is raised only after the ranks compared notes: one rank must not leave the others hung
+        cfg = DragonnConfig.from_ds_config(ds_config)
         zero = ds_config.get("zero_optimization") or {}
-        stage = zero.get("stage", 0) if isinstance(zero, dict) else zero  # legacy form: true = ZeRO on
-        stage = 1 if stage is True else int(stage or 0)
-        _check_zero(stage, zero if isinstance(zero, dict) else {})
-        from deepspeed.pipe import PipelineModule
-        if isinstance(bound.arguments.get("model"), PipelineModule):
-            raise DragonnUnsupportedError("'dragonn' does not support the pipeline engine (PipelineModule model)")
+        stage = _zero_stage(zero)
+        if cfg.enabled:
+            _check_zero(stage, zero if isinstance(zero, dict) else {}, ds_config)
+            from deepspeed.pipe import PipelineModule
+            if isinstance(bound.arguments.get("model"), PipelineModule):
+                raise DragonnUnsupportedError("'dragonn' does not support the pipeline engine (PipelineModule model)")
+    except (DragonnConfigError, DragonnUnsupportedError) as err:
+        refusal = err
+    if _multi_rank():
+        import deepspeed.comm as ds_dist
+        from deepspeed.accelerator import get_accelerator
+        # what deepspeed.initialize does first anyway (idempotent), so that the ranks can talk now
+        ds_dist.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
+                                 distributed_port=bound.arguments.get("distributed_port", 29500),
+                                 dist_init_required=bound.arguments.get("dist_init_required"))
+        check_ranks_agree(cfg, stage, refusal=refusal)
+    if refusal is not None:
+        raise refusal
+    if cfg.enabled:
         check_hook_point() if stage == 0 else check_zero_hook_point()
 
     result = deepspeed.initialize(*args, **kwargs)
-    engine = result[0]
-    from deepspeed.utils import groups
-    check_ranks_agree(cfg, int(engine.zero_optimization_stage()), groups._get_sequence_data_parallel_group())
     if cfg.enabled:
+        engine = result[0]
         stage = engine.zero_optimization_stage()
         if stage == 0:
             DragonnHook(engine, cfg).install()
@@ -82,7 +94,30 @@ _NO_REDUCE_SCATTER = ("'dragonn' compresses the gradient reduce-scatter of ZeRO 
                       "'zero_optimization.reduce_scatter' is false (a dense allreduce); remove the key or set it to true")
 
 
-def _check_zero(stage: int, zero: dict) -> None:
+def _zero_stage(zero: Any) -> int:
+    """The ZeRO stage of a ``zero_optimization`` value (dict, or the legacy bool/int form)."""
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else zero
+    if stage is True:
+        return 1
+    try:
+        return int(stage or 0)
+    except (TypeError, ValueError):
+        return -1  # DeepSpeed rejects it with its own message
+
+
+def _multi_rank() -> bool:
+    """Whether this process is one of several (launcher environment or a started process group)."""
+    import os
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size() > 1
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    except ValueError:
+        return False
+
+
+def _check_zero(stage: int, zero: dict, ds_config: dict) -> None:
     """Refuse what the hooks do not cover, before DeepSpeed starts (a clear error instead of a wrong result)."""
     if stage >= 3:
         raise DragonnUnsupportedError(
@@ -90,6 +125,13 @@ def _check_zero(stage: int, zero: dict) -> None:
             f"{stage} (stage 3 reduces gradients inside its parameter partitioning, which ds_dragonn does not hook; "
             f"DeepSpeed's ZeRO++ qgZ compresses stage 3). Use stage 0-2 or set 'dragonn.enabled' to false")
     if stage in (1, 2):
+        bf16 = (ds_config.get("bf16") or {}).get("enabled") is True
+        accum = str((ds_config.get("data_types") or {}).get("grad_accum_dtype", "")).lower()
+        if stage == 1 and bf16 and accum in ("fp32", "float32", "float") and not zero.get("offload_optimizer"):
+            raise DragonnUnsupportedError(
+                "'dragonn' with ZeRO stage 1, bf16 and 'data_types.grad_accum_dtype': 'fp32': DeepSpeed runs its "
+                "BF16_Optimizer there, whose gradient reduction ds_dragonn does not hook. Use ZeRO stage 2 (which "
+                "supports fp32 accumulation) or drop 'grad_accum_dtype'")
         if zero.get("reduce_scatter", True) is False:
             raise DragonnUnsupportedError(_NO_REDUCE_SCATTER)
         if zero.get("contiguous_gradients", True) is False:
@@ -111,27 +153,54 @@ class DragonnConfigMismatchError(DragonnConfigError):
     """The ranks of one data-parallel group were started with different ``"dragonn"`` settings."""
 
 
-def check_ranks_agree(cfg: DragonnConfig, zero_stage: int, group: Any = None) -> None:
-    """Every rank raises :class:`DragonnConfigMismatchError` naming each field and each rank's value when the
-    ranks' ``"dragonn"`` blocks (or ZeRO stages) differ; nothing when they agree.
+#: keys that do not change which collectives a rank runs (ranks may differ in them)
+_LOCAL_KEYS = {"dragonn.log_interval"}
 
-    Ranks that disagree would otherwise run different collectives (one compresses, another runs
-    DeepSpeed's allreduce) and hang. One ``all_gather_object`` at ``initialize``, on every rank, also
-    where compression is off: a rank with ``"enabled": false`` is caught too.
+
+def check_ranks_agree(cfg: Optional[DragonnConfig], zero_stage: int, group: Any = None,
+                      refusal: Optional[BaseException] = None) -> None:
+    """Compare every rank's DRAGONN settings (one ``all_gather_object``); raise on every rank when they differ
+    or when any rank refused its configuration.
+
+    Ranks that disagree would otherwise run different collectives (one compresses, another runs DeepSpeed's
+    allreduce) and hang; a rank that refuses its configuration alone would leave the others waiting in
+    DeepSpeed's start-up. Called by :func:`initialize` on every rank, also where compression is off.
+
+    Args:
+        cfg: this rank's validated block (None when it was invalid: then ``refusal`` says why).
+        zero_stage: this rank's ZeRO stage.
+        refusal: the error this rank is about to raise, if any.
+    Raises:
+        DragonnConfigMismatchError: on every rank (a refusing rank raises its own error instead, after the
+            exchange), naming each differing field with every rank's value, or the rank that refused and why.
     """
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group=group) == 1:
         return
-    mine = {f"dragonn.{k}": v for k, v in cfg.model_dump(mode="json").items()}
-    mine["zero_optimization.stage"] = zero_stage
+    mine = {"settings": None if cfg is None else {f"dragonn.{k}": v for k, v in cfg.model_dump(mode="json").items()
+                                                  if f"dragonn.{k}" not in _LOCAL_KEYS},
+            "enabled": bool(cfg is not None and cfg.enabled), "stage": zero_stage,
+            "refusal": None if refusal is None else f"{type(refusal).__name__}: {refusal}"}
     everyone: list = [None] * dist.get_world_size(group=group)
     dist.all_gather_object(everyone, mine, group=group)
-    diffs = [f"{key}: " + ", ".join(f"rank {r}: {json.dumps(v.get(key))}" for r, v in enumerate(everyone))
-             for key in sorted(mine) if len({json.dumps(v.get(key), sort_keys=True) for v in everyone}) > 1]
+    rank = dist.get_rank(group=group)
+    refused = [(r, v["refusal"]) for r, v in enumerate(everyone) if v["refusal"]]
+    if refused:
+        if refusal is not None:
+            return  # the caller raises its own error
+        r, why = refused[0]
+        first = why.splitlines()[0] + (" ..." if len(why.splitlines()) > 1 else "")
+        raise DragonnConfigMismatchError(f"[rank {rank}] rank {r} refused its DRAGONN configuration, so every rank "
+                                         f"stops ({first})")
+    if not any(v["enabled"] for v in everyone):
+        return  # compression off everywhere: nothing to agree on
+    merged = [dict(v["settings"] or {}, **{"zero_optimization.stage": v["stage"]}) for v in everyone]
+    keys = sorted(set().union(*merged))
+    diffs = [f"{key}: " + ", ".join(f"rank {r}: {json.dumps(m.get(key))}" for r, m in enumerate(merged))
+             for key in keys if len({json.dumps(m.get(key), sort_keys=True) for m in merged}) > 1]
     if diffs:
-        raise DragonnConfigMismatchError(f"[rank {dist.get_rank(group=group)}] ranks disagree on the DRAGONN "
-                                         f"settings, which would make them run different collectives and hang: "
-                                         + "; ".join(diffs))
+        raise DragonnConfigMismatchError(f"[rank {rank}] ranks disagree on the DRAGONN settings, which would make "
+                                         f"them run different collectives and hang: " + "; ".join(diffs))
 
 
 __all__ = ["initialize", "check_ranks_agree", "DragonnConfig", "DragonnConfigError", "DragonnConfigMismatchError",

@@ -331,27 +331,42 @@ DISAGREE = {  # name -> per-rank "dragonn" blocks (rank r takes entry r % 2)
     "warmup_steps": [{"enabled": True, "warmup_steps": 0}, {"enabled": True, "warmup_steps": 3}],
     "zero_stage": [{"enabled": True}, {"enabled": True}],  # stage 0 on rank 0, stage 2 on the others
 }
+REFUSED_ON_ONE_RANK = {  # rank 0 fine, the others refuse: every rank must stop at once, none may hang
+    "invalid_key": [{"enabled": True}, {"enabled": True, "densty": 0.1}],
+    "offload": [{"enabled": True}, {"enabled": True}],  # offload_optimizer on ranks >= 1
+}
+AGREE_ANYWAY = {  # differences that change no collective: no error
+    "log_interval": [{"enabled": True, "min_compress_numel": 1, "log_interval": 0},
+                     {"enabled": True, "min_compress_numel": 1, "log_interval": 5}],
+    "all_disabled": [{"enabled": False, "density": 0.5}, None],
+}
 
 
 def disagree_runs(rank: int, world: int, out_dir: str) -> None:
-    """Each case: every rank must raise DragonnConfigMismatchError at initialize (a hang fails by timeout)."""
+    """Each case: every rank must raise at initialize (a hang fails by timeout), or none for AGREE_ANYWAY."""
     _init()
     import time
     import ds_dragonn
 
     out = {}
-    for name, blocks in DISAGREE.items():
-        cfg = _engine_config(blocks[min(rank, 1)])
-        if name == "zero_stage" and rank > 0:
+    cases = {**DISAGREE, **REFUSED_ON_ONE_RANK, **AGREE_ANYWAY}
+    for name, blocks in cases.items():
+        block = blocks[min(rank, 1)]
+        cfg = _engine_config(block) if block is not None else _engine_config(None)
+        if block is not None and "densty" in block:
+            cfg["dragonn"] = dict(block)
+        if (name == "zero_stage" or name == "offload") and rank > 0:
             cfg["zero_optimization"] = {"stage": 2}
             cfg["optimizer"] = {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}}
+            if name == "offload":
+                cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
         model = torch.nn.Linear(8, 4)
         t0 = time.monotonic()
         try:
             ds_dragonn.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-            out[name] = (None, time.monotonic() - t0)
-        except ds_dragonn.DragonnConfigMismatchError as err:
-            out[name] = (str(err), time.monotonic() - t0)
+            out[name] = (None, None, time.monotonic() - t0)
+        except (ds_dragonn.DragonnConfigError, ds_dragonn.DragonnUnsupportedError) as err:
+            out[name] = (type(err).__name__, str(err), time.monotonic() - t0)
     # and ranks that agree still train (the check is one collective at initialize)
     model = torch.nn.Linear(8, 4)
     engine, *_ = ds_dragonn.initialize(model=model, model_parameters=model.parameters(),

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from tests.dist_cases import DISAGREE
+from tests.dist_cases import AGREE_ANYWAY, DISAGREE, REFUSED_ON_ONE_RANK
 from tests.multiproc import run_ranks
 
 
@@ -23,14 +23,33 @@ def test_every_rank_names_the_field_and_each_value(runs, name):
     world, ranks = runs
     field = "zero_optimization.stage" if name == "zero_stage" else f"dragonn.{name}"
     for r in range(world):
-        msg, seconds = ranks[r][name]
-        assert msg is not None, f"rank {r} did not fail"
+        kind, msg, seconds = ranks[r][name]
+        assert kind == "DragonnConfigMismatchError", (kind, msg)
         assert msg.startswith(f"[rank {r}]") and f"{field}: rank 0: " in msg, msg
         values = [DISAGREE[name][min(q, 1)].get(name) for q in range(world)] if name != "zero_stage" else \
             [0] + [2] * (world - 1)
         for q, v in enumerate(values):
             assert f"rank {q}: {json.dumps(v)}" in msg, msg
         assert seconds < 60, "the mismatch must be reported within seconds, not after a collective timeout"
+
+
+@pytest.mark.parametrize("name", list(REFUSED_ON_ONE_RANK))
+def test_a_refusal_on_one_rank_stops_every_rank(runs, name):
+    """The refusing rank raises its own error, the others a mismatch error naming it: nobody hangs."""
+    world, ranks = runs
+    kind, msg, seconds = ranks[0][name]
+    assert kind == "DragonnConfigMismatchError" and "rank 1 refused its DRAGONN configuration" in msg, msg
+    own = {"invalid_key": ("DragonnConfigError", "densty"), "offload": ("DragonnUnsupportedError", "offload_optimizer")}
+    for r in range(1, world):
+        kind, msg, seconds = ranks[r][name]
+        assert (kind, own[name][1] in msg) == (own[name][0], True), (kind, msg)
+    assert all(ranks[r][name][2] < 60 for r in range(world))
+
+
+@pytest.mark.parametrize("name", list(AGREE_ANYWAY))
+def test_differences_that_change_no_collective_are_accepted(runs, name):
+    world, ranks = runs
+    assert all(ranks[r][name][0] is None for r in range(world)), [ranks[r][name] for r in range(world)]
 
 
 def test_ranks_that_agree_still_compress(runs):

@@ -101,3 +101,11 @@ def test_initialize_reads_args_deepspeed_config(tmp_path):
     p.write_text(json.dumps({"train_batch_size": 1, "dragonn": {"enabled": True, "density": 7}}))
     with pytest.raises(DragonnConfigError, match="dragonn.density"):
         ds_dragonn.initialize(args=argparse.Namespace(deepspeed_config=str(p)), model=None)
+
+
+def test_initialize_refuses_zero1_bf16_with_fp32_accumulation():
+    """DeepSpeed runs its BF16_Optimizer there (not the ZeRO optimizer the hook wraps): refused up front."""
+    cfg = {"train_batch_size": 1, "zero_optimization": {"stage": 1}, "bf16": {"enabled": True},
+           "data_types": {"grad_accum_dtype": "fp32"}, "dragonn": {"enabled": True}}
+    with pytest.raises(ds_dragonn.DragonnUnsupportedError, match="BF16_Optimizer.*ZeRO stage 2"):
+        ds_dragonn.initialize(model=None, config=cfg)

@@ -231,3 +231,28 @@ def test_server_residual_of_the_wrong_length_is_refused():
     with pytest.raises(ValueError, match=r"server residual for bucket 'b' has shape \(7,\).*gives rank 0 20 indices"):
         ex.load_state_dict(_state_of(3, 0, 60, length=7))
     assert ex.server.residuals == {}
+
+
+def test_hook_state_of_another_rank_is_not_loaded(caplog):
+    """engine.dragonn.load_state_dict of rank 0's state on rank 1 (DeepSpeed's client_state trap): warned, not applied."""
+    from ds_dragonn.config import DragonnConfig
+    from ds_dragonn.engine.base import HookBase
+    from ds_dragonn.pipeline import CompressedAllreduce
+
+    def hook(rank, world):
+        h = HookBase(object(), DragonnConfig(enabled=True))
+        h._pipelines[0] = CompressedAllreduce(h.compressor, _FakeGroup(rank, world), h.error_feedback)
+        return h
+
+    src = hook(0, 2)
+    src.error_feedback.residuals["b"] = torch.ones(5)
+    state = src.state_dict()
+    assert (state["rank"], state["world_size"]) == (0, 2)
+    other = hook(1, 2)
+    other.error_feedback.residuals["b"] = torch.full((5,), 7.0)
+    with caplog.at_level("WARNING"):
+        other.load_state_dict(state)
+    assert other.error_feedback.residuals == {} and "saved by rank 0 of 2 not loaded into rank 1 of 2" in caplog.text
+    same = hook(0, 2)
+    same.load_state_dict(state)
+    assert torch.equal(same.error_feedback.residuals["b"], torch.ones(5))

@@ -149,13 +149,33 @@ class HookBase:
         monitor.write_events(monitor_events(self.telemetry, samples, stats, dense_ms))
 
     # -- state --------------------------------------------------------------------------------------
+    def _where(self) -> tuple:
+        """(rank, world size) of this hook's data-parallel group."""
+        backend = next(iter(self._pipelines.values())).backend if self._pipelines else None
+        return (backend.rank, backend.world_size) if backend is not None else (0, 1)
+
     def state_dict(self) -> dict:
-        """Residuals (the partitioned exchange's server residuals too) and counters, of this rank."""
+        """This rank's residuals (the partitioned exchange's server residuals too), counters, and the rank
+        and world size they belong to. Each rank holds its own: save one file per rank."""
+        rank, world = self._where()
         return {"error_feedback": self.error_feedback.state_dict(), "telemetry": self.telemetry.summary(),
-                "exchange": [p.exchange.state_dict() for p in self._pipelines.values()]}
+                "exchange": [p.exchange.state_dict() for p in self._pipelines.values()],
+                "rank": rank, "world_size": world}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` of the same rank. A state saved by another rank or world size is not
+        applied (its residuals belong to another rank's gradients): a warning names both and the residuals
+        start empty, so nothing is applied twice."""
+        rank, world = self._where()
+        saved = (state.get("rank"), state.get("world_size"))
+        if saved != (rank, world):
+            from deepspeed.utils import logger
+            logger.warning(f"[rank {rank}] DRAGONN: residuals saved by rank {saved[0]} of {saved[1]} not loaded into "
+                           f"rank {rank} of {world}; they start empty (save and load one state per rank)")
+            self.error_feedback.reset()
+            for pipe in self._pipelines.values():
+                pipe.exchange.reset()
+            return
         self.error_feedback.load_state_dict(state["error_feedback"])
         for pipe, ex_state in zip(self._pipelines.values(), state.get("exchange", [])):
             pipe.exchange.load_state_dict(ex_state)
-
