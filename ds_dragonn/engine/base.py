@@ -17,7 +17,7 @@ from ..comm import build_backend
 from ..comm.base import CommBackend
 from ..compress import build_compressor
 from ..config import DragonnConfig, Policy
-from ..exchange import Exchange
+from ..exchange import Exchange, build_exchange
 from ..feedback import ErrorFeedback
 from ..pipeline import CompressedAllreduce, ReduceStats
 from ..policy import AutoPolicy
@@ -62,7 +62,6 @@ class HookBase:
 
     # -- pieces for the hook points ----------------------------------------------------------------
     def _build_exchange(self, backend: CommBackend) -> Exchange:
-        from ..exchange import build_exchange
         return build_exchange(self.cfg, backend, self.compressor)
 
     def pipeline(self, group: Any) -> CompressedAllreduce:
