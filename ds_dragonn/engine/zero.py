@@ -88,29 +88,27 @@ class ZeroHook(HookBase):
         key: Hashable = ("zero", ordinal, str(dt), numel, self._layout(dt))
         dense, small = self._goes_dense(key, numel, step)
         flush = dense and not small and key in self._pending
-        if dense and not flush:
-            clock = PhaseClock(tensor.device)
-            self._dense_average_tensor(tensor, dt)
+        clock = PhaseClock(tensor.device)
+
+        def done_dense() -> None:
             self._record_dense(key, numel, dt.itemsize, world, clock.lap(), small,
                                self._dense_bytes(numel, dt.itemsize, world))
-            return
 
-        clock = PhaseClock(tensor.device)
+        if dense and not flush:
+            self._dense_average_tensor(tensor, dt)
+            return done_dense()
+
         calls = self._record_reductions(tensor, dt)  # DeepSpeed divides the bucket and names the owners
         mine, ranges, other = self._owners(tensor, calls, pipeline.backend.rank)
         if other:  # slices this hook does not model: DeepSpeed's own dense reductions, unchanged
             for call in calls:
                 getattr(opt, call.method)(*call.args, **call.kwargs)
-            self._record_dense(key, numel, dt.itemsize, world, clock.lap(), small,
-                               self._dense_bytes(numel, dt.itemsize, world))
-            return
+            return done_dense()
         if flush:  # compressed before, dense now: the residual goes out with this reduction
             out = pipeline.reduce_dense([tensor], key, 1.0, 1.0, dt)
             self._pending.discard(key)
             self._write_owned(tensor, out, mine)
-            self._record_dense(key, numel, dt.itemsize, world, clock.lap(), small,
-                               self._dense_bytes(numel, dt.itemsize, world))
-            return
+            return done_dense()
 
         self._announce(step)
         pipeline.exchange.ownership = RangeOwnership(numel, ranges, world)
