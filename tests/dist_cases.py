@@ -110,6 +110,25 @@ ENGINE_RUNS = {
 ENGINE_STEPS = 5
 
 
+def train_mlp(cfg: dict, rank: int, layers: tuple, steps: int):
+    """A seeded MLP ``layers[0] -> layers[1] (tanh) -> layers[2]`` through ``ds_dragonn.initialize`` and
+    ``steps`` micro steps of 8 random samples (the rank's own stream); returns (engine, its DRAGONN hook or None)."""
+    import ds_dragonn
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(layers[0], layers[1]), torch.nn.Tanh(),
+                                torch.nn.Linear(layers[1], layers[2]))
+    engine, *_ = ds_dragonn.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    dtype = next(engine.module.parameters()).dtype
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(steps):
+        x = torch.randn(8, layers[0], generator=g).to(dtype)
+        y = torch.randint(0, layers[2], (8,), generator=g)
+        loss = torch.nn.functional.cross_entropy(engine(x).float(), y)
+        engine.backward(loss)
+        engine.step()
+    return engine, getattr(engine, "dragonn", None)
+
+
 def engine_runs(rank: int, world: int, out_dir: str) -> None:
     _init()
     import ds_dragonn
@@ -118,18 +137,7 @@ def engine_runs(rank: int, world: int, out_dir: str) -> None:
     for name, cfg in ENGINE_RUNS.items():
         if "csv_monitor" in cfg:
             cfg = {**cfg, "csv_monitor": {**cfg["csv_monitor"], "output_path": str(Path(out_dir) / "csv")}}
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
-        engine, *_ = ds_dragonn.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-        dtype = next(engine.module.parameters()).dtype
-        g = torch.Generator().manual_seed(rank)
-        for _ in range(ENGINE_STEPS):
-            x = torch.randn(8, 32, generator=g).to(dtype)
-            y = torch.randint(0, 4, (8,), generator=g)
-            loss = torch.nn.functional.cross_entropy(engine(x).float(), y)
-            engine.backward(loss)
-            engine.step()
-        hook = getattr(engine, "dragonn", None)
+        engine, hook = train_mlp(cfg, rank, (32, 64, 4), ENGINE_STEPS)
         out[name] = {"params": [p.detach().float().clone() for p in engine.module.parameters()],
                      "telemetry": hook.telemetry.summary() if hook else None,
                      "hooked": hook is not None and engine.allreduce_bucket == hook.allreduce_bucket}
@@ -297,19 +305,7 @@ def zero_runs(rank: int, world: int, out_dir: str) -> None:
 
     out = {}
     for name, cfg in ZERO_RUNS.items():
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(ZERO_LAYERS[0], ZERO_LAYERS[1]), torch.nn.Tanh(),
-                                    torch.nn.Linear(ZERO_LAYERS[1], ZERO_LAYERS[2]))
-        engine, *_ = ds_dragonn.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-        dtype = next(engine.module.parameters()).dtype
-        g = torch.Generator().manual_seed(rank)
-        for _ in range(ZERO_STEPS * cfg["gradient_accumulation_steps"]):
-            x = torch.randn(8, ZERO_LAYERS[0], generator=g).to(dtype)
-            y = torch.randint(0, ZERO_LAYERS[2], (8,), generator=g)
-            loss = torch.nn.functional.cross_entropy(engine(x).float(), y)
-            engine.backward(loss)
-            engine.step()
-        hook = getattr(engine, "dragonn", None)
+        engine, hook = train_mlp(cfg, rank, ZERO_LAYERS, ZERO_STEPS * cfg["gradient_accumulation_steps"])
         out[name] = {"params": [p.detach().float().clone() for p in engine.module.parameters()],
                      "telemetry": hook.telemetry.summary() if hook else None,
                      "hooked": hook is not None and engine.optimizer.average_tensor == hook.average_tensor}
