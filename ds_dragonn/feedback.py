@@ -16,6 +16,13 @@ memory pass (read gradient, read and write residual); the commit touches only th
 Non-finite entries (NaN/±Inf) must not stay in the residual: a compressor that always sends at least one
 non-finite entry when the buffer has any (DRAGONN, top-k: they rank first) lets the pipeline skip the full
 ``isfinite`` pass unless a sent value is non-finite (``clear_non_finite``, overflow steps only).
+
+Skipped steps (``transactional``: fp16, and bf16 with DeepSpeed's ``check_grad_overflow``): DeepSpeed
+learns that a step overflowed only after every bucket was reduced, and then skips it. So the step's
+compensated residual is written into a second persistent buffer (``working = residual + gradient``: the
+same single pass, out of place) and becomes the residual only when the step is applied
+(:meth:`end_step`: a buffer swap, no copy); a skipped step discards it, leaving the residual exactly as it
+was before the step. Memory: two residuals per bucket instead of one.
 """
 from __future__ import annotations
 
@@ -51,10 +58,16 @@ class ErrorFeedback:
     Args:
         enabled: when False, :meth:`compensate_` returns ``prescale × gradient`` in a scratch buffer and
             :meth:`commit` keeps nothing (``residuals`` stays empty).
+        transactional: a step's residual updates stay in a working buffer until :meth:`end_step` says
+            whether DeepSpeed applied the step (module docstring); ``residuals`` always holds the state
+            after the last applied step.
     """
 
-    def __init__(self, enabled: bool = True):
+    def __init__(self, enabled: bool = True, transactional: bool = False):
         self.enabled = enabled
+        self.transactional = transactional and enabled
+        self._work: Dict[Hashable, torch.Tensor] = {}  # transactional: each bucket's working buffer
+        self._open: set = set()  # transactional: keys compensated in the step not yet ended
         self.residuals: Dict[Hashable, torch.Tensor] = {}  # error feedback on: what was not sent yet
         self._scratch: Dict[Hashable, torch.Tensor] = {}  # error feedback off: the step's work buffer
         self._views: Dict[Hashable, tuple] = {}  # (buffer, shapes, segment views) per key
@@ -85,11 +98,16 @@ class ErrorFeedback:
 
     def _views_of(self, key: Hashable, buf: torch.Tensor, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         shapes = tuple(t.shape for t in tensors)
-        cached = self._views.get(key)
+        slot = (key, buf.data_ptr())  # transactional: a bucket's two buffers alternate
+        cached = self._views.get(slot)
         if cached is None or cached[0] is not buf or cached[1] != shapes:
             cached = (buf, shapes, _segments(buf, tensors))
-            self._views[key] = cached
+            self._views[slot] = cached
         return cached[2]
+
+    def current(self, key: Hashable) -> torch.Tensor:
+        """The buffer the step works on: the working buffer of an open transactional step, else the residual."""
+        return self._work[key] if key in self._open else self.residuals[key]
 
     def compensate_(self, key: Hashable, tensors: Sequence[torch.Tensor], dtype: torch.dtype,
                     prescale: float = 1.0, zero_inputs: bool = False) -> torch.Tensor:
@@ -113,6 +131,8 @@ class ErrorFeedback:
         numel = sum(t.numel() for t in tensors)
         device = tensors[0].device if tensors else torch.device("cpu")
         buf = self._buffer(key, numel, residual_dtype(dtype), device)
+        if self.transactional:
+            return self._compensate_working(key, buf, tensors, prescale, zero_inputs)
         if not tensors:
             return buf
         if self.enabled and cpu_table.compensate_supported(buf, tensors):
@@ -132,6 +152,44 @@ class ErrorFeedback:
             torch._foreach_zero_(tensors)
         return buf
 
+    def _compensate_working(self, key: Hashable, base: torch.Tensor, tensors: List[torch.Tensor], prescale: float,
+                            zero_inputs: bool) -> torch.Tensor:
+        """Transactional compensation: ``working = residual + prescale × gradients`` on the step's first
+        reduction of ``key`` (the residual is only read), ``working += ...`` on later ones (micro steps)."""
+        opened = key in self._open
+        work = self._work.get(key)
+        if work is None or work.shape != base.shape or work.dtype != base.dtype or work.device != base.device:
+            work = self._work[key] = persistent_zeros(base.numel(), base.dtype, base.device)
+        self._open.add(key)
+        src = work if opened else base
+        if not tensors:
+            if not opened:
+                work.copy_(base)
+            return work
+        if cpu_table.compensate_supported(work, tensors):
+            cpu_table.compensate(work, tensors, prescale, zero_inputs, base=src)
+            return work
+        for w, b, t in zip(self._views_of(key, work, tensors), self._views_of(key, src, tensors), tensors):
+            torch.add(b, t, alpha=prescale, out=w) if prescale != 1.0 else torch.add(b, t, out=w)
+        if zero_inputs:
+            torch._foreach_zero_(tensors)
+        return work
+
+    def end_step(self, applied: bool) -> None:
+        """Transactional: DeepSpeed applied the step (its working buffers become the residuals, a swap)
+        or skipped it (they are discarded: the residuals stay as before the step). No-op otherwise."""
+        if applied:
+            for key in self._open:
+                self.residuals[key], self._work[key] = self._work[key], self.residuals[key]
+        self._open.clear()
+
+    def rescale_(self, factor: float) -> None:
+        """Multiply every residual by ``factor`` (a changed fp16 loss scale: residuals stay in the units of
+        the gradients they are added to; a power-of-two factor is exact). One pass, on scale changes only."""
+        if factor != 1.0:
+            for buf in self.residuals.values():
+                buf.mul_(factor)
+
     def commit(self, key: Hashable, indices: torch.Tensor, kept: torch.Tensor, sent: torch.Tensor) -> None:
         """Residual at the sent positions ``= kept − sent`` (non-finite results → 0); the rest stays compensated.
 
@@ -142,14 +200,14 @@ class ErrorFeedback:
         """
         if not self.enabled or indices.numel() == 0:
             return
-        buf = self.residuals[key]
+        buf = self.current(key)
         diff = kept.to(buf.dtype) - sent.to(buf.dtype)
         torch.nan_to_num_(diff, nan=0.0, posinf=0.0, neginf=0.0)
         scatter.set_(buf, indices, diff)
 
     def clear_non_finite(self, key: Hashable) -> None:
         """Reset every non-finite residual entry to 0 (one full pass; needed only on overflow steps)."""
-        buf = self.residuals.get(key) if self.enabled else None
+        buf = (self.current(key) if key in self._open else self.residuals.get(key)) if self.enabled else None
         if buf is not None:
             buf.masked_fill_(~torch.isfinite(buf), 0.0)
 
@@ -157,6 +215,8 @@ class ErrorFeedback:
         self.residuals.clear()
         self._scratch.clear()
         self._views.clear()
+        self._work.clear()
+        self._open.clear()
 
     def state_dict(self) -> dict:
         return {"enabled": self.enabled, "residuals": {k: v.detach().clone() for k, v in self.residuals.items()}}
@@ -165,3 +225,5 @@ class ErrorFeedback:
         """Restore residuals (the ``enabled`` switch stays as configured)."""
         self.residuals = {k: v.clone() for k, v in state["residuals"].items()}
         self._views.clear()
+        self._work.clear()
+        self._open.clear()

@@ -106,6 +106,11 @@ ENGINE_RUNS = {
     "dragonn_auto": _engine_config({"enabled": True, "density": 0.01, "min_compress_numel": 1, "policy": "auto",
                                     "auto_probe_steps": 1, "auto_recheck_interval": 2}),
     "dragonn_bf16": _engine_config({"enabled": True, "density": 0.05, "min_compress_numel": 1}, bf16=True),
+    # bf16 pairs cost 6 bytes against 2 dense: at density 1.0 the auto policy sends the bucket dense,
+    # "always" compresses it anyway (issue 10: bounded bytes)
+    "dragonn_bf16_d1_auto": _engine_config({"enabled": True, "density": 1.0, "min_compress_numel": 1,
+                                            "policy": "auto"}, bf16=True),
+    "dragonn_bf16_d1_always": _engine_config({"enabled": True, "density": 1.0, "min_compress_numel": 1}, bf16=True),
 }
 ENGINE_STEPS = 5
 
@@ -179,11 +184,14 @@ SCHEME_CASES = [dict(exchange=x, numel=n, dtype=d, density=dens, compressor=c)
                 for d, dens, c in ((torch.float64, 0.01, "dragonn"), (torch.float64, 0.3, "topk"),
                                    (torch.float32, 0.01, "dragonn"), (torch.bfloat16, 0.05, "dragonn"),
                                    (torch.float64, 1.0, "dragonn"))]
+# ties everywhere (all ±1): the selection is cut to max_pairs(k) (issue 10: bounded bytes)
+SCHEME_CASES += [dict(exchange=x, numel=n, dtype=torch.float64, density=0.01, compressor="dragonn", ties=True)
+                 for x in ("allgather", "partitioned", "reduce_scatter") for n in (1000, 20_011)]
 SCHEME_STEPS = 4
 
 
 def scheme_case_id(c: dict) -> str:
-    return f"{c['exchange']}-{case_id(c)}"
+    return f"{c['exchange']}-{case_id(c)}{'-ties' if c.get('ties') else ''}"
 
 
 def make_compressor(name: str, density: float):
@@ -193,7 +201,8 @@ def make_compressor(name: str, density: float):
 
 
 def scheme_input(case_index: int, rank: int, step: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    return rank_input(7919 + case_index, rank, step, numel, dtype)
+    x = rank_input(7919 + case_index, rank, step, numel, dtype)
+    return torch.where(x < 0, -1.0, 1.0).to(dtype) if SCHEME_CASES[case_index].get("ties") else x
 
 
 def zero_like_ranges(numel: int, world: int, seed: int = 3) -> list:
@@ -207,6 +216,7 @@ def scheme_cases(rank: int, world: int, out_dir: str) -> None:
     """Every scheme case for SCHEME_STEPS steps; saves outputs, worker and server residuals, statistics."""
     _init()
     from ds_dragonn.comm.torch_backend import TorchCommBackend
+    from ds_dragonn.compress import max_pairs, target_k
     from ds_dragonn.exchange import AllgatherExchange, PartitionedExchange
     from ds_dragonn.exchange.reduce_scatter import RangeOwnership, ReduceScatterExchange
     from ds_dragonn.feedback import ErrorFeedback
@@ -230,9 +240,11 @@ def scheme_cases(rank: int, world: int, out_dir: str) -> None:
             x = scheme_input(i, rank, step, case["numel"], case["dtype"])
             out, stats = pipe.reduce(x, "b", seed=31 * step + 5, postscale=1.0 / world)
             server = getattr(ex, "server", None)
+            most = ex.max_bytes(case["numel"], max_pairs(target_k(case["numel"], case["density"])), case["dtype"],
+                                world)
             steps.append(dict(out=out.clone(), residual=ef.residuals["b"].clone(),
                               server=None if server is None else server.residuals["b"].clone(),
-                              stats=stats._asdict()))
+                              stats=dict(stats._asdict(), max_bytes=most)))
         if case["dtype"] == torch.float64:  # then the bucket goes dense (auto policy): a flush step
             x = scheme_input(i, rank, SCHEME_STEPS, case["numel"], case["dtype"])
             out = pipe.reduce_dense([x], "b", postscale=1.0 / world)

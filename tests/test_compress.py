@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ds_dragonn.compress import (EMPTY_SLOT, DragonnCompressor, RandomKCompressor, TopKCompressor, index_dtype,
-                                 target_k)
+                                 max_pairs, target_k)
 from ds_dragonn.compress.dragonn import build_table, gather_table, hash_slots, selection_mask, step_hash_seed
 from ds_dragonn.compress.hashing import murmur3_index_hash, murmur3_reference
 
@@ -67,7 +67,7 @@ def test_dragonn_selection_properties(n, dtype, density):
     sel = comp.compress(x, seed=n + 3)
     k = target_k(n, density)
     assert sel.k == k
-    assert sel.capacity == min(math.ceil(4 * k), n)
+    assert sel.capacity == min(math.ceil(4 * k), n, max_pairs(k))
     assert sel.indices.dtype == index_dtype(n) == torch.int32
     assert sel.values.dtype == dtype
     assert sel.count <= sel.capacity
@@ -85,14 +85,16 @@ def test_dragonn_selection_properties(n, dtype, density):
     # to a larger magnitude (ties: larger index) — the defined collision winner
     mask = selection_mask(x, sel.threshold)
     cand = torch.nonzero(mask).squeeze(1)
-    m = sel.capacity
+    m = min(math.ceil(4 * k), n)
     slots = cand if m >= n else hash_slots(cand, step_hash_seed(n + 3), m)
     mags = x.abs().float().nan_to_num(nan=math.inf)
     winner = {}
     for i, s in zip(cand.tolist(), slots.tolist()):
         if s not in winner or (float(mags[i]), i) > (float(mags[winner[s]]), winner[s]):
             winner[s] = i
-    assert sorted(idx.tolist()) == sorted(winner.values())
+    # then at most max_pairs(k) of them: the largest magnitudes, ties to the lower slot
+    kept = sorted(winner.items(), key=lambda si: (-float(mags[si[1]]), si[0]))[:max_pairs(k)]
+    assert sorted(idx.tolist()) == sorted(i for _, i in kept)
 
 
 @pytest.mark.parametrize("n", [1, 2, 7, 50, 99])
@@ -210,3 +212,59 @@ def test_compressors_do_not_touch_global_rng():
     RandomKCompressor(0.01).compress(torch.ones(100), 1)
     torch.manual_seed(123)
     assert torch.equal(before, torch.get_rng_state())
+
+
+def awkward(kind: str, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """Value distributions that break a sampled threshold: ties everywhere, few distinct values, zeros."""
+    g = torch.randn(n)
+    if kind == "signs":  # all ±1: every element ties with the threshold
+        x = torch.sign(g) + (g == 0)
+    elif kind == "equal":
+        x = torch.full((n,), 0.375)
+    elif kind == "quantised":  # 5 distinct magnitudes
+        x = (g * 2).round().clamp(-2, 2) / 2
+    elif kind == "heavy_zeros":  # 99.5 % exact zeros
+        x = g * (torch.rand(n) < 0.005)
+    else:  # "mostly_ties": a few large values over a sea of equal ones
+        x = torch.full((n,), -1.0)
+        x[torch.randperm(n)[: n // 1000]] = 50.0
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("kind", ["signs", "equal", "quantised", "heavy_zeros", "mostly_ties"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,density", [(1, 0.01), (7, 0.3), (20_011, 0.01), (65_537, 0.001), (4096, 0.5),
+                                       ((1 << 20) + 3, 0.01)])
+@pytest.mark.parametrize("make", [lambda d: DragonnCompressor(d, kernel="cpu"),
+                                  lambda d: DragonnCompressor(d, kernel="reference"),
+                                  TopKCompressor, RandomKCompressor], ids=["dragonn_cpu", "dragonn_ref", "topk", "randomk"])
+def test_no_selection_exceeds_max_pairs(kind, dtype, n, density, make):
+    """Issue 10: ~1.1 k pairs at most, whatever the distribution (ties used to send table_factor × k)."""
+    if n > 100_000 and make is not TopKCompressor and kind not in ("signs", "quantised"):
+        pytest.skip("large size: the tie cases are the ones that matter")
+    comp = make(density)
+    x = awkward(kind, n, dtype)
+    sel = comp.compress(x, seed=n)
+    k = target_k(n, density)
+    assert sel.count <= max_pairs(k) <= math.ceil(1.1 * k) + 1
+    idx = sel.indices.long()
+    assert idx.unique().numel() == idx.numel() and torch.equal(sel.values, x[idx])
+    if kind in ("signs", "equal", "quantised") and comp.name == "dragonn":
+        assert sel.count >= min(k, int((x != 0).sum())) * 0.9  # ties are cut to the budget, not starved
+    if kind == "mostly_ties" and comp.name == "topk":  # (DRAGONN: large ones may collide in the table)
+        big = (x.float() == 50.0).nonzero().squeeze(1)
+        if big.numel() <= max_pairs(k):  # the large entries survive the cut (they rank first)
+            assert set(big.tolist()) <= set(idx.tolist())
+
+
+def test_trim_keeps_nonfinite_and_order():
+    from ds_dragonn.compress.base import Selection, trim
+    idx = torch.arange(10, dtype=torch.int32) * 3
+    vals = torch.tensor([1.0, float("nan"), 1.0, -5.0, 1.0, float("-inf"), 1.0, 1.0, 2.0, 1.0])
+    sel = Selection(idx, vals, torch.tensor(1.0), 3, 40)
+    out = trim(sel, 4)
+    # nan, -inf, -5, 2 rank first; order within the selection kept
+    assert out.indices.tolist() == [3, 9, 15, 24] and out.capacity == 4
+    out = trim(sel, 6)  # then two of the tied 1.0: the earliest slots
+    assert out.indices.tolist() == [0, 3, 6, 9, 15, 24]
+    assert trim(sel, 10) is sel

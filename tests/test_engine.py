@@ -40,6 +40,19 @@ def test_density_one_equals_dense_engine(runs, dense, dragonn):
         assert runs[0][dragonn]["hooked"] and t["compressed_reductions"] == ENGINE_STEPS
 
 
+def test_pairs_that_cost_more_than_dense_go_dense_under_auto(runs):
+    """bf16 at density 1.0: ≤ 1.1 n pairs of 6 bytes against a 2-byte allreduce. ``auto`` sends every
+    reduction dense (DeepSpeed's own path: bit for bit the dense engine); ``always`` compresses anyway."""
+    auto, always = runs[0]["dragonn_bf16_d1_auto"], runs[0]["dragonn_bf16_d1_always"]
+    assert auto["hooked"] and auto["telemetry"]["compressed_reductions"] == 0
+    assert auto["telemetry"]["dense_reductions"] == ENGINE_STEPS
+    assert auto["telemetry"]["bytes_sent"] <= auto["telemetry"]["dense_bytes_equivalent"]
+    for r in range(2):
+        assert _params_equal(runs[r]["dense_bf16"]["params"], runs[r]["dragonn_bf16_d1_auto"]["params"])
+    t = always["telemetry"]
+    assert t["compressed_reductions"] == ENGINE_STEPS and t["bytes_sent"] > 2 * t["dense_bytes_equivalent"]
+
+
 def test_disabled_block_leaves_engine_untouched(runs):
     assert not runs[0]["dragonn_disabled"]["hooked"] and runs[0]["dragonn_disabled"]["telemetry"] is None
 

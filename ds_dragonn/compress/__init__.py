@@ -1,5 +1,5 @@
 """Compress: select the (index, value) pairs each rank sends. One interface, several methods."""
-from .base import EMPTY_SLOT, Compressor, Selection, index_dtype, target_k
+from .base import EMPTY_SLOT, MAX_PAIRS_FACTOR, Compressor, Selection, index_dtype, max_pairs, target_k
 from .dragonn import DragonnCompressor
 from .randomk import RandomKCompressor
 from .topk import TopKCompressor
@@ -20,4 +20,5 @@ def build_compressor(cfg) -> Compressor:
 
 
 __all__ = ["EMPTY_SLOT", "Compressor", "Selection", "DragonnCompressor", "TopKCompressor",
-           "RandomKCompressor", "COMPRESSORS", "build_compressor", "index_dtype", "target_k"]
+           "RandomKCompressor", "COMPRESSORS", "MAX_PAIRS_FACTOR", "build_compressor", "index_dtype", "max_pairs",
+           "target_k"]

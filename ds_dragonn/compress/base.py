@@ -19,6 +19,11 @@ EMPTY_SLOT = -1
 #: Buffers at least this long carry int64 indices; shorter ones int32 (half the index bytes on the wire).
 INT64_INDEX_NUMEL = 2**31
 
+#: A selection never holds more than ``ceil(MAX_PAIRS_FACTOR × k)`` pairs, whatever the value
+#: distribution: ties at the sampled threshold (all ±1, quantised values) would otherwise fill DRAGONN's
+#: whole table (``table_factor × k`` pairs, 4x the byte budget).
+MAX_PAIRS_FACTOR = 1.1
+
 
 class Selection(NamedTuple):
     """What a compressor keeps from one buffer of ``numel`` elements.
@@ -28,7 +33,8 @@ class Selection(NamedTuple):
         values: (count,) the buffer's dtype, ``buffer[indices]``.
         threshold: 0-d float32 tensor on the buffer's device; the magnitude cut used (0 for random-k).
         k: target count, ``ceil(density * numel)`` (0 for an empty buffer).
-        capacity: most pairs this selection may hold (DRAGONN: hash-table size ``ceil(table_factor * k)``).
+        capacity: most pairs this selection may hold: ``min(table size, max_pairs(k))`` for DRAGONN (its
+            table has ``ceil(table_factor * k)`` slots), k for top-k and random-k.
     """
     indices: torch.Tensor
     values: torch.Tensor
@@ -52,6 +58,28 @@ def target_k(numel: int, density: float) -> int:
         return 0
     # round() guards against 0.01 * 100 = 1.0000000000000002 -> 2; at least one element is kept
     return max(1, min(numel, math.ceil(round(density * numel, 9))))
+
+
+def max_pairs(k: int) -> int:
+    """Most pairs a selection with target ``k`` may send: ``ceil(MAX_PAIRS_FACTOR × k)`` (0 for k = 0)."""
+    return math.ceil(round(MAX_PAIRS_FACTOR * k, 9)) if k > 0 else 0
+
+
+def trim(sel: Selection, cap: int) -> Selection:
+    """``sel`` cut to its ``cap`` largest magnitudes (non-finite first); pairs keep their order.
+
+    Equal magnitudes are decided by position in the selection: for DRAGONN that is the hash-table slot,
+    so the kept ties are a hashed (not a positional) subset of the tied elements. Deterministic, so every
+    kernel and every rank cut the same way. What is cut stays in the residual.
+    """
+    c = sel.count
+    if c <= cap:
+        return sel
+    mag = magnitude(sel.values)  # (c,) float32 >= 0: its bits order like its values
+    pos = torch.arange(c, device=mag.device, dtype=torch.int64)
+    keys = (mag.view(torch.int32).to(torch.int64) << 32) | (0xFFFF_FFFF - pos)  # ties: earlier slot first
+    keep = torch.topk(keys, cap, sorted=False).indices.sort().values
+    return Selection(sel.indices[keep], sel.values[keep], sel.threshold, sel.k, min(sel.capacity, cap))
 
 
 def magnitude(flat: torch.Tensor) -> torch.Tensor:
@@ -92,7 +120,8 @@ class Compressor(ABC):
         self.density = float(density)
 
     def compress(self, flat: torch.Tensor, seed: int = 0) -> Selection:
-        """Select from ``flat``; an empty buffer gives an empty selection.
+        """Select from ``flat``; an empty buffer gives an empty selection. At most :func:`max_pairs` (k)
+        pairs are returned, whatever the values (ties included: see :func:`trim`).
 
         Raises:
             ValueError: ``flat`` is not 1-D. TypeError: ``flat`` is not floating point.
@@ -104,7 +133,7 @@ class Compressor(ABC):
         k = target_k(flat.numel(), self.density)
         if k == 0:
             return empty_selection(flat)
-        return self._select(flat, k, seed)
+        return trim(self._select(flat, k, seed), max_pairs(k))
 
     @abstractmethod
     def _select(self, flat: torch.Tensor, k: int, seed: int) -> Selection:

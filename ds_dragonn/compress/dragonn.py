@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from .base import Compressor, Selection, target_k
+from .base import Compressor, Selection, max_pairs, target_k
 from .kernels import check_kernel, resolve_kernel, sample_threshold_fast, select_fast
 from .reference import (  # noqa: F401  (re-exported: the reference API)
     MIN_SAMPLE_HITS, build_table, candidate_density, gather_table, hash_slots, index_bits, key_to_index,
@@ -65,4 +65,4 @@ class DragonnCompressor(Compressor):
         m = table_capacity(k, self.table_factor, n)
         thr = self.threshold(flat, seed, kernel)
         idx, vals = select_fast(flat, thr, m, step_hash_seed(seed), kernel)
-        return Selection(indices=idx, values=vals, threshold=thr, k=k, capacity=m)
+        return Selection(indices=idx, values=vals, threshold=thr, k=k, capacity=min(m, max_pairs(k)))

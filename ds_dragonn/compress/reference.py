@@ -27,7 +27,8 @@ Non-finite entries (NaN, ±Inf) count as infinitely large: they are always candi
 collision against finite values, so every slot they hash to sends one of them to every rank, as with the
 dense allreduce, where DeepSpeed's overflow check sees them; the threshold is estimated from the finite
 sample entries only. Ties: every element equal to the threshold is a candidate, so a buffer of many
-equal magnitudes fills the table (up to m = table_factor·k pairs are sent).
+equal magnitudes fills the table (up to m = table_factor·k slots); ``Compressor.compress`` then cuts the
+selection to ``max_pairs(k) = ceil(1.1·k)`` pairs (``base.trim``), so the bytes stay bounded.
 
 Steps 1–3 have three implementations that give identical results (``DragonnCompressor(kernel=...)``):
 ``reference`` (the pure-PyTorch functions below), ``cpu`` (C++ one-pass library, ``kernels/cpu_table``)

@@ -15,13 +15,14 @@ from deepspeed.utils.logging import print_dist
 
 from ..comm import build_backend
 from ..comm.base import CommBackend
-from ..compress import build_compressor
+from ..compress import build_compressor, max_pairs, target_k
 from ..config import DragonnConfig, Policy
 from ..exchange import Exchange, build_exchange
 from ..feedback import ErrorFeedback
 from ..pipeline import CompressedAllreduce, ReduceStats
 from ..policy import AutoPolicy
 from ..telemetry import Telemetry, log_reduction, monitor_events
+from .steps import StepGuard, loss_scale, may_skip_steps
 
 
 def bucket_seed(seed: int, step: int, ordinal: int) -> int:
@@ -49,7 +50,9 @@ class HookBase:
         self.engine = engine
         self.cfg = cfg
         self.compressor = build_compressor(cfg)
-        self.error_feedback = ErrorFeedback(cfg.error_feedback)
+        self.transactional = may_skip_steps(engine)  # fp16, bf16 + check_grad_overflow: steps may be skipped
+        self.error_feedback = ErrorFeedback(cfg.error_feedback, transactional=self.transactional)
+        self.steps = StepGuard(self._stores, lambda: getattr(engine, "skipped_steps", 0), lambda: loss_scale(engine))
         self.telemetry = Telemetry()
         self._pipelines: Dict[int, CompressedAllreduce] = {}
         self._round = None  # (step, micro step) of the ordinals being counted
@@ -57,12 +60,22 @@ class HookBase:
         self._warned_small = False
         self._announced = False  # the switch to compression was logged
         self._pending: set = set()  # buckets whose residual may hold unsent gradient
+        self._costly: Dict[Hashable, bool] = {}  # bucket key -> its pairs may cost more than dense
         self.policy = AutoPolicy(cfg.auto_probe_steps, cfg.auto_recheck_interval,
                                  always=cfg.policy == Policy.always)
 
     # -- pieces for the hook points ----------------------------------------------------------------
     def _build_exchange(self, backend: CommBackend) -> Exchange:
-        return build_exchange(self.cfg, backend, self.compressor)
+        return build_exchange(self.cfg, backend, self.compressor, transactional=self.transactional)
+
+    def _stores(self) -> list:
+        """Everything that holds residuals: the workers' store and each pipeline's exchange."""
+        return [self.error_feedback] + [p.exchange for p in self._pipelines.values()]
+
+    def _settle(self) -> None:
+        """End the last step's residual transaction if DeepSpeed has finished that step."""
+        if self.steps.finished(int(self.engine.global_steps)):
+            self.steps.end()
 
     def pipeline(self, group: Any) -> CompressedAllreduce:
         """The (cached) pipeline of a data-parallel process group."""
@@ -80,21 +93,46 @@ class HookBase:
         self._ordinal += 1
         return self._ordinal - 1
 
-    def _goes_dense(self, key: Hashable, numel: int, step: int) -> tuple:
-        """(dense?, small?) for this bucket: below ``min_compress_numel``, in the warm-up, or the auto
-        policy's choice. Every rank decides the same (step, size, config, agreed policy state)."""
+    def _goes_dense(self, key: Hashable, numel: int, step: int, pipeline: CompressedAllreduce,
+                    dtype: torch.dtype, dense_bytes: Optional[int] = None) -> tuple:
+        """(dense?, fixed?) for this bucket. Dense: below ``min_compress_numel``, in the warm-up, pairs that
+        would cost more bytes than the dense collective (policy ``auto``), or the auto policy's timing
+        choice. ``fixed``: the reason does not depend on timings (the policy does not time it). Every rank
+        decides the same: step, size, dtype, world size, config and the agreed policy state."""
         small = numel < max(self.cfg.min_compress_numel, 1)
         if small and not self._warned_small:
             self._warned_small = True
             print_dist(f"DRAGONN: a gradient bucket of {numel} elements is below min_compress_numel="
                        f"{self.cfg.min_compress_numel}: it uses DeepSpeed's dense path (lower "
                        f"'dragonn.min_compress_numel' to compress it)", ranks=[0])
+        costly = not small and self._pairs_cost_more(key, numel, pipeline, dtype, dense_bytes)
         warm = step < self.cfg.warmup_steps
-        return small or warm or not self.policy.compress(key), small
+        fixed = small or (costly and self.cfg.policy == Policy.auto)
+        return fixed or warm or not self.policy.compress(key), fixed
 
-    def _record_dense(self, key: Hashable, numel: int, itemsize: int, world: int, ms: float, small: bool,
+    def _pairs_cost_more(self, key: Hashable, numel: int, pipeline: CompressedAllreduce, dtype: torch.dtype,
+                         dense_bytes: Optional[int]) -> bool:
+        """Whether this rank's pairs may cost more bytes than the dense collective (at most
+        ``max_pairs(k)`` pairs through the exchange, e.g. bf16 values + int32 indices at density 1.0: ~3x
+        a bf16 allreduce). Decided once per bucket and logged on rank 0."""
+        hit = self._costly.get(key)
+        if hit is None:
+            world = pipeline.backend.world_size
+            pairs = max_pairs(target_k(numel, self.compressor.density))
+            most = pipeline.exchange.max_bytes(numel, pairs, dtype, world)
+            dense = pipeline.exchange.dense_bytes(numel, dtype.itemsize, world) if dense_bytes is None else dense_bytes
+            hit = self._costly[key] = most > dense
+            if hit:
+                what = ("it uses the dense path (policy 'auto')" if self.cfg.policy == Policy.auto else
+                        "it is compressed anyway (policy 'always')")
+                print_dist(f"DRAGONN: at density {self.compressor.density} the pairs of a {numel}-element "
+                           f"{str(dtype).replace('torch.', '')} bucket may cost {most} bytes per rank, more than "
+                           f"the dense collective's {dense}: {what}", ranks=[0])
+        return hit
+
+    def _record_dense(self, key: Hashable, numel: int, itemsize: int, world: int, ms: float, fixed: bool,
                       dense_bytes: Optional[int] = None) -> None:
-        if not small:
+        if not fixed:
             self.policy.record_dense(key, ms)
         self.telemetry.record_dense(numel, itemsize, world, ms, dense_bytes)
         self._monitor(None, ms)
@@ -156,6 +194,7 @@ class HookBase:
     def state_dict(self) -> dict:
         """This rank's residuals (the partitioned exchange's server residuals too), counters, and the rank
         and world size they belong to. Each rank holds its own: save one file per rank."""
+        self._settle()
         rank, world = self._where()
         return {"error_feedback": self.error_feedback.state_dict(), "telemetry": self.telemetry.summary(),
                 "exchange": [p.exchange.state_dict() for p in self._pipelines.values()],

@@ -79,6 +79,7 @@ class DragonnHook(HookBase):
         """One bucket: dense (warm-up, small, auto) or compressed; None when decoded into ``bucket``."""
         engine = self.engine
         step = int(engine.global_steps)
+        self.steps.begin(step)  # settles the last step (applied or skipped) and follows the loss scale
         ordinal = self._next_ordinal(step)
         numel = sum(t.numel() for t in bucket)
         comm_dtype = engine.communication_data_type
@@ -87,15 +88,15 @@ class DragonnHook(HookBase):
         if dp_world_size is None:
             dp_world_size = world
         key: Hashable = (ordinal, str(comm_dtype), numel, self._layout(bucket))
-        dense, small = self._goes_dense(key, numel, step)
+        dense, fixed = self._goes_dense(key, numel, step, pipeline, comm_dtype)
         if dense:
             clock = PhaseClock(bucket[0].device)
-            if key in self._pending and not small:  # compressed before: flush its residual now
+            if key in self._pending:  # compressed before: flush its residual now
                 out = pipeline.reduce_dense(bucket, key, *reduction_scales(engine, dp_world_size), comm_dtype)
                 self._pending.discard(key)
             else:
                 out = self._dense_allreduce_bucket(bucket, dp_group, dp_world_size)
-            self._record_dense(key, numel, comm_dtype.itemsize, world, clock.lap(), small)
+            self._record_dense(key, numel, comm_dtype.itemsize, world, clock.lap(), fixed)
             return out
 
         self._announce(step)

@@ -80,18 +80,19 @@ class ZeroHook(HookBase):
         if tensor.numel() == 0:  # ZeRO-1 flushes an empty bucket at the boundary: nothing to reduce or count
             return self._dense_average_tensor(tensor, communication_data_type)
         step = int(engine.global_steps)
+        self.steps.begin(step)  # settles the last step (applied or skipped) and follows the loss scale
         ordinal = self._next_ordinal((step, int(engine.micro_steps)))
         numel = tensor.numel()
         pipeline = self.pipeline(opt.dp_process_group)
         world = pipeline.backend.world_size
         dt = communication_data_type
         key: Hashable = ("zero", ordinal, str(dt), numel, self._layout(dt))
-        dense, small = self._goes_dense(key, numel, step)
-        flush = dense and not small and key in self._pending
+        dense, fixed = self._goes_dense(key, numel, step, pipeline, dt, self._dense_bytes(numel, dt.itemsize, world))
+        flush = dense and key in self._pending
         clock = PhaseClock(tensor.device)
 
         def done_dense() -> None:
-            self._record_dense(key, numel, dt.itemsize, world, clock.lap(), small,
+            self._record_dense(key, numel, dt.itemsize, world, clock.lap(), fixed,
                                self._dense_bytes(numel, dt.itemsize, world))
 
         if dense and not flush:

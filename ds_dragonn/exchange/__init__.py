@@ -5,13 +5,14 @@ from .ownership import ContiguousOwnership, HashedOwnership, Ownership
 from .partitioned import PartitionedExchange, Scattered, sparse_reduce_scatter
 
 
-def build_exchange(cfg, backend, compressor) -> Exchange:
-    """The scheme named by ``cfg.exchange`` over ``backend`` (``compressor``: the partitioned owners')."""
+def build_exchange(cfg, backend, compressor, transactional: bool = False) -> Exchange:
+    """The scheme named by ``cfg.exchange`` over ``backend`` (``compressor``: the partitioned owners';
+    ``transactional``: steps may be skipped, so a step's changes to scheme state can be undone)."""
     name = cfg.exchange.value if hasattr(cfg.exchange, "value") else str(cfg.exchange)
     if name == "allgather":
         return AllgatherExchange(backend)
     if name == "partitioned":
-        return PartitionedExchange(backend, compressor, cfg.error_feedback)
+        return PartitionedExchange(backend, compressor, cfg.error_feedback, transactional)
     raise ValueError(f"unknown exchange {name!r}; choose 'allgather' or 'partitioned'")
 
 

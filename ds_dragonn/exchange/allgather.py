@@ -20,7 +20,7 @@ import torch
 
 from ..comm.base import CommBackend
 from ..compress.base import Selection, index_dtype
-from .base import ALIGN, Exchange, Gathered, check_agreement, dtype_code
+from .base import ALIGN, Exchange, Gathered, align, check_agreement, dtype_code
 
 HEADER_INTS = 3  # [count, numel, dtype code]
 
@@ -83,3 +83,7 @@ class AllgatherExchange(Exchange):
     def exchange(self, key: Hashable, selection: Selection, numel: int, wire_dtype: torch.dtype,
                  seed: int) -> Gathered:
         return allgather_exchange(selection, numel, wire_dtype, self.backend)
+
+    def max_bytes(self, numel: int, pairs: int, wire_dtype: torch.dtype, world_size: int) -> int:
+        """``(P − 1) × (header + padded pairs)``: every rank's list goes to every other rank."""
+        return (world_size - 1) * (HEADER_INTS * 8 + align(pairs) * (index_dtype(numel).itemsize + wire_dtype.itemsize))

@@ -144,9 +144,22 @@ class Exchange(ABC):
         ``2(P-1)/P × numel × itemsize``)."""
         return dense_allreduce_bytes(numel, itemsize, world_size)
 
+    @abstractmethod
+    def max_bytes(self, numel: int, pairs: int, wire_dtype: torch.dtype, world_size: int) -> int:
+        """Most bytes this rank sends (headers included, the same rules as ``Gathered.bytes_sent``) for a
+        bucket of ``numel`` elements when every rank selects at most ``pairs`` pairs. The engine sends a
+        bucket dense when this exceeds :meth:`dense_bytes` (policy ``auto``)."""
+
     def flush_into(self, key: Hashable, buf: torch.Tensor) -> None:
         """Add any state the scheme holds for ``key`` that is still owed to the sum into ``buf`` (this rank's
         share of a dense allreduce), and forget it. Default: the scheme holds nothing."""
+
+    def end_step(self, applied: bool) -> None:
+        """DeepSpeed applied (True) or skipped (False) the step whose exchanges ran since the last call:
+        a scheme with state undoes a skipped step's changes to it. Default: the scheme holds nothing."""
+
+    def rescale_(self, factor: float) -> None:
+        """Multiply any residual the scheme holds by ``factor`` (a changed fp16 loss scale)."""
 
     def state_dict(self) -> dict:
         return {}

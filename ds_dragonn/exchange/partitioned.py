@@ -34,10 +34,10 @@ import torch
 
 from .. import scatter
 from ..comm.base import CommBackend
-from ..compress.base import Compressor, Selection, index_dtype
+from ..compress.base import Compressor, Selection, index_dtype, max_pairs, target_k
 from ..feedback import ErrorFeedback
 from .allgather import HEADER_INTS, exchange_header, gather_pairs
-from .base import Exchange, Gathered, align, check_agreement, dtype_code, to_wire
+from .base import ALIGN, Exchange, Gathered, align, check_agreement, dtype_code, to_wire
 from .ownership import HashedOwnership, Ownership
 
 _BIT_WEIGHTS = [1 << b for b in range(8)]
@@ -128,6 +128,15 @@ def sparse_reduce_scatter(selection: Selection, numel: int, wire_dtype: torch.dt
     return Scattered(slots, vals, matrix, sent, received)
 
 
+def max_scatter_bytes(numel: int, pairs: int, wire_dtype: torch.dtype, world_size: int) -> int:
+    """Most bytes :func:`sparse_reduce_scatter` sends per rank for at most ``pairs`` pairs: the counts header
+    plus every pair addressed to another rank (padding of each block included)."""
+    if world_size <= 1:
+        return 0
+    header = (world_size - 1) * (world_size + 2) * 8
+    return header + _block_bytes(pairs, index_dtype(numel), wire_dtype) + 2 * ALIGN * (world_size - 1)
+
+
 def owner_seed(seed: int, owner: int) -> int:
     """The seed of ``owner``'s re-sparsification at the step whose seed is ``seed`` (not the workers')."""
     return (seed * 0x9E3779B1 + owner + 1) & 0xFFFF_FFFF
@@ -145,10 +154,16 @@ class PartitionedExchange(Exchange):
 
     name = "partitioned"
 
-    def __init__(self, backend: CommBackend, compressor: Compressor, error_feedback: bool = True):
+    def __init__(self, backend: CommBackend, compressor: Compressor, error_feedback: bool = True,
+                 transactional: bool = False):
         super().__init__(backend)
         self.compressor = compressor
         self.server = ErrorFeedback(error_feedback)  # keyed like the workers' residuals; (n_r,) each
+        # transactional (steps DeepSpeed may skip): the old values of every server-residual entry this step
+        # changed, in order, so a skipped step is undone exactly; the changes are sparse (received and
+        # sent slots), except a dense flush, which saves the whole part
+        self.transactional = transactional and error_feedback
+        self._undo: List[Tuple[Hashable, torch.Tensor | None, torch.Tensor]] = []
         self._ownership: Dict[int, Ownership] = {}
         self._numel: Dict[Hashable, int] = {}  # bucket length of each server residual's key
 
@@ -169,12 +184,14 @@ class PartitionedExchange(Exchange):
         # owner: server residual += every rank's pairs (rank order: deterministic), then re-sparsify
         part = self.server.buffer(key, own.size(rank), wire_dtype, device)
         for slots, vals in zip(scattered.slots, scattered.values):
+            self._save(key, part, slots)
             scatter.add_(part, slots, vals)
         sel = self.compressor.compress(part, owner_seed(seed, rank))
         wire = to_wire(sel.values, wire_dtype)
 
         counts = exchange_header(sel.count, numel, wire_dtype, backend, device)
         idx, val, moved = self._gather(own, sel.indices, wire, counts, numel, wire_dtype)
+        self._save(key, part, sel.indices)
         self.server.commit(key, sel.indices, sel.values, wire)
         if self.server.enabled and (not getattr(self.compressor, "sends_non_finite", False)
                                     or not bool(torch.isfinite(sel.values).all())):
@@ -182,6 +199,17 @@ class PartitionedExchange(Exchange):
         header = (backend.world_size - 1) * HEADER_INTS * 8
         return Gathered(idx, val, counts, scattered.bytes_sent + header + moved,
                         scattered.bytes_received + header + moved, scattered.owner_pairs)
+
+    def max_bytes(self, numel: int, pairs: int, wire_dtype: torch.dtype, world_size: int) -> int:
+        """Phase 1 (:func:`max_scatter_bytes`) plus the owners' allgather of at most ``max_pairs`` of
+        their ``ceil(n/P)`` elements, as pairs or bitmap + values, whichever is smaller."""
+        if world_size <= 1:
+            return 0
+        part = -(-numel // world_size)
+        owner = align(max_pairs(target_k(part, self.compressor.density)))
+        idt = index_dtype(numel)
+        gathered = min(owner * (idt.itemsize + wire_dtype.itemsize), align(-(-part // 8)) + owner * wire_dtype.itemsize)
+        return max_scatter_bytes(numel, pairs, wire_dtype, world_size) + (world_size - 1) * (HEADER_INTS * 8 + gathered)
 
     def _gather(self, own: Ownership, slots: torch.Tensor, wire: torch.Tensor, counts: List[int], numel: int,
                 wire_dtype: torch.dtype) -> Tuple[List[torch.Tensor], List[torch.Tensor], int]:
@@ -224,7 +252,27 @@ class PartitionedExchange(Exchange):
             return
         own = self.ownership(buf.numel())
         scatter.add_(buf, own.to_index(self.backend.rank, torch.arange(part.numel(), device=part.device)), part)
+        self._save(key, part, None)
         part.zero_()
+
+    def _save(self, key: Hashable, part: torch.Tensor, slots: torch.Tensor | None) -> None:
+        """Transactional: remember ``part[slots]`` (all of it for None) before they change."""
+        if self.transactional and (slots is None or slots.numel()):
+            self._undo.append((key, slots, (part if slots is None else part[slots.long()]).clone()))
+
+    def end_step(self, applied: bool) -> None:
+        """A skipped step's changes to the server residuals are undone, newest first (exact)."""
+        if not applied:
+            for key, slots, old in reversed(self._undo):
+                part = self.server.residuals[key]
+                if slots is None:
+                    part.copy_(old)
+                else:
+                    part[slots.long()] = old
+        self._undo.clear()
+
+    def rescale_(self, factor: float) -> None:
+        self.server.rescale_(factor)
 
     def state_dict(self) -> dict:
         """This rank's server residuals with what they belong to: the world size, this rank (the owner)
@@ -265,6 +313,7 @@ class PartitionedExchange(Exchange):
     def reset(self) -> None:
         self.server.reset()
         self._numel = {}
+        self._undo.clear()
 
 
 __all__ = ["PartitionedExchange", "Scattered", "owner_seed", "sparse_reduce_scatter"]

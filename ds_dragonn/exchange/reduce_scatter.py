@@ -20,7 +20,7 @@ import torch
 from ..compress.base import Selection
 from .base import Exchange, Gathered
 from .ownership import Ownership
-from .partitioned import sparse_reduce_scatter
+from .partitioned import max_scatter_bytes, sparse_reduce_scatter
 
 
 def dense_reduce_scatter_bytes(numel: int, itemsize: int, world_size: int) -> int:
@@ -94,6 +94,9 @@ class ReduceScatterExchange(Exchange):
         s = sparse_reduce_scatter(selection, numel, wire_dtype, self.ownership, self.backend)
         return Gathered(s.slots, s.values, [v.numel() for v in s.values], s.bytes_sent, s.bytes_received,
                         s.owner_pairs)
+
+    def max_bytes(self, numel: int, pairs: int, wire_dtype: torch.dtype, world_size: int) -> int:
+        return max_scatter_bytes(numel, pairs, wire_dtype, world_size)
 
     def dense_bytes(self, numel: int, itemsize: int, world_size: int) -> int:
         return dense_reduce_scatter_bytes(numel, itemsize, world_size)

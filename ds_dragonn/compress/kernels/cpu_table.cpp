@@ -769,16 +769,17 @@ int dragonn_sparse_update(void* dst, int dtype, const void* idx, int idx64, int6
 // alpha == 1: one rounding (res + g), as torch's add_; else res + (g * alpha) rounded twice.
 namespace {
 template <typename R, typename G, typename Conv>
-void compensate_seg(R* res, G* g, int64_t len, R alpha, bool scaled, bool zero, int nthreads, Conv conv) {
+void compensate_seg(R* res, const R* src, G* g, int64_t len, R alpha, bool scaled, bool zero, int nthreads,
+                    Conv conv) {
   const int nt = len < (1 << 16) ? 1 : std::max(1, nthreads);
   parallel_for(len, nt, 64, [&](int, int64_t lo, int64_t hi) {
     constexpr int64_t B = 2048;  // zero each block of g right after reading it, while it is in L1
     for (int64_t b0 = lo; b0 < hi; b0 += B) {
       const int64_t b1 = std::min(hi, b0 + B);
       if (scaled) {
-        for (int64_t i = b0; i < b1; ++i) res[i] += conv(g[i]) * alpha;
+        for (int64_t i = b0; i < b1; ++i) res[i] = src[i] + conv(g[i]) * alpha;
       } else {
-        for (int64_t i = b0; i < b1; ++i) res[i] += conv(g[i]);
+        for (int64_t i = b0; i < b1; ++i) res[i] = src[i] + conv(g[i]);
       }
       if (zero) std::memset((void*)(g + b0), 0, (size_t)(b1 - b0) * sizeof(G));
     }
@@ -789,25 +790,31 @@ void compensate_seg(R* res, G* g, int64_t len, R alpha, bool scaled, bool zero, 
 extern "C" {
 // Returns 0, or -1 for a dtype pair this path does not handle (the caller uses torch).
 // zero: also set every gradient to 0 in the same pass (the decode then adds the reduced pairs into them).
-int dragonn_compensate(void* res, int rdt, int nseg, void* const* gptrs, const int64_t* lens, int gdt,
-                       double alpha, int zero, int nthreads) {
+// res = src + alpha * g; src may be res (in place) or another buffer of the same length and dtype (the
+// step's working residual written from the last applied one: a skipped step leaves src untouched).
+int dragonn_compensate(void* res, const void* src, int rdt, int nseg, void* const* gptrs, const int64_t* lens,
+                       int gdt, double alpha, int zero, int nthreads) {
   const bool scaled = alpha != 1.0;
   int64_t off = 0;
   if (rdt == F32 && (gdt == F32 || gdt == BF16)) {
     float* r = (float*)res;
+    const float* b = (const float*)src;
     for (int s = 0; s < nseg; off += lens[s], ++s) {
       if (gdt == F32)
-        compensate_seg(r + off, (float*)gptrs[s], lens[s], (float)alpha, scaled, zero, nthreads, [](float v) { return v; });
+        compensate_seg(r + off, b + off, (float*)gptrs[s], lens[s], (float)alpha, scaled, zero, nthreads,
+                       [](float v) { return v; });
       else
-        compensate_seg(r + off, (uint16_t*)gptrs[s], lens[s], (float)alpha, scaled, zero, nthreads,
+        compensate_seg(r + off, b + off, (uint16_t*)gptrs[s], lens[s], (float)alpha, scaled, zero, nthreads,
                        [](uint16_t v) { return bits2f((uint32_t)v << 16); });
     }
     return 0;
   }
   if (rdt == F64 && gdt == F64) {
     double* r = (double*)res;
+    const double* b = (const double*)src;
     for (int s = 0; s < nseg; off += lens[s], ++s)
-      compensate_seg(r + off, (double*)gptrs[s], lens[s], alpha, scaled, zero, nthreads, [](double v) { return v; });
+      compensate_seg(r + off, b + off, (double*)gptrs[s], lens[s], alpha, scaled, zero, nthreads,
+                     [](double v) { return v; });
     return 0;
   }
   return -1;

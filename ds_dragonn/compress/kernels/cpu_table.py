@@ -185,7 +185,7 @@ def load() -> ctypes.CDLL:
         lib.dragonn_isa.restype = i32
         lib.dragonn_sparse_update.argtypes = [vp, i32, vp, i32, i64, vp, i32, ctypes.c_double, vp, i32]
         lib.dragonn_sparse_update.restype = i32
-        lib.dragonn_compensate.argtypes = [vp, i32, i32, vp, vp, i32, ctypes.c_double, i32, i32]
+        lib.dragonn_compensate.argtypes = [vp, vp, i32, i32, vp, vp, i32, ctypes.c_double, i32, i32]
         lib.dragonn_compensate.restype = i32
         lib.dragonn_segment_addresses.argtypes = [i32, vp, vp, i32, vp, i32, i64, vp, i32]
         lib.dragonn_segment_addresses.restype = None
@@ -359,8 +359,10 @@ def compensate_supported(dst: torch.Tensor, tensors) -> bool:
         and available()
 
 
-def compensate(dst: torch.Tensor, tensors, alpha: float = 1.0, zero_inputs: bool = False) -> None:
-    """``dst += alpha × cat([t.flatten() for t in tensors])`` in place, without the concatenation.
+def compensate(dst: torch.Tensor, tensors, alpha: float = 1.0, zero_inputs: bool = False,
+               base: torch.Tensor | None = None) -> None:
+    """``dst = base + alpha × cat([t.flatten() for t in tensors])`` (``base`` None: ``dst`` itself, i.e.
+    ``dst +=`` in place), without the concatenation; one pass.
 
     Args:
         dst: (n,) contiguous fp32 (gradients fp32 or bf16) or fp64 (gradients fp64) CPU tensor,
@@ -368,9 +370,14 @@ def compensate(dst: torch.Tensor, tensors, alpha: float = 1.0, zero_inputs: bool
         tensors: contiguous CPU tensors of one dtype, in bucket order.
         alpha: scale of the gradients (alpha == 1 rounds once, like ``Tensor.add_``).
         zero_inputs: also set every element of ``tensors`` to 0, in the same pass.
+        base: optional (n,) contiguous CPU tensor of ``dst``'s dtype, read instead of ``dst`` (unchanged).
     Raises:
         ValueError: unsupported dtypes/devices, or sizes that do not add up to n.
     """
+    if base is not None and (base.dtype != dst.dtype or base.shape != dst.shape or base.device.type != "cpu"
+                             or not base.is_contiguous()):
+        raise ValueError(f"compensate: base {tuple(base.shape)} {base.dtype} does not match dst "
+                         f"{tuple(dst.shape)} {dst.dtype}")
     if not compensate_supported(dst, tensors):
         raise ValueError("compensate takes a contiguous fp32/fp64 CPU buffer and contiguous CPU gradients of "
                          "fp32/bf16 (fp32 buffer) or fp64 (fp64 buffer)")
@@ -378,7 +385,9 @@ def compensate(dst: torch.Tensor, tensors, alpha: float = 1.0, zero_inputs: bool
     if int(lens.sum()) != dst.numel():
         raise ValueError(f"gradients hold {int(lens.sum())} elements, the buffer {dst.numel()}")
     ptrs = (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
-    rc = load().dragonn_compensate(dst.data_ptr(), DTYPE_CODES[dst.dtype], len(tensors), ptrs, lens.data_ptr(),
+    src = dst if base is None else base
+    rc = load().dragonn_compensate(dst.data_ptr(), src.data_ptr(), DTYPE_CODES[dst.dtype], len(tensors), ptrs,
+                                   lens.data_ptr(),
                                    DTYPE_CODES[tensors[0].dtype], float(alpha), int(zero_inputs),
                                    torch.get_num_threads())
     if rc != 0:

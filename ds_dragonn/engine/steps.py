@@ -1,0 +1,89 @@
+"""Residuals that follow the steps DeepSpeed actually applies: skipped (overflow) steps and the fp16 loss scale.
+
+DeepSpeed's fp16 optimizers, and bf16 with ``check_grad_overflow`` (its default), look for Inf/NaN in the
+reduced gradients only after every bucket is reduced, and then skip the step (``engine.skipped_steps``
+grows). A residual updated during that step would keep the unsent part of a gradient whose sent part was
+discarded: half a step applied later. :class:`StepGuard` makes the step's residual updates a transaction
+(``ErrorFeedback(transactional=True)``, the partitioned exchange's undo log) and ends it when the engine
+has moved to the next step: applied → kept, skipped → discarded, so the residuals are exactly as before
+the skipped step.
+
+fp16 gradients reach the hook multiplied by the dynamic loss scale S, and so do the residuals made from
+them. When S changes (halved after an overflow, doubled after ``loss_scale_window`` clean steps) the
+residuals are multiplied by S_new / S_old before the next compensation, so they stay in the units of the
+gradients they are added to (a power-of-two factor: exact). bf16 and fp32 have no loss scale (S = 1).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Optional
+
+from deepspeed.utils.logging import print_dist
+
+
+def may_skip_steps(engine: Any) -> bool:
+    """Whether DeepSpeed may skip a step of this engine on overflow: fp16, or bf16 with
+    ``bf16.check_grad_overflow`` (DeepSpeed 0.19.8 ``runtime/engine.py`` ``_configure_zero_optimizer``)."""
+    if engine.fp16_enabled():
+        return True
+    if engine.bfloat16_enabled():
+        bf16 = getattr(engine._config, "bfloat16_config", None)
+        return bool(getattr(bf16, "check_grad_overflow", True))
+    return False
+
+
+def loss_scale(engine: Any) -> float:
+    """The optimizer's current dynamic loss scale (``optimizer.loss_scale`` of DeepSpeed's fp16 and ZeRO
+    optimizers), or 1.0 where there is none."""
+    value = getattr(getattr(engine, "optimizer", None), "loss_scale", None)
+    return float(value) if isinstance(value, (int, float)) and value > 0 else 1.0
+
+
+class StepGuard:
+    """Ends each step's residual transaction when the engine has moved on, and follows the loss scale.
+
+    Args:
+        stores: returns the objects holding residuals (``ErrorFeedback`` and exchanges): each has
+            ``end_step(applied: bool)`` and ``rescale_(factor: float)``.
+        skipped_steps: returns DeepSpeed's count of skipped steps (``engine.skipped_steps``).
+        scale: returns the current loss scale (:func:`loss_scale`).
+    """
+
+    def __init__(self, stores: Callable[[], Iterable[Any]], skipped_steps: Callable[[], int],
+                 scale: Callable[[], float]):
+        self._stores, self._skipped, self._scale = stores, skipped_steps, scale
+        self._step: Optional[int] = None  # the global step whose transaction is open
+        self._skipped_at_open = 0
+        self._units: Optional[float] = None  # the loss scale the residuals are in
+        self.restored_steps = 0  # skipped steps whose residual changes were discarded
+
+    def begin(self, step: int) -> None:
+        """Call before every reduction of global step ``step``: ends the previous step's transaction if the
+        engine moved on, rescales the residuals if the loss scale changed, opens this step's."""
+        if self._step is not None and step != self._step:
+            self.end()
+        scale = self._scale()
+        if self._units is not None and scale != self._units:
+            for store in self._stores():
+                store.rescale_(scale / self._units)
+            print_dist(f"DRAGONN: loss scale {self._units:g} -> {scale:g}: residuals rescaled by "
+                       f"{scale / self._units:g}", ranks=[0])
+        self._units = scale
+        if self._step is None:
+            self._step, self._skipped_at_open = step, int(self._skipped())
+
+    def end(self) -> None:
+        """End the open transaction (no-op when none): applied unless DeepSpeed counted a skipped step."""
+        if self._step is None:
+            return
+        applied = int(self._skipped()) == self._skipped_at_open
+        for store in self._stores():
+            store.end_step(applied)
+        if not applied:
+            self.restored_steps += 1
+            print_dist(f"DRAGONN: step {self._step + 1} was skipped (overflow): residuals restored to their "
+                       f"state before it", ranks=[0])
+        self._step = None
+
+    def finished(self, step: int) -> bool:
+        """Whether the open transaction belongs to a step before ``step`` (so it can be ended now)."""
+        return self._step is not None and step != self._step

@@ -1,0 +1,154 @@
+"""Skipped (overflow) steps leave every residual exactly as before them; the fp16 loss scale is followed.
+
+Unit level (always): the transactional residual store against the in-place one, the partitioned
+exchange's undo log, and the step guard with a fake engine (DeepSpeed refuses fp16 engines on CPU).
+Engine level (2 gloo ranks): bf16 engines, whose steps DeepSpeed skips on overflow by default.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ds_dragonn.engine.steps import StepGuard, loss_scale
+from ds_dragonn.feedback import ErrorFeedback
+from tests.multiproc import run_ranks
+from tests.step_cases import BAD_STEP, SKIP_RUNS, SKIP_STEPS
+
+
+def _bucket(dtype, contiguous=True):
+    """A bucket of awkward tensor shapes (one empty), fresh values."""
+    shapes = [(3, 5), (0,), (7,), (2, 3, 4), (1,)]
+    ts = [torch.randn(s).to(dtype) for s in shapes]
+    if not contiguous:
+        ts[0] = torch.randn(5, 3).to(dtype).t()
+    return ts
+
+
+def _select_commit(ef, key, buf, n_sent=4):
+    idx = torch.randperm(buf.numel())[:n_sent].to(torch.int32)
+    kept = buf[idx.long()].clone()
+    sent = kept.to(torch.bfloat16)  # the wire's rounding stays in the residual
+    ef.commit(key, idx, kept, sent)
+
+
+@pytest.mark.parametrize("dtype,contiguous", [(torch.float32, True), (torch.bfloat16, True),
+                                              (torch.float16, True), (torch.float32, False),
+                                              (torch.float64, True)])
+def test_transactional_store_equals_in_place_when_applied_and_restores_when_skipped(dtype, contiguous):
+    plain, txn = ErrorFeedback(True), ErrorFeedback(True, transactional=True)
+    history = []
+    for step in range(6):
+        skip = step in (2, 3)  # two skipped steps in a row
+        micro = 2 if step == 4 else 1  # micro steps of one step (ZeRO-2 reduces at each)
+        before = {k: v.clone() for k, v in txn.residuals.items()}
+        for m in range(micro):
+            grads = _bucket(dtype, contiguous)
+            zero = m == 0 and contiguous
+            a = txn.compensate_("b", [g.clone() for g in grads], dtype, prescale=0.5, zero_inputs=zero)
+            torch.manual_seed(100 * step + m)
+            _select_commit(txn, "b", a)
+            if not skip:
+                p = plain.compensate_("b", [g.clone() for g in grads], dtype, prescale=0.5)
+                torch.manual_seed(100 * step + m)
+                _select_commit(plain, "b", p)
+                assert torch.equal(a, p)
+        txn.end_step(applied=not skip)
+        if skip:  # exactly as before the step
+            assert all(torch.equal(before[k], txn.residuals[k]) for k in before)
+        history.append(txn.residuals["b"].clone())
+    assert torch.equal(txn.residuals["b"], plain.residuals["b"])
+    assert not torch.equal(history[1], history[4])
+
+
+def test_transactional_zeroes_inputs_and_keeps_last_applied_buffer():
+    txn = ErrorFeedback(True, transactional=True)
+    g = [torch.ones(10), torch.full((5,), 2.0)]
+    buf = txn.compensate_("k", g, torch.float32, zero_inputs=True)
+    assert all(float(t.abs().sum()) == 0 for t in g)
+    assert torch.equal(buf, torch.tensor([1.0] * 10 + [2.0] * 5))
+    assert float(txn.residuals["k"].abs().sum()) == 0  # the residual itself was only read
+    txn.end_step(True)
+    assert torch.equal(txn.residuals["k"], buf)
+
+
+class _Store:
+    def __init__(self):
+        self.calls = []
+
+    def end_step(self, applied):
+        self.calls.append(("end", applied))
+
+    def rescale_(self, factor):
+        self.calls.append(("rescale", factor))
+
+
+def test_step_guard_ends_each_step_once_and_follows_the_loss_scale():
+    store, state = _Store(), {"skipped": 0, "scale": 65536.0}
+    guard = StepGuard(lambda: [store], lambda: state["skipped"], lambda: state["scale"])
+    guard.begin(0)
+    guard.begin(0)  # a second bucket of the same step
+    assert store.calls == []
+    state["skipped"] = 1  # DeepSpeed skipped step 0 (overflow) and halved the scale
+    state["scale"] = 32768.0
+    guard.begin(1)
+    assert store.calls == [("end", False), ("rescale", 0.5)] and guard.restored_steps == 1
+    store.calls.clear()
+    guard.begin(2)  # step 1 applied, scale unchanged
+    assert store.calls == [("end", True)]
+    store.calls.clear()
+    state["scale"] = 65536.0  # doubled after a clean window
+    guard.begin(3)
+    assert store.calls == [("end", True), ("rescale", 2.0)]
+
+
+def test_residuals_follow_a_changed_loss_scale_exactly():
+    """Residuals are kept in the units of the gradients they meet: rescaled by S_new/S_old (exact)."""
+    ef = ErrorFeedback(True, transactional=True)
+    store = {"scale": 1024.0}
+    guard = StepGuard(lambda: [ef], lambda: 0, lambda: store["scale"])
+    true_grad = torch.randn(100)
+    guard.begin(0)
+    buf = ef.compensate_("b", [true_grad * 1024.0], torch.float32)  # fp16 gradients arrive scaled
+    _select_commit(ef, "b", buf, n_sent=0)
+    store["scale"] = 512.0
+    guard.begin(1)
+    torch.testing.assert_close(ef.residuals["b"], true_grad * 512.0, rtol=0, atol=0)
+
+
+def test_loss_scale_reads_deepspeed_optimizers():
+    class E:
+        pass
+    e = E()
+    e.optimizer = type("O", (), {"loss_scale": 4096.0})()
+    assert loss_scale(e) == 4096.0
+    e.optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    assert loss_scale(e) == 1.0
+    e.optimizer = type("O", (), {"loss_scale": None})()  # fp16 optimizer without grad scaling
+    assert loss_scale(e) == 1.0
+
+
+@pytest.fixture(scope="module")
+def skips(tmp_path_factory):
+    out = tmp_path_factory.mktemp("skips")
+    run_ranks("tests.step_cases:skip_runs", 2, out, timeout=300)
+    return [torch.load(out / f"skip_rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.mark.parametrize("name", list(SKIP_RUNS))
+def test_skipped_step_leaves_every_residual_as_before(skips, name):
+    for r in range(2):
+        run = skips[r][name]
+        assert run["transactional"] and run["restored"] == 1
+        before, bad, after = (run["steps"][BAD_STEP + d] for d in (-1, 0, 1))
+        assert bad["skipped"] == 1 and before["skipped"] == 0  # DeepSpeed skipped it on every rank
+        assert before["residuals"].keys() == bad["residuals"].keys() and before["residuals"]
+        for k, v in before["residuals"].items():
+            assert torch.equal(v, bad["residuals"][k]), f"rank {r} residual {k} changed by the skipped step"
+        assert all(torch.equal(a, b) for a, b in zip(before["params"], bad["params"]))
+        # the next step is clean: finite, and it moves on
+        assert all(bool(torch.isfinite(v).all()) for v in after["residuals"].values())
+        assert all(bool(torch.isfinite(p).all()) for p in run["steps"][-1]["params"])
+        assert not all(torch.equal(a, b) for a, b in zip(bad["params"], after["params"]))
+    for step in range(SKIP_STEPS):  # ranks identical throughout
+        assert all(torch.equal(a, b) for a, b in zip(skips[0][name]["steps"][step]["params"],
+                                                     skips[1][name]["steps"][step]["params"]))
