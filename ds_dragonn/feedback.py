@@ -221,9 +221,10 @@ class ErrorFeedback:
     def state_dict(self) -> dict:
         return {"enabled": self.enabled, "residuals": {k: v.detach().clone() for k, v in self.residuals.items()}}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Restore residuals (the ``enabled`` switch stays as configured)."""
-        self.residuals = {k: v.clone() for k, v in state["residuals"].items()}
+    def load_state_dict(self, state: dict, device: Optional[torch.device] = None) -> None:
+        """Restore residuals (the ``enabled`` switch stays as configured), on ``device`` if given."""
+        self.residuals = {k: v.to(device).clone() if device is not None else v.clone()
+                          for k, v in state["residuals"].items()}
         self._views.clear()
         self._work.clear()
         self._open.clear()

@@ -8,9 +8,11 @@ order lives in ``ds_dragonn.pipeline`` alone.
 """
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any, Dict, Hashable, Optional
 
 import torch
+from deepspeed.utils import logger
 from deepspeed.utils.logging import print_dist
 
 from ..comm import build_backend
@@ -22,6 +24,8 @@ from ..feedback import ErrorFeedback
 from ..pipeline import CompressedAllreduce, ReduceStats
 from ..policy import AutoPolicy
 from ..telemetry import Telemetry, log_reduction, monitor_events
+from ..exchange.ownership import HashedOwnership
+from .checkpoint import FORMAT, compare, describe
 from .steps import StepGuard, loss_scale, may_skip_steps
 
 
@@ -61,6 +65,7 @@ class HookBase:
         self._announced = False  # the switch to compression was logged
         self._pending: set = set()  # buckets whose residual may hold unsent gradient
         self._costly: Dict[Hashable, bool] = {}  # bucket key -> its pairs may cost more than dense
+        self.notes: list = []  # what loading a state did beyond restoring it (also logged as warnings)
         self.policy = AutoPolicy(cfg.auto_probe_steps, cfg.auto_recheck_interval,
                                  always=cfg.policy == Policy.always)
 
@@ -192,28 +197,91 @@ class HookBase:
         return (backend.rank, backend.world_size) if backend is not None else (0, 1)
 
     def state_dict(self) -> dict:
-        """This rank's residuals (the partitioned exchange's server residuals too), counters, and the rank
-        and world size they belong to. Each rank holds its own: save one file per rank."""
+        """This rank's DRAGONN state: residuals (the partitioned exchange's server residuals too), the
+        buckets that may hold unsent gradient, telemetry totals, and the description of the run they belong
+        to (:func:`ds_dragonn.engine.checkpoint.describe`). Each rank holds its own: ``engine.save_checkpoint``
+        writes one file per rank (``engine/checkpoint.py``)."""
         self._settle()
-        rank, world = self._where()
-        return {"error_feedback": self.error_feedback.state_dict(), "telemetry": self.telemetry.summary(),
+        desc = describe(self)
+        return {"description": desc, "rank": desc["rank"], "world_size": desc["world_size"],
+                "error_feedback": self.error_feedback.state_dict(),
                 "exchange": [p.exchange.state_dict() for p in self._pipelines.values()],
-                "rank": rank, "world_size": world}
+                "pending": list(self._pending), "telemetry": asdict(self.telemetry)}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` of the same rank. A state saved by another rank or world size is not
-        applied (its residuals belong to another rank's gradients): a warning names both and the residuals
-        start empty, so nothing is applied twice."""
+    def reset_state(self, why: str) -> None:
+        """Start with empty residuals (and no pending flush), with a warning saying why."""
+        rank, _ = self._where()
+        self._note(f"[rank {rank}] DRAGONN: residuals start empty: {why}")
+        self.error_feedback.reset()
+        for pipe in self._pipelines.values():
+            pipe.exchange.reset()
+        self._pending = set()
+
+    def load_state_dict(self, state: dict, source: str = "the state") -> None:
+        """Restore :meth:`state_dict` of this rank, by the rules of ``engine/checkpoint.py``: residuals
+        saved by another rank, world size, model or bucketing are reset, server residuals saved under
+        another exchange are folded into the worker residuals, other setting changes keep them; each case
+        logs a warning naming what differs.
+
+        Raises:
+            ValueError: ``state`` is not a DRAGONN state (names the missing part), comes from a newer format,
+                or holds a residual that is not a 1-D floating-point tensor.
+        """
         rank, world = self._where()
-        saved = (state.get("rank"), state.get("world_size"))
-        if saved != (rank, world):
-            from deepspeed.utils import logger
-            logger.warning(f"[rank {rank}] DRAGONN: residuals saved by rank {saved[0]} of {saved[1]} not loaded into "
-                           f"rank {rank} of {world}; they start empty (save and load one state per rank)")
-            self.error_feedback.reset()
-            for pipe in self._pipelines.values():
-                pipe.exchange.reset()
+        if not isinstance(state, dict) or "error_feedback" not in state:
+            raise ValueError(f"[rank {rank}] DRAGONN: {source} is not a DRAGONN state (no 'error_feedback')")
+        saved = state.get("description") or {"rank": state.get("rank"), "world_size": state.get("world_size")}
+        if saved.get("format", FORMAT) > FORMAT:
+            raise ValueError(f"[rank {rank}] DRAGONN: {source} has format {saved['format']}, newer than this "
+                             f"ds_dragonn's {FORMAT}")
+        residuals = state["error_feedback"].get("residuals", {})
+        for key, buf in residuals.items():
+            if not isinstance(buf, torch.Tensor) or buf.dim() != 1 or not buf.is_floating_point():
+                raise ValueError(f"[rank {rank}] DRAGONN: {source}: residual {key} is not a 1-D float tensor")
+        if "description" in state:
+            reset, fold, kept = compare(saved, describe(self))
+        else:  # a bare state (rank and world size only)
+            reset = [] if (saved["rank"], saved["world_size"]) == (rank, world) else \
+                [f"saved by rank {saved['rank']} of {saved['world_size']} not loaded into rank {rank} of {world}"]
+            fold, kept = [], []
+        if reset:
+            self.reset_state(f"{source} does not apply here: " + "; ".join(reset))
             return
-        self.error_feedback.load_state_dict(state["error_feedback"])
-        for pipe, ex_state in zip(self._pipelines.values(), state.get("exchange", [])):
-            pipe.exchange.load_state_dict(ex_state)
+        self.error_feedback.load_state_dict(state["error_feedback"], getattr(self.engine, "device", None))
+        exchanges = state.get("exchange", [])
+        if fold:
+            self._fold_server_residuals(exchanges)
+            self._note(f"[rank {rank}] DRAGONN: {'; '.join(fold)}: this rank's server residuals from {source} "
+                       f"were added into its worker residuals (exact: the same unsent sum)")
+        else:
+            for pipe, ex_state in zip(self._pipelines.values(), exchanges):
+                pipe.exchange.load_state_dict(ex_state, getattr(self.engine, "device", None))
+        self._pending = set(state.get("pending", residuals.keys())) | set(residuals)
+        for field, value in state.get("telemetry", {}).items():
+            if hasattr(self.telemetry, field):
+                setattr(self.telemetry, field, value)
+        if kept:
+            self._note(f"[rank {rank}] DRAGONN: {source} was saved with {'; '.join(kept)}; its residuals are "
+                       f"kept (unsent gradients, in the same units whatever these settings)")
+
+    def _note(self, message: str) -> None:
+        self.notes.append(message)
+        logger.warning(message)
+
+    def _fold_server_residuals(self, exchanges: list) -> None:
+        """Add saved partitioned-exchange server residuals into the worker residuals of the same buckets, at
+        the indices this rank owned (the owner map of the saved world size, which equals this one)."""
+        rank, world = self._where()
+        for ex_state in exchanges:
+            numels = ex_state.get("numel", {})
+            for key, part in ex_state.get("server", {}).get("residuals", {}).items():
+                if key not in numels or not part.numel():
+                    continue
+                own = HashedOwnership(numels[key], world)
+                worker = self.error_feedback.residuals.get(key)
+                if worker is None:
+                    device = getattr(self.engine, "device", None) or part.device
+                    worker = self.error_feedback.residuals[key] = torch.zeros(numels[key], dtype=part.dtype,
+                                                                              device=device)
+                idx = own.to_index(rank, torch.arange(part.numel(), device=worker.device))
+                worker.index_add_(0, idx, part.to(worker))

@@ -20,6 +20,7 @@ from typing import Any, Hashable, NamedTuple, Optional
 
 from ..pipeline import PhaseClock
 from .base import HookBase, bucket_seed
+from .checkpoint import install as install_checkpointing
 
 
 class Scales(NamedTuple):
@@ -55,6 +56,7 @@ class DragonnHook(HookBase):
         self.engine.allreduce_bucket = self.allreduce_bucket
         self.engine.allreduce_and_copy = self.allreduce_and_copy
         self.engine.dragonn = self
+        install_checkpointing(self)  # engine.save_checkpoint / load_checkpoint carry the residuals
         self._log_start(self.cfg.exchange.value)
         return self
 

@@ -23,9 +23,9 @@ from deepspeed.utils.logging import print_dist
 def may_skip_steps(engine: Any) -> bool:
     """Whether DeepSpeed may skip a step of this engine on overflow: fp16, or bf16 with
     ``bf16.check_grad_overflow`` (DeepSpeed 0.19.8 ``runtime/engine.py`` ``_configure_zero_optimizer``)."""
-    if engine.fp16_enabled():
+    if getattr(engine, "fp16_enabled", lambda: False)():
         return True
-    if engine.bfloat16_enabled():
+    if getattr(engine, "bfloat16_enabled", lambda: False)():
         bf16 = getattr(engine._config, "bfloat16_config", None)
         return bool(getattr(bf16, "check_grad_overflow", True))
     return False

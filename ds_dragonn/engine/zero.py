@@ -37,6 +37,7 @@ from ..exchange.base import dense_allreduce_bytes
 from ..exchange.reduce_scatter import RangeOwnership, ReduceScatterExchange, dense_reduce_scatter_bytes
 from ..pipeline import PhaseClock
 from .base import HookBase, bucket_seed
+from .checkpoint import install as install_checkpointing
 
 _RECORDED = ("allreduce_no_retain", "allreduce_and_scatter")
 
@@ -69,6 +70,7 @@ class ZeroHook(HookBase):
         self.pipeline(self.optimizer.dp_process_group)  # a wrong launch fails at initialize
         self.optimizer.average_tensor = self.average_tensor
         self.engine.dragonn = self
+        install_checkpointing(self)  # engine.save_checkpoint / load_checkpoint carry the residuals
         self._log_start("reduce_scatter (ZeRO partitions)")
         return self
 

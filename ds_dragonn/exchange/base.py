@@ -164,8 +164,8 @@ class Exchange(ABC):
     def state_dict(self) -> dict:
         return {}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Restore what :meth:`state_dict` returned."""
+    def load_state_dict(self, state: dict, device: torch.device | None = None) -> None:
+        """Restore what :meth:`state_dict` returned (tensors onto ``device`` if given)."""
 
     def reset(self) -> None:
         """Forget all per-bucket state."""

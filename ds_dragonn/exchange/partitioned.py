@@ -280,7 +280,7 @@ class PartitionedExchange(Exchange):
         return {"server": self.server.state_dict(), "world_size": self.backend.world_size,
                 "rank": self.backend.rank, "numel": dict(self._numel)}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, device: torch.device | None = None) -> None:
         """Restore server residuals saved by :meth:`state_dict`.
 
         Rule: residuals saved by another owner (another world size or rank) are dropped with a warning
@@ -307,7 +307,7 @@ class PartitionedExchange(Exchange):
                                  f"but the bucket's owner map gives rank {rank} "
                                  f"{self.ownership(numels[key]).size(rank) if key in numels else '?'} indices "
                                  f"(bucket length {numels.get(key, 'not saved')})")
-        self.server.load_state_dict(state["server"])
+        self.server.load_state_dict(state["server"], device)
         self._numel = numels
 
     def reset(self) -> None:

@@ -1,0 +1,107 @@
+"""Multi-rank cases for DRAGONN state in DeepSpeed checkpoints: run by tests/test_checkpoint.py."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tests.dist_cases import _engine_config, _init, _zero_config
+
+_D = {"enabled": True, "density": 0.01, "min_compress_numel": 1}
+RESUME_RUNS = {
+    "s0_fp32": _engine_config(_D),
+    "s0_partitioned": _engine_config({**_D, "exchange": "partitioned"}),
+    "s0_bf16": _engine_config(_D, bf16=True),  # transactional residuals (bf16 steps may be skipped)
+    "s2_fp32": _zero_config(2, {"enabled": True, "density": 0.01}),
+    "s0_dense": _engine_config(None),  # a checkpoint without DRAGONN state
+}
+K = 3  # save after K steps; compare at 2K
+LAYERS = (32, 64, 4)
+
+
+def _engine(cfg: dict, frozen_first: bool = False):
+    import ds_dragonn
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(LAYERS[0], LAYERS[1]), torch.nn.Tanh(),
+                                torch.nn.Linear(LAYERS[1], LAYERS[2]))
+    if frozen_first:
+        model[0].weight.requires_grad_(False)
+    engine, *_ = ds_dragonn.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    return engine
+
+
+def _train(engine, rank: int, start: int, stop: int) -> None:
+    dtype = next(engine.module.parameters()).dtype
+    for step in range(start, stop):  # each step's batch depends on (rank, step) only: resumable
+        g = torch.Generator().manual_seed(1000 * rank + step)
+        x = torch.randn(8, LAYERS[0], generator=g).to(dtype)
+        y = torch.randint(0, LAYERS[2], (8,), generator=g)
+        engine.backward(torch.nn.functional.cross_entropy(engine(x).float(), y))
+        engine.step()
+
+
+def _params(engine) -> list:
+    return [p.detach().float().clone() for p in engine.module.parameters()]
+
+
+def _residual_mass(engine) -> float:
+    hook = getattr(engine, "dragonn", None)
+    if hook is None:
+        return 0.0
+    residuals = hook.state_dict()["error_feedback"]["residuals"]  # settled: the last step's residuals
+    return float(sum(float(v.double().abs().sum()) for v in residuals.values()))
+
+
+def save_runs(rank: int, world: int, out_dir: str) -> None:
+    """Uninterrupted runs of 2K steps, each saving a checkpoint at step K."""
+    _init()
+    out = {}
+    for name, cfg in RESUME_RUNS.items():
+        engine = _engine(cfg)
+        _train(engine, rank, 0, K)
+        mass = _residual_mass(engine)
+        engine.save_checkpoint(str(Path(out_dir) / "ckpt" / name), tag="k")
+        _train(engine, rank, K, 2 * K)
+        out[name] = {"params": _params(engine), "mass_at_k": mass}
+    torch.save(out, Path(out_dir) / f"save_rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+def resume_runs(rank: int, world: int, out_dir: str) -> None:
+    """Fresh processes: load each step-K checkpoint and train to 2K; then the mismatch cases."""
+    _init()
+    ckpt = Path(out_dir) / "ckpt"
+    out = {}
+
+    def resume(name: str, cfg: dict, source: str, frozen_first: bool = False, **load) -> dict:
+        engine = _engine(cfg, frozen_first)
+        path, _ = engine.load_checkpoint(str(ckpt / source), tag="k", **load)
+        hook = getattr(engine, "dragonn", None)
+        got = {"loaded": path is not None, "mass_after_load": _residual_mass(engine),
+               "notes": list(hook.notes) if hook else [], "global_steps": int(engine.global_steps)}
+        _train(engine, rank, K, 2 * K)
+        got["params"] = _params(engine)
+        return got
+
+    for name, cfg in RESUME_RUNS.items():
+        out[name] = resume(name, cfg, name)
+    # documented rules, each with its warning
+    out["density_changed"] = resume("density_changed", _engine_config({**_D, "density": 0.001}), "s0_fp32")
+    out["exchange_changed"] = resume("exchange_changed", _engine_config(_D), "s0_partitioned")
+    out["model_changed"] = resume("model_changed", _engine_config(_D), "s0_fp32", frozen_first=True)
+    out["warm_start"] = resume("warm_start", _engine_config(_D), "s0_fp32", load_optimizer_states=False)
+    out["no_dragonn_state"] = resume("no_dragonn_state", _engine_config(_D), "s0_dense")
+    torch.save(out, Path(out_dir) / f"resume_rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+def resized_runs(rank: int, world: int, out_dir: str) -> None:
+    """A 2-rank checkpoint loaded by 3 ranks: residuals reset on every rank, training goes on in step."""
+    _init()
+    engine = _engine(RESUME_RUNS["s0_fp32"])
+    path, _ = engine.load_checkpoint(str(Path(out_dir) / "ckpt" / "s0_fp32"), tag="k")
+    notes, mass = list(engine.dragonn.notes), _residual_mass(engine)
+    _train(engine, rank, K, K + 2)
+    torch.save({"loaded": path is not None, "notes": notes, "mass_after_load": mass, "params": _params(engine)},
+               Path(out_dir) / f"resized_rank{rank}.pt")
+    torch.distributed.destroy_process_group()

@@ -1,0 +1,120 @@
+"""DRAGONN state in DeepSpeed's checkpoints: exact resume, and the documented rule for each mismatch.
+
+One launch of 2 ranks trains 2K steps saving at K (``engine.save_checkpoint``, nothing else); a second
+launch, in fresh processes, loads each checkpoint (``engine.load_checkpoint``) and trains to 2K; a third
+loads a 2-rank checkpoint on 3 ranks.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.ckpt_cases import RESUME_RUNS
+from tests.multiproc import run_ranks
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ckpt")
+    run_ranks("tests.ckpt_cases:save_runs", 2, out, timeout=400)
+    run_ranks("tests.ckpt_cases:resume_runs", 2, out, timeout=400)
+    run_ranks("tests.ckpt_cases:resized_runs", 3, out, timeout=400)
+    load = lambda stem, n: [torch.load(out / f"{stem}_rank{r}.pt", weights_only=False) for r in range(n)]  # noqa: E731
+    return {"dir": out, "save": load("save", 2), "resume": load("resume", 2), "resized": load("resized", 3)}
+
+
+def _equal(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("name", list(RESUME_RUNS))
+def test_resume_equals_the_uninterrupted_run_bit_for_bit(ckpt, name):
+    for r in range(2):
+        saved, resumed = ckpt["save"][r][name], ckpt["resume"][r][name]
+        assert resumed["loaded"] and resumed["global_steps"] == 3
+        assert _equal(saved["params"], resumed["params"]), f"rank {r}: resumed run differs"
+        if name != "s0_dense":
+            assert resumed["notes"] == [], resumed["notes"]
+            assert saved["mass_at_k"] > 0 and resumed["mass_after_load"] == pytest.approx(saved["mass_at_k"], rel=1e-12)
+
+
+def test_every_rank_writes_its_own_file_beside_deepspeeds(ckpt):
+    folder = ckpt["dir"] / "ckpt" / "s0_fp32" / "k"
+    assert (folder / "mp_rank_00_model_states.pt").is_file()
+    states = [torch.load(folder / f"dragonn_rank{r}.pt", weights_only=False) for r in range(2)]
+    for r, st in enumerate(states):
+        d = st["description"]
+        assert (d["rank"], d["world_size"], d["global_steps"]) == (r, 2, 3)
+        assert d["dragonn"]["density"] == 0.01 and d["parameters"][0] == ("0.weight", (64, 32))
+        assert st["error_feedback"]["residuals"]
+    # the residuals differ between ranks (each rank's own unsent gradient): one file per rank is needed
+    a, b = (next(iter(s["error_feedback"]["residuals"].values())) for s in states)
+    assert not torch.equal(a, b)
+    part = torch.load(ckpt["dir"] / "ckpt" / "s0_partitioned" / "k" / "dragonn_rank1.pt", weights_only=False)
+    assert part["exchange"][0]["server"]["residuals"], "the partitioned exchange's server residuals are saved"
+    assert not (ckpt["dir"] / "ckpt" / "s0_dense" / "k" / "dragonn_rank0.pt").exists()
+
+
+def test_density_change_keeps_residuals_with_a_warning(ckpt):
+    for r in range(2):
+        got = ckpt["resume"][r]["density_changed"]
+        assert got["mass_after_load"] > 0
+        assert len(got["notes"]) == 1 and "dragonn.density 0.01 (now 0.001)" in got["notes"][0]
+        assert "kept" in got["notes"][0]
+
+
+def test_exchange_change_folds_server_residuals_exactly(ckpt):
+    for r in range(2):
+        got = ckpt["resume"][r]["exchange_changed"]
+        assert any("dragonn.exchange partitioned (now allgather)" in n for n in got["notes"]), got["notes"]
+        state = torch.load(ckpt["dir"] / "ckpt" / "s0_partitioned" / "k" / f"dragonn_rank{r}.pt", weights_only=False)
+        worker = sum(float(v.double().abs().sum()) for v in state["error_feedback"]["residuals"].values())
+        server = sum(float(v.double().abs().sum()) for v in state["exchange"][0]["server"]["residuals"].values())
+        assert server > 0
+        # the folded residual holds both (|a+b| <= |a|+|b|, and more than the worker part alone here)
+        assert worker < got["mass_after_load"] <= worker + server + 1e-9
+
+
+@pytest.mark.parametrize("case, words", [("model_changed", "trainable parameters 0.weight: (64, 32) (now absent)"),
+                                         ("warm_start", "a warm start"),
+                                         ("no_dragonn_state", "not found")])
+def test_mismatches_reset_residuals_with_a_warning_naming_the_cause(ckpt, case, words):
+    for r in range(2):
+        got = ckpt["resume"][r][case]
+        assert got["mass_after_load"] == 0.0
+        assert len(got["notes"]) == 1 and words in got["notes"][0] and "start empty" in got["notes"][0], got["notes"]
+        assert all(bool(torch.isfinite(p).all()) for p in got["params"])
+    assert _equal(ckpt["resume"][0][case]["params"], ckpt["resume"][1][case]["params"])
+
+
+def test_world_size_change_resets_on_every_rank(ckpt):
+    runs = ckpt["resized"]
+    for r, got in enumerate(runs):
+        assert got["loaded"] and got["mass_after_load"] == 0.0 and len(got["notes"]) == 1
+        assert ("world size 2 (now 3)" if r < 2 else "not found") in got["notes"][0], got["notes"]
+    assert _equal(runs[0]["params"], runs[1]["params"]) and _equal(runs[0]["params"], runs[2]["params"])
+
+
+def test_load_state_dict_refuses_what_is_not_a_state():
+    from types import SimpleNamespace
+
+    from ds_dragonn.config import DragonnConfig
+    from ds_dragonn.engine.base import HookBase
+    engine = SimpleNamespace(module=torch.nn.Linear(2, 2), global_steps=0, skipped_steps=0,
+                             zero_optimization_stage=lambda: 0, zero_reduce_bucket_size=lambda: 500_000_000,
+                             communication_data_type=torch.float32, device=torch.device("cpu"))
+    hook = HookBase(engine, DragonnConfig(enabled=True))
+    with pytest.raises(ValueError, match="not a DRAGONN state"):
+        hook.load_state_dict({"model": 1}, source="x.pt")
+    good = hook.state_dict()
+    bad = dict(good, error_feedback={"residuals": {"b": torch.ones(2, 2)}})
+    with pytest.raises(ValueError, match="residual b is not a 1-D float tensor"):
+        hook.load_state_dict(bad)
+    newer = dict(good, description=dict(good["description"], format=99))
+    with pytest.raises(ValueError, match="format 99"):
+        hook.load_state_dict(newer)
+    # bucketing differs: reset, naming it
+    other = dict(good, description=dict(good["description"], bucketing={"zero_optimization.stage": 2}),
+                 error_feedback={"enabled": True, "residuals": {"b": torch.ones(3)}})
+    hook.load_state_dict(other, source="y.pt")
+    assert hook.error_feedback.residuals == {} and "zero_optimization.stage 2 (now 0)" in hook.notes[-1]
