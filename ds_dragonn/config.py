@@ -138,12 +138,15 @@ class DragonnConfig(DeepSpeedConfigModel):
         Returns a disabled config when the block is absent.
 
         Raises:
-            DragonnConfigError: the block is not an object, has an unknown key or an invalid value.
+            DragonnConfigError: the block is null or not an object, has an unknown key or an invalid value.
         """
         cfg = load_ds_config(ds_config)
-        block = cfg.get(DRAGONN_KEY)
-        if block is None:
+        if DRAGONN_KEY not in cfg:
             return cls()
+        block = cfg[DRAGONN_KEY]
+        if block is None:
+            raise DragonnConfigError(f"'{DRAGONN_KEY}' is null; give an object such as "
+                                     f'{{"enabled": false}} or {{"enabled": true, "density": 0.01}}, or remove the key')
         if not isinstance(block, Mapping):
             raise DragonnConfigError(f"'{DRAGONN_KEY}' must be a JSON object, got {type(block).__name__}: {block!r}")
         try:

@@ -62,6 +62,8 @@ def save_runs(rank: int, world: int, out_dir: str) -> None:
         mass = _residual_mass(engine)
         engine.save_checkpoint(str(Path(out_dir) / "ckpt" / name), tag="k")
         _train(engine, rank, K, 2 * K)
+        if name == "s0_fp32":
+            engine.save_checkpoint(str(Path(out_dir) / "ckpt" / name), tag="end")  # a second tag, step 2K
         out[name] = {"params": _params(engine), "mass_at_k": mass}
     torch.save(out, Path(out_dir) / f"save_rank{rank}.pt")
     torch.distributed.destroy_process_group()
@@ -91,6 +93,14 @@ def resume_runs(rank: int, world: int, out_dir: str) -> None:
     out["model_changed"] = resume("model_changed", _engine_config(_D), "s0_fp32", frozen_first=True)
     out["warm_start"] = resume("warm_start", _engine_config(_D), "s0_fp32", load_optimizer_states=False)
     out["no_dragonn_state"] = resume("no_dragonn_state", _engine_config(_D), "s0_dense")
+    # ranks resuming different tags: an error on every rank, not a hang in the next step
+    import ds_dragonn
+    engine = _engine(_engine_config(_D))
+    try:
+        engine.load_checkpoint(str(ckpt / "s0_fp32"), tag="k" if rank == 0 else "end")
+        out["different_tags"] = None
+    except ds_dragonn.CheckpointMismatchError as err:
+        out["different_tags"] = str(err)
     torch.save(out, Path(out_dir) / f"resume_rank{rank}.pt")
     torch.distributed.destroy_process_group()
 

@@ -118,3 +118,9 @@ def test_load_state_dict_refuses_what_is_not_a_state():
                  error_feedback={"enabled": True, "residuals": {"b": torch.ones(3)}})
     hook.load_state_dict(other, source="y.pt")
     assert hook.error_feedback.residuals == {} and "zero_optimization.stage 2 (now 0)" in hook.notes[-1]
+
+
+def test_ranks_resuming_different_tags_fail_on_every_rank(ckpt):
+    for r in range(2):
+        msg = ckpt["resume"][r]["different_tags"]
+        assert msg is not None and msg.startswith(f"[rank {r}]") and "rank 0: 3, rank 1: 6" in msg, msg

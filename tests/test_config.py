@@ -109,3 +109,10 @@ def test_initialize_refuses_zero1_bf16_with_fp32_accumulation():
            "data_types": {"grad_accum_dtype": "fp32"}, "dragonn": {"enabled": True}}
     with pytest.raises(ds_dragonn.DragonnUnsupportedError, match="BF16_Optimizer.*ZeRO stage 2"):
         ds_dragonn.initialize(model=None, config=cfg)
+
+
+def test_null_block_is_an_error_not_silently_off():
+    from ds_dragonn.config import DragonnConfig, DragonnConfigError
+    with pytest.raises(DragonnConfigError, match="'dragonn' is null"):
+        DragonnConfig.from_ds_config({"train_batch_size": 1, "dragonn": None})
+    assert DragonnConfig.from_ds_config({"train_batch_size": 1}).enabled is False  # absent: off

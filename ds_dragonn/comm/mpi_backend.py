@@ -207,9 +207,15 @@ def _check_same_world(mpi_rank: int, mpi_size: int, group: Optional[Any]) -> Non
     if (t_size, t_rank) == (mpi_size, mpi_rank):
         return
     member = f"this process is its rank {t_rank}" if t_rank >= 0 else "this process is not in it"
-    hint = (f"launch every rank with MPI ('mpirun -np {mpi_size if t_size < 1 else t_size} python "
-            f"launch/train.py ...' or 'deepspeed --launcher mpich|openmpi --hostfile ...')"
-            if t_size != mpi_size else "launch with mpirun/mpiexec so that RANK is the MPI rank")
+    if t_size != mpi_size and torch.distributed.get_world_size() == mpi_size:
+        # the launch is right: the data-parallel group is a subgroup (model, pipeline or sequence parallelism)
+        hint = ("the data-parallel group is a subgroup of the job's world, and the mpi backend exchanges over "
+                "MPI's whole world")
+    elif t_size != mpi_size:
+        hint = (f"launch every rank with MPI ('mpirun -np {mpi_size if t_size < 1 else t_size} python "
+                f"launch/train.py ...' or 'deepspeed --launcher mpich|openmpi --hostfile ...')")
+    else:
+        hint = "launch with mpirun/mpiexec so that RANK is the MPI rank"
     raise MPIWorldMismatchError(
         f"[rank {torch.distributed.get_rank()}] 'comm_backend': 'mpi' exchanges over all {mpi_size} MPI ranks (this process is "
         f"MPI rank {mpi_rank}), but the torch.distributed data-parallel group has {max(t_size, 0)} ranks "

@@ -23,7 +23,8 @@ differs, none is silent):
 * another density, compressor, kernel, sample size, warm-up or policy: the residuals are unsent gradients
   in the same units whatever those settings, so they are **kept**.
 
-Loading with ``load_optimizer_states=False`` or ``load_module_only=True`` (a warm start) leaves the
+After every load the ranks compare their global step (:func:`check_same_step`): ranks that resumed
+different tags fail at once instead of hanging later. Loading with ``load_optimizer_states=False`` or ``load_module_only=True`` (a warm start) leaves the
 residuals empty, like DeepSpeed's optimizer state.
 """
 from __future__ import annotations
@@ -41,6 +42,30 @@ FORMAT = 1
 #: in the same units), and those that change what the residuals mean.
 _KEPT_FIELDS = ("density", "compressor", "kernel", "sample_ratio", "min_sample", "table_factor", "warmup_steps",
                 "policy", "auto_probe_steps", "auto_recheck_interval", "min_compress_numel", "seed", "log_interval")
+
+
+class CheckpointMismatchError(ValueError):
+    """Ranks resumed from different checkpoints (different global steps): raised on every rank."""
+
+
+def check_same_step(hook: Any) -> None:
+    """One small allgather of ``global_steps`` over the data-parallel group after a load: ranks that resumed
+    different tags would otherwise take different dense/compressed branches (warm-up, seeds) and hang.
+
+    Raises:
+        CheckpointMismatchError: on every rank, naming each rank's step.
+    """
+    if not hook._pipelines:
+        return
+    backend = next(iter(hook._pipelines.values())).backend
+    if backend.world_size <= 1:
+        return
+    device = getattr(hook.engine, "device", None) or torch.device("cpu")
+    steps = [row[0] for row in backend.all_gather_ints([int(hook.engine.global_steps)], device)]
+    if len(set(steps)) > 1:
+        per_rank = ", ".join(f"rank {r}: {s}" for r, s in enumerate(steps))
+        raise CheckpointMismatchError(f"[rank {backend.rank}] ranks resumed at different global steps ({per_rank}); "
+                                      f"every rank must load the same checkpoint tag")
 
 
 def state_path(folder: str, rank: int) -> str:
@@ -126,6 +151,7 @@ def install(hook: Any) -> None:
         """DeepSpeed's ``load_checkpoint``, then this rank's DRAGONN state from the loaded tag folder."""
         a = _bound(load, args, kwargs)
         out = load(*args, **kwargs)
+        check_same_step(hook)
         load_path = out[0] if isinstance(out, tuple) and out else None
         if load_path is None:
             return out  # DeepSpeed loaded nothing

@@ -305,6 +305,8 @@ def check_world_mismatch():
     """A data-parallel group that is not the MPI world: MPIWorldMismatchError on every rank."""
     group = torch.distributed.new_group([0])
     msg = _expect(MPIWorldMismatchError, lambda: MPICommBackend(group=group), f"all {WORLD} MPI ranks")
+    # the launch was right: the message blames the subgroup, not the launcher
+    assert "subgroup" in msg and "mpirun -np" not in msg, msg
     _in_sync()
     return msg
 
