@@ -7,7 +7,7 @@
 #
 # Writes: env.txt (nvidia-smi, versions), test_kernels.log, bench.log, bench_compress.json,
 # bench_compress.png, bench_compress.md, train_cuda.{log,json} (the main job's DRAGONN run on CUDA, world
-# size 1 over NCCL), bench_step.{log,json} (per-phase step cost on the GPU), status.txt (one line per
+# size 1 over NCCL), fp16_engine.log (skipped steps and the loss scale), bench_step.{log,json} (per-phase step cost on the GPU), status.txt (one line per
 # step: ok / FAILED rc).
 # Budget: set-up 1-3 min on a fresh machine (torch wheel), tests < 1 min, benchmark ~3-5 min on an H200
 # (--budget-s bounds each method). Set GPU_CHECK_QUICK=1 for the 2^20/2^22/2^24 fp32 benchmark only.
@@ -99,6 +99,11 @@ step train_cuda_partitioned "$OUTDIR/train_cuda_partitioned.log" \
 step train_cuda_zero2 "$OUTDIR/train_cuda_zero2.log" \
   python -m deepspeed.launcher.runner --num_gpus 1 --master_addr 127.0.0.1 --master_port 29535 \
   launch/train.py --deepspeed_config configs/dragonn_zero2.json --steps 100 --summary "$OUTDIR/train_cuda_zero2.json" || rc=1
+# fp16 with dynamic loss scaling (DeepSpeed refuses fp16 on CPU): an overflow step leaves every residual as
+# it was, the residuals follow the loss scale as it halves and doubles
+step fp16_engine "$OUTDIR/fp16_engine.log" \
+  python -m deepspeed.launcher.runner --num_gpus 1 --master_addr 127.0.0.1 --master_port 29536 \
+  tests/gpu/fp16_engine.py --precision fp16 || rc=1
 step bench_step_cuda "$OUTDIR/bench_step.log" \
   python launch/bench_step.py --device cuda --steps 20 --json "$OUTDIR/bench_step.json" || rc=1
 echo "outputs in $OUTDIR:" >&2
