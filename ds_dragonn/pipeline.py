@@ -133,8 +133,8 @@ class CompressedAllreduce:
             ``postscale × Σ_ranks decoded pairs``, valid until this key's next reduction (None with
             ``into_inputs``: the tensors hold the result).
         Raises:
-            BufferMismatchError: on every rank, when ranks disagree on the bucket's length, its dtype or
-                the exchange scheme (checked before the residual is touched).
+            BufferMismatchError: on every rank, when ranks disagree on the bucket's length, its dtype, the
+                exchange scheme or the bucket key (its parameters; checked before the residual is touched).
             CommError: a collective failed.
         """
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
@@ -142,7 +142,7 @@ class CompressedAllreduce:
         device = tensors[0].device if tensors else torch.device("cpu")
         dtype = dtype or (tensors[0].dtype if tensors else torch.float32)
         if (key, n, dtype) not in self._agreed:
-            check_buffer_agreement(n, dtype, self.backend, device, self.exchange.name)
+            check_buffer_agreement(n, dtype, self.backend, device, self.exchange.name, key)
             self._agreed.add((key, n, dtype))
 
         clock = PhaseClock(device)

@@ -9,7 +9,7 @@ gradients where the CPU library can, else a decode buffer plus DeepSpeed's copy 
 the bucket (``g.sum()``, the floor, timed in alternation in the same run), and for context the local
 work of DeepSpeed's dense path around its allreduce (flatten, scale, copy back).
 
-    python launch/bench_step.py                      # 1 thread, fp32 and bf16, density 0.01
+    python launch/bench_step.py                      # 1 thread, fp32, bf16 and bf16+txn, density 0.01
     python launch/bench_step.py --json docs/bench_step.json --threads 1 --steps 30
 """
 from __future__ import annotations
@@ -33,7 +33,9 @@ PHASES = ("compensate_ms", "select_ms", "exchange_ms", "residual_ms", "decode_ms
 
 def get_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16, fp16")
+    p.add_argument("--dtypes", default="fp32,bf16,bf16+txn",
+                   help="comma-separated: fp32, bf16, fp16; '+txn' = transactional residuals, what fp16 and bf16 "
+                        "engines whose steps DeepSpeed may skip on overflow run (check_grad_overflow, the default)")
     p.add_argument("--density", type=float, default=DENSITY)
     p.add_argument("--threads", type=int, default=1, help="torch (and kernel) threads")
     p.add_argument("--steps", type=int, default=STEPS)
@@ -66,12 +68,13 @@ def median(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
-def bench_dtype(dtype, shapes, args, backend):
+def bench_dtype(dtype, shapes, args, backend, transactional=False):
     from ds_dragonn.compress import DragonnCompressor
     from ds_dragonn.feedback import ErrorFeedback
     from ds_dragonn.pipeline import CompressedAllreduce
 
-    pipe = CompressedAllreduce(DragonnCompressor(args.density), backend, ErrorFeedback(True))
+    ef = ErrorFeedback(True, transactional=transactional)
+    pipe = CompressedAllreduce(DragonnCompressor(args.density), backend, ef)
     device = torch.device(args.device)
     grads = [make_grads(shapes, dtype, s, device) for s in range(3)]  # rotate 3 inputs: no reuse of a hot cache
     n = sum(g.numel() for g in grads[0])
@@ -89,6 +92,7 @@ def bench_dtype(dtype, shapes, args, backend):
         if not into:  # DeepSpeed's allreduce_and_copy copies the flat result into the gradients
             for buf, synced in zip(bucket, torch._utils._unflatten_dense_tensors(out, bucket)):
                 buf.copy_(synced)
+        ef.end_step(True)  # transactional: the applied step's working buffer becomes the residual (a swap)
         sync(device)
         t1 = time.perf_counter()
         flat.sum()
@@ -110,7 +114,8 @@ def bench_dtype(dtype, shapes, args, backend):
             dense_local.append((t3 - t2b) * 1e3)
             for p in PHASES:
                 phases[p].append(getattr(stats, p))
-    rec = {"dtype": str(dtype).replace("torch.", ""), "device": args.device, "decode_into_gradients": into,
+    rec = {"dtype": str(dtype).replace("torch.", "") + ("+txn" if transactional else ""), "device": args.device,
+           "transactional": transactional, "decode_into_gradients": into,
            "numel": n, "density": args.density, "threads": args.threads,
            "steps": args.steps, "kept": stats.kept, "k": stats.k}
     rec.update({p: median(v) for p, v in phases.items()})
@@ -142,19 +147,20 @@ def main():
     layers = tuple(int(x) for x in args.layers.split(","))
     shapes = bucket_shapes(layers)
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-    records = [bench_dtype(dtypes[d], shapes, args, TorchCommBackend()) for d in args.dtypes.split(",")]
+    records = [bench_dtype(dtypes[d.split("+")[0]], shapes, args, TorchCommBackend(), transactional=d.endswith("+txn"))
+               for d in args.dtypes.split(",")]
     tdist.destroy_process_group()
 
     print(f"bucket {records[0]['numel']:,} elements (MLP {'-'.join(map(str, layers))}), density {args.density}, "
           f"{args.threads} thread(s), median of {args.steps} steps; kernel {cpu_table.THREADING or 'reference'}")
-    head = f"{'phase':<28}" + "".join(f"{r['dtype'] + ' ms':>12}" for r in records)
+    head = f"{'phase':<28}" + "".join(f"{r['dtype'] + ' ms':>15}" for r in records)
     print(head)
     print("-" * len(head))
     rows = [(p.replace("_ms", ""), p) for p in PHASES] + [
         ("whole step (no wire)", "total_ms"), ("one read pass (floor)", "floor_ms"), ("step / floor", "x_floor"),
         ("dense DeepSpeed local work", "dense_local_ms")]
     for label, key in rows:
-        print(f"{label:<28}" + "".join(f"{r[key]:>12.2f}" for r in records))
+        print(f"{label:<28}" + "".join(f"{r[key]:>15.2f}" for r in records))
     if args.json:
         meta = {"machine": platform.processor() or platform.machine(), "torch": torch.__version__,
                 "cpu_threads_available": os.cpu_count()}

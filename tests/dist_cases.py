@@ -382,5 +382,17 @@ def disagree_runs(rank: int, world: int, out_dir: str) -> None:
     engine.backward(engine(torch.randn(8, 8)).sum())
     engine.step()
     out["agree_compressed"] = engine.dragonn.telemetry.compressed_reductions
+    # ranks that froze different layers of the same size: same bucket length, other parameters
+    from ds_dragonn.exchange import BufferMismatchError
+    model = torch.nn.ModuleDict({"a": torch.nn.Linear(10, 10, bias=False), "b": torch.nn.Linear(10, 10, bias=False)})
+    model["b" if rank == 0 else "a"].weight.requires_grad_(False)
+    engine, *_ = ds_dragonn.initialize(model=model, model_parameters=model.parameters(),
+                                       config=_engine_config({"enabled": True, "min_compress_numel": 1}))
+    try:
+        engine.backward((engine.module["a"](torch.ones(2, 10)) + engine.module["b"](torch.ones(2, 10))).sum())
+        engine.step()
+        out["layout_mismatch"] = None
+    except BufferMismatchError as err:
+        out["layout_mismatch"] = str(err)
     torch.save(out, Path(out_dir) / f"disagree_rank{rank}.pt")
     torch.distributed.destroy_process_group()

@@ -55,3 +55,11 @@ def test_differences_that_change_no_collective_are_accepted(runs, name):
 def test_ranks_that_agree_still_compress(runs):
     world, ranks = runs
     assert all(ranks[r]["agree_compressed"] == 1 for r in range(world))
+
+
+def test_ranks_training_different_parameters_fail_on_every_rank(runs):
+    """Same bucket length, different parameters (rank 0 froze b, the others a): a clear error, no silent mix."""
+    world, ranks = runs
+    for r in range(world):
+        msg = ranks[r]["layout_mismatch"]
+        assert msg is not None and msg.startswith(f"[rank {r}]") and "bucket layout" in msg, msg

@@ -15,6 +15,7 @@ the same buffer: a mismatch raises :class:`BufferMismatchError` on every rank in
 """
 from __future__ import annotations
 
+import hashlib
 from abc import ABC, abstractmethod
 from typing import Hashable, List, NamedTuple, Sequence
 
@@ -96,16 +97,25 @@ def check_agreement(numels: Sequence[int], codes: Sequence[int], rank: int) -> N
 SCHEME_CODES = {"allgather": 0, "partitioned": 1, "reduce_scatter": 2}
 
 
+def bucket_code(key: Hashable) -> int:
+    """A 56-bit digest of a bucket key (its position, dtype, length and parameter names), equal on every rank
+    whose bucket holds the same parameters (``repr`` + blake2b: not Python's per-process ``hash``)."""
+    return int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=7).digest(), "little")
+
+
 def check_buffer_agreement(numel: int, dtype: torch.dtype, backend: CommBackend, device: torch.device,
-                           scheme: str = "allgather") -> None:
-    """One small allgather of ``(numel, dtype, exchange scheme)``: every rank raises
-    :class:`BufferMismatchError` naming what differs and each rank's value when they disagree.
+                           scheme: str = "allgather", key: Hashable = None) -> None:
+    """One small allgather of ``(numel, dtype, exchange scheme, bucket code)``: every rank raises
+    :class:`BufferMismatchError` naming what differs and each rank's value when they disagree. The bucket
+    code (:func:`bucket_code` of ``key``) catches ranks whose buckets hold different parameters of the same
+    total size (e.g. a rank that froze another layer).
 
     The pipeline runs it the first time it sees a bucket, before it touches the residual and before the
     scheme's own collectives (schemes send different headers: ranks on different schemes would otherwise
     crash or hang in them); the header of every exchange repeats the size/dtype check.
     """
-    rows = backend.all_gather_ints([numel, dtype_code(dtype), SCHEME_CODES.get(scheme, -1)], device)
+    code = bucket_code(key) if key is not None else 0
+    rows = backend.all_gather_ints([numel, dtype_code(dtype), SCHEME_CODES.get(scheme, -1), code], device)
     check_agreement([r[0] for r in rows], [r[1] for r in rows], backend.rank)
     schemes = [r[2] for r in rows]
     if len(set(schemes)) > 1:
@@ -113,6 +123,12 @@ def check_buffer_agreement(numel: int, dtype: torch.dtype, backend: CommBackend,
         per_rank = ", ".join(f"rank {r}: {names.get(c, c)}" for r, c in enumerate(schemes))
         raise BufferMismatchError(f"[rank {backend.rank}] ranks disagree on 'dragonn.exchange' ({per_rank}); "
                                   f"every rank must use the same exchange scheme")
+    codes = [r[3] for r in rows]
+    if len(set(codes)) > 1:
+        per_rank = ", ".join(f"rank {r}: {c:014x}" for r, c in enumerate(codes))
+        raise BufferMismatchError(f"[rank {backend.rank}] ranks disagree on the bucket layout (digest of position, "
+                                  f"dtype, length and parameter names: {per_rank}); every rank must train the same "
+                                  f"parameters (the same ones frozen)")
 
 
 class Exchange(ABC):
