@@ -43,9 +43,10 @@ def say(rank: int, msg: str) -> None:
 
 
 def train_with_fault(rank: int, mode: str, comm_backend: str = "torch", bad_rank: int = BAD_RANK,
-                     on_step: Optional[Callable[[int], None]] = None) -> None:
+                     on_step: Optional[Callable[[int], None]] = None,
+                     on_engine: Optional[Callable[[object], None]] = None) -> None:
     """The training loop; ``rank == bad_rank`` misbehaves (``mode``) before the backward of step
-    ``STEPS_BEFORE_FAULT + 1``; ``on_step(step)`` after each completed step. Under torch.distributed the
+    ``STEPS_BEFORE_FAULT + 1``; ``on_engine(engine)`` after initialize, ``on_step(step)`` after each completed step. Under torch.distributed the
     process group may already be started (else ``ds_dragonn.initialize`` starts it)."""
     import ds_dragonn
 
@@ -54,6 +55,8 @@ def train_with_fault(rank: int, mode: str, comm_backend: str = "torch", bad_rank
                                 torch.nn.Linear(LAYERS[1], LAYERS[2]))
     engine, *_ = ds_dragonn.initialize(model=model, model_parameters=model.parameters(),
                                        config=dragonn_config(comm_backend))
+    if on_engine is not None:
+        on_engine(engine)
     g = torch.Generator().manual_seed(rank)
     for step in range(1, TOTAL_STEPS + 1):
         x = torch.randn(8, LAYERS[0], generator=g)
@@ -94,19 +97,45 @@ def rank_raises(rank: int, world: int, out_dir: str) -> None:
     train_with_fault(rank, "raise")
 
 
-#: the collective timeout given to deepspeed.init_distributed by the hang cases that set one
+#: the collective timeout the hang cases ask for
 HANG_TIMEOUT_S = 10
 
 
 def rank_hangs_user_timeout(rank: int, world: int, out_dir: str) -> None:
-    """The user starts the process group with a collective timeout (``deepspeed.init_distributed(timeout=)``,
-    before ``ds_dragonn.initialize``, which then reuses it): gloo's timeout ends the survivors' exchange."""
+    """The documented way to set a collective timeout: the user starts the process group with
+    ``deepspeed.init_distributed(timeout=10 s)`` before ``ds_dragonn.initialize`` (which then reuses it).
+    DeepSpeed's data-parallel group, on which every gradient reduction (dense and DRAGONN) runs, is a clone
+    of the world group made with ``new_group`` and no timeout, so it keeps torch's default (30 min, gloo)."""
     _start_gloo(HANG_TIMEOUT_S)
-    train_with_fault(rank, "hang")
+    train_with_fault(rank, "hang", on_engine=_record_group_timeouts(rank))
 
 
-def rank_hangs_product_init(rank: int, world: int, out_dir: str) -> None:
-    """Nobody starts the process group before ``ds_dragonn.initialize``: it is started by ds_dragonn's own
-    ``deepspeed.comm.init_distributed`` call, with DeepSpeed's default timeout (``DEEPSPEED_TIMEOUT``
-    minutes, read when deepspeed is imported; the test sets it to 1)."""
-    train_with_fault(rank, "hang")
+def rank_hangs_dp_group_timeout(rank: int, world: int, out_dir: str) -> None:
+    """The work-around available today: after ``ds_dragonn.initialize``, set the timeout of DeepSpeed's
+    data-parallel group itself (torch's ``_set_pg_timeout``). Shows that gloo then ends the survivors'
+    compressed exchange with an error."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    def shorten(engine):
+        from deepspeed.utils import groups
+        _set_pg_timeout(timedelta(seconds=HANG_TIMEOUT_S), groups._get_sequence_data_parallel_group())
+        _record_group_timeouts(rank)(engine)
+
+    _start_gloo(HANG_TIMEOUT_S)
+    train_with_fault(rank, "hang", on_engine=shorten)
+
+
+def _record_group_timeouts(rank: int) -> Callable:
+    """``on_engine`` callback: prints the world group's and the data-parallel group's gloo timeouts."""
+    def record(engine):
+        import torch.distributed as dist
+        from deepspeed.utils import groups
+
+        def timeout(group):
+            try:
+                return str(group._get_backend(torch.device("cpu")).options._timeout)
+            except Exception as err:  # noqa: BLE001 - private API; report what happened instead
+                return f"unknown ({type(err).__name__})"
+        say(rank, f"TIMEOUTS world={timeout(dist.group.WORLD)} "
+                  f"data_parallel={timeout(groups._get_sequence_data_parallel_group())}")
+    return record

@@ -6,7 +6,9 @@ backward (``tests/fault_cases.py``). Checked for each survivor: it got past the 
 fault, then exited on its own with a non-zero status (not killed by this harness's timeout) and its log holds
 an error (Python traceback or an abort message), and it never completed the run.
 
-* gloo: rank 1 calls ``os._exit(3)``, or raises; and, with a collective timeout, rank 1 hangs (alive).
+* gloo: rank 1 calls ``os._exit(3)``, or raises; or rank 1 hangs (alive) while a 10 s collective timeout is
+  set: through ``deepspeed.init_distributed(timeout=)`` (xfail: that timeout never reaches the group the
+  gradients are reduced on), or on DeepSpeed's data-parallel group itself (passes).
 * MPI (``"comm_backend": "mpi"``, under ``mpiexec -n 3``): rank 1 calls ``os._exit(3)``; mpiexec must
   return non-zero within the harness timeout (skipped when mpiexec/mpi4py are missing).
 
@@ -29,7 +31,7 @@ from tests.fault_cases import BAD_RANK, HANG_TIMEOUT_S, STEPS_BEFORE_FAULT
 from tests.multiproc import PORT_ATTEMPTS, REPO, free_port, port_was_taken
 
 WORLD = 3
-HARNESS_TIMEOUT = 120  # s; a run takes ~10-20 s on 2 cores (the gloo-timeout case adds HANG_TIMEOUT_S)
+HARNESS_TIMEOUT = 120  # s; a run takes ~10-20 s on 2 cores
 SURVIVORS = [r for r in range(WORLD) if r != BAD_RANK]
 #: what a rank that stopped on an error leaves in its log: a Python traceback, or C++'s abort message
 ERROR_PATTERN = re.compile(r"Traceback \(most recent call last\)|terminate called|Aborted|Error", re.IGNORECASE)
@@ -102,6 +104,9 @@ def assert_survivors_failed(outcomes: list) -> None:
         assert o.returncode != 0, f"rank {r} exited 0 after rank {BAD_RANK} failed\n{report}"
         assert ERROR_PATTERN.search(o.log.split(f"STEP {STEPS_BEFORE_FAULT} ok")[-1]), \
             f"rank {r} exited {o.returncode} without an error message\n{report}"
+        # the first collective after the fault is ds_dragonn's compressed exchange: its transport names the rank
+        # and the collective that failed (ds_dragonn.comm.base.CommError)
+        assert f"CommError: [rank {r}] torch " in o.log, f"rank {r}: no CommError from the exchange\n{report}"
 
 
 # -- gloo -----------------------------------------------------------------------------------------------------
@@ -118,16 +123,41 @@ def test_gloo_rank_raises_others_fail(tmp_path):
     assert_survivors_failed(outcomes)
 
 
-def test_gloo_hung_rank_fails_others_at_the_collective_timeout(tmp_path):
-    """Rank 1 stays alive but never enters the exchange. With the timeout the user gave
-    ``deepspeed.init_distributed`` before ``ds_dragonn.initialize`` (10 s here), gloo ends the survivors'
-    collective with an error; the hung rank itself is killed by the harness."""
-    outcomes = launch("tests.fault_cases:rank_hangs_user_timeout", WORLD, tmp_path, ignore_rank=BAD_RANK,
-                      timeout=HARNESS_TIMEOUT + HANG_TIMEOUT_S)
+HANG_HARNESS_TIMEOUT = 90  # s: start-up (~10-15 s) + HANG_TIMEOUT_S, with a wide margin
+
+
+def _assert_hung_rank_timed_out_the_others(outcomes: list) -> None:
     assert "FAULT hang" in outcomes[BAD_RANK].log, _report(outcomes)
     assert_survivors_failed(outcomes)
     for r in SURVIVORS:  # gloo's own message: the survivors stopped on the collective timeout
-        assert re.search(r"timed out|timeout", outcomes[r].log, re.IGNORECASE), _report(outcomes)
+        assert re.search(r"timed out", outcomes[r].log, re.IGNORECASE), _report(outcomes)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "product limitation: the collective timeout of the gradient exchange cannot be set. "
+    "deepspeed.init_distributed(timeout=10 s) (or DEEPSPEED_TIMEOUT) sets only the world group's timeout; "
+    "every gradient reduction (DeepSpeed's dense one and ds_dragonn's compressed exchange, which uses the dp_group "
+    "DeepSpeed passes / groups._get_sequence_data_parallel_group()) runs on DeepSpeed's data-parallel group, a "
+    "clone made by dist.new_group(ranks) with no timeout, i.e. torch's default of 30 min for gloo; ds_dragonn "
+    "passes no timeout either. So a hung (alive) rank blocks the others for 30 minutes, not 10 s"))
+def test_gloo_hung_rank_fails_others_at_the_user_timeout(tmp_path):
+    """Rank 1 stays alive but never enters the exchange; the user asked for a 10 s collective timeout when
+    starting the process group. The survivors must stop with gloo's timeout error, not wait."""
+    outcomes = launch("tests.fault_cases:rank_hangs_user_timeout", WORLD, tmp_path, ignore_rank=BAD_RANK,
+                      timeout=HANG_HARNESS_TIMEOUT)
+    _assert_hung_rank_timed_out_the_others(outcomes)
+
+
+def test_gloo_hung_rank_fails_others_once_the_dp_group_has_a_timeout(tmp_path):
+    """The same hang with the timeout set on DeepSpeed's data-parallel group itself after initialize (the
+    work-around today, and what a product fix must achieve): gloo ends the compressed exchange with an error
+    on every survivor. The printed group timeouts document where the user's timeout does and does not reach."""
+    outcomes = launch("tests.fault_cases:rank_hangs_dp_group_timeout", WORLD, tmp_path, ignore_rank=BAD_RANK,
+                      timeout=HANG_HARNESS_TIMEOUT)
+    for r in SURVIVORS:
+        assert f"TIMEOUTS world=0:00:{HANG_TIMEOUT_S:02d} data_parallel=0:00:{HANG_TIMEOUT_S:02d}" in outcomes[r].log, \
+            _report(outcomes)
+    _assert_hung_rank_timed_out_the_others(outcomes)
 
 
 # -- MPI ------------------------------------------------------------------------------------------------------
@@ -159,4 +189,6 @@ def test_mpi_rank_exits_mpiexec_fails(tmp_path):
     for r in range(WORLD):
         assert f"step{STEPS_BEFORE_FAULT}" in run.ranks[r].results, f"rank {r}\n{report}"
         assert not run.ranks[r].done, f"rank {r} completed the run without rank {BAD_RANK}\n{report}"
-    assert f"FAULT exit" in run.output, report
+    assert "FAULT exit" in run.output, report
+    # (no check on the launcher's message: MPICH's hydra tears the job down on the first bad exit and returns
+    # either that rank's code (3) quietly or 9 with "BAD TERMINATION ... Killed (signal 9)", by a race)
