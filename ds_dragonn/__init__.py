@@ -5,6 +5,7 @@ config switches compression on (see ``ds_dragonn.config.DragonnConfig``).
 """
 from __future__ import annotations
 
+import datetime
 import inspect
 import json
 from typing import Any, Optional
@@ -66,9 +67,11 @@ def initialize(*args: Any, **kwargs: Any):
         import deepspeed.comm as ds_dist
         from deepspeed.accelerator import get_accelerator
         # what deepspeed.initialize does first anyway (idempotent), so that the ranks can talk now
+        timeout = {} if cfg is None or cfg.comm_timeout_s is None else \
+            {"timeout": datetime.timedelta(seconds=cfg.comm_timeout_s)}
         ds_dist.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                                  distributed_port=bound.arguments.get("distributed_port", 29500),
-                                 dist_init_required=bound.arguments.get("dist_init_required"))
+                                 dist_init_required=bound.arguments.get("dist_init_required"), **timeout)
         check_ranks_agree(cfg, stage, refusal=refusal)
     if refusal is not None:
         raise refusal
@@ -155,7 +158,7 @@ class DragonnConfigMismatchError(DragonnConfigError):
 
 
 #: keys that do not change which collectives a rank runs (ranks may differ in them)
-_LOCAL_KEYS = {"dragonn.log_interval"}
+_LOCAL_KEYS = {"dragonn.log_interval", "dragonn.comm_timeout_s"}
 
 
 def check_ranks_agree(cfg: Optional[DragonnConfig], zero_stage: int, group: Any = None,

@@ -124,6 +124,13 @@ class DragonnConfig(DeepSpeedConfigModel):
     log_interval: int = Field(0, ge=0, strict=True)
     """Log compression statistics every this many compressed steps on rank 0 (0 = never)."""
 
+    comm_timeout_s: Optional[float] = Field(None, gt=0.0, le=7 * 86400.0, strict=True)
+    """Seconds a collective of the data-parallel group may wait for the other ranks before it fails, so that
+    a hung or dead rank ends the job with an error (``comm_backend`` ``torch``: the gloo/NCCL timeout of the
+    world and data-parallel groups). None keeps DeepSpeed's: ``DEEPSPEED_TIMEOUT`` for the world group, and
+    torch's default for the data-parallel group (30 min for gloo). mpi4py collectives do not time out: with
+    ``comm_backend`` ``mpi`` use the MPI launcher's timeout (e.g. MPICH's ``MPIEXEC_TIMEOUT``)."""
+
     @model_validator(mode="after")
     def _check_combinations(self) -> "DragonnConfig":
         if self.cuda_aware and self.comm_backend != CommBackend.mpi:

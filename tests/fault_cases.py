@@ -30,12 +30,12 @@ TOTAL_STEPS = 10
 LAYERS = (32, 64, 4)
 
 
-def dragonn_config(comm_backend: str = "torch") -> dict:
+def dragonn_config(comm_backend: str = "torch", **extra) -> dict:
     return {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
             "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}},
             "zero_optimization": {"stage": 0}, "steps_per_print": 10**6,
             "dragonn": {"enabled": True, "density": 0.01, "min_compress_numel": 1, "policy": "always",
-                        "comm_backend": comm_backend}}
+                        "comm_backend": comm_backend, **extra}}
 
 
 def say(rank: int, msg: str) -> None:
@@ -44,7 +44,7 @@ def say(rank: int, msg: str) -> None:
 
 def train_with_fault(rank: int, mode: str, comm_backend: str = "torch", bad_rank: int = BAD_RANK,
                      on_step: Optional[Callable[[int], None]] = None,
-                     on_engine: Optional[Callable[[object], None]] = None) -> None:
+                     on_engine: Optional[Callable[[object], None]] = None, **extra) -> None:
     """The training loop; ``rank == bad_rank`` misbehaves (``mode``) before the backward of step
     ``STEPS_BEFORE_FAULT + 1``; ``on_engine(engine)`` after initialize, ``on_step(step)`` after each completed step. Under torch.distributed the
     process group may already be started (else ``ds_dragonn.initialize`` starts it)."""
@@ -54,7 +54,7 @@ def train_with_fault(rank: int, mode: str, comm_backend: str = "torch", bad_rank
     model = torch.nn.Sequential(torch.nn.Linear(LAYERS[0], LAYERS[1]), torch.nn.Tanh(),
                                 torch.nn.Linear(LAYERS[1], LAYERS[2]))
     engine, *_ = ds_dragonn.initialize(model=model, model_parameters=model.parameters(),
-                                       config=dragonn_config(comm_backend))
+                                       config=dragonn_config(comm_backend, **extra))
     if on_engine is not None:
         on_engine(engine)
     g = torch.Generator().manual_seed(rank)
@@ -101,28 +101,12 @@ def rank_raises(rank: int, world: int, out_dir: str) -> None:
 HANG_TIMEOUT_S = 10
 
 
-def rank_hangs_user_timeout(rank: int, world: int, out_dir: str) -> None:
-    """The documented way to set a collective timeout: the user starts the process group with
-    ``deepspeed.init_distributed(timeout=10 s)`` before ``ds_dragonn.initialize`` (which then reuses it).
-    DeepSpeed's data-parallel group, on which every gradient reduction (dense and DRAGONN) runs, is a clone
-    of the world group made with ``new_group`` and no timeout, so it keeps torch's default (30 min, gloo)."""
-    _start_gloo(HANG_TIMEOUT_S)
-    train_with_fault(rank, "hang", on_engine=_record_group_timeouts(rank))
-
-
-def rank_hangs_dp_group_timeout(rank: int, world: int, out_dir: str) -> None:
-    """The work-around available today: after ``ds_dragonn.initialize``, set the timeout of DeepSpeed's
-    data-parallel group itself (torch's ``_set_pg_timeout``). Shows that gloo then ends the survivors'
-    compressed exchange with an error."""
-    from torch.distributed.distributed_c10d import _set_pg_timeout
-
-    def shorten(engine):
-        from deepspeed.utils import groups
-        _set_pg_timeout(timedelta(seconds=HANG_TIMEOUT_S), groups._get_sequence_data_parallel_group())
-        _record_group_timeouts(rank)(engine)
-
-    _start_gloo(HANG_TIMEOUT_S)
-    train_with_fault(rank, "hang", on_engine=shorten)
+def rank_hangs_config_timeout(rank: int, world: int, out_dir: str) -> None:
+    """Rank 1 hangs (alive) with ``"comm_timeout_s": 10`` in the "dragonn" block: ds_dragonn sets it on the
+    world group and on DeepSpeed's data-parallel group (which DeepSpeed makes without a timeout, so torch's
+    30 min gloo default would apply to every gradient reduction)."""
+    _start_gloo()
+    train_with_fault(rank, "hang", on_engine=_record_group_timeouts(rank), comm_timeout_s=HANG_TIMEOUT_S)
 
 
 def _record_group_timeouts(rank: int) -> Callable:

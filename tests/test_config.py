@@ -43,6 +43,9 @@ def test_reads_json_path(tmp_path):
     ({"table_factor": float("inf")}, ["dragonn.table_factor", "inf", "finite"]),
     ({"density": float("nan")}, ["dragonn.density", "nan"]),
     ({"table_factor": 1e9}, ["dragonn.table_factor", "1024"]),
+    ({"comm_timeout_s": 0}, ["dragonn.comm_timeout_s", "0", "greater than 0"]),
+    ({"comm_timeout_s": "10"}, ["dragonn.comm_timeout_s", "10", "number"]),
+    ({"comm_timeout_s": True}, ["dragonn.comm_timeout_s", "True"]),
 ])
 def test_bad_blocks_name_key_value_and_allowed(block, needles):
     with pytest.raises(DragonnConfigError) as err:

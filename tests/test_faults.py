@@ -6,9 +6,8 @@ backward (``tests/fault_cases.py``). Checked for each survivor: it got past the 
 fault, then exited on its own with a non-zero status (not killed by this harness's timeout) and its log holds
 an error (Python traceback or an abort message), and it never completed the run.
 
-* gloo: rank 1 calls ``os._exit(3)``, or raises; or rank 1 hangs (alive) while a 10 s collective timeout is
-  set: through ``deepspeed.init_distributed(timeout=)`` (xfail: that timeout never reaches the group the
-  gradients are reduced on), or on DeepSpeed's data-parallel group itself (passes).
+* gloo: rank 1 calls ``os._exit(3)``, or raises; or rank 1 hangs (alive) with ``"comm_timeout_s": 10`` in
+  the "dragonn" block, which ds_dragonn sets on the data-parallel group the gradients are reduced on.
 * MPI (``"comm_backend": "mpi"``, under ``mpiexec -n 3``): rank 1 calls ``os._exit(3)``; mpiexec must
   return non-zero within the harness timeout (skipped when mpiexec/mpi4py are missing).
 
@@ -133,26 +132,11 @@ def _assert_hung_rank_timed_out_the_others(outcomes: list) -> None:
         assert re.search(r"timed out", outcomes[r].log, re.IGNORECASE), _report(outcomes)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "product limitation: the collective timeout of the gradient exchange cannot be set. "
-    "deepspeed.init_distributed(timeout=10 s) (or DEEPSPEED_TIMEOUT) sets only the world group's timeout; "
-    "every gradient reduction (DeepSpeed's dense one and ds_dragonn's compressed exchange, which uses the dp_group "
-    "DeepSpeed passes / groups._get_sequence_data_parallel_group()) runs on DeepSpeed's data-parallel group, a "
-    "clone made by dist.new_group(ranks) with no timeout, i.e. torch's default of 30 min for gloo; ds_dragonn "
-    "passes no timeout either. So a hung (alive) rank blocks the others for 30 minutes, not 10 s"))
-def test_gloo_hung_rank_fails_others_at_the_user_timeout(tmp_path):
-    """Rank 1 stays alive but never enters the exchange; the user asked for a 10 s collective timeout when
-    starting the process group. The survivors must stop with gloo's timeout error, not wait."""
-    outcomes = launch("tests.fault_cases:rank_hangs_user_timeout", WORLD, tmp_path, ignore_rank=BAD_RANK,
-                      timeout=HANG_HARNESS_TIMEOUT)
-    _assert_hung_rank_timed_out_the_others(outcomes)
-
-
-def test_gloo_hung_rank_fails_others_once_the_dp_group_has_a_timeout(tmp_path):
-    """The same hang with the timeout set on DeepSpeed's data-parallel group itself after initialize (the
-    work-around today, and what a product fix must achieve): gloo ends the compressed exchange with an error
-    on every survivor. The printed group timeouts document where the user's timeout does and does not reach."""
-    outcomes = launch("tests.fault_cases:rank_hangs_dp_group_timeout", WORLD, tmp_path, ignore_rank=BAD_RANK,
+def test_gloo_hung_rank_fails_others_at_the_configured_timeout(tmp_path):
+    """Rank 1 stays alive but never enters the exchange; ``"comm_timeout_s": 10`` reaches the data-parallel
+    group every gradient reduction runs on, so gloo ends the survivors' compressed exchange with an error
+    (without it torch's 30 min default would apply there, whatever the world group's timeout)."""
+    outcomes = launch("tests.fault_cases:rank_hangs_config_timeout", WORLD, tmp_path, ignore_rank=BAD_RANK,
                       timeout=HANG_HARNESS_TIMEOUT)
     for r in SURVIVORS:
         assert f"TIMEOUTS world=0:00:{HANG_TIMEOUT_S:02d} data_parallel=0:00:{HANG_TIMEOUT_S:02d}" in outcomes[r].log, \

@@ -86,10 +86,31 @@ class HookBase:
         """The (cached) pipeline of a data-parallel process group."""
         key = id(group)
         if key not in self._pipelines:
+            self._apply_timeout(group)
             backend: CommBackend = build_backend(self.cfg, group)
             self._pipelines[key] = CompressedAllreduce(self.compressor, backend, self.error_feedback,
                                                        self._build_exchange(backend))
         return self._pipelines[key]
+
+    def _apply_timeout(self, group: Any) -> None:
+        """``comm_timeout_s`` on the data-parallel group (and the world group): DeepSpeed makes the group
+        without a timeout, so torch's default applies to every gradient reduction, dense or compressed."""
+        if self.cfg.comm_timeout_s is None:
+            return
+        import datetime
+
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        timeout = datetime.timedelta(seconds=self.cfg.comm_timeout_s)
+        setter = getattr(c10d, "_set_pg_timeout", None)  # torch >= 2.2 (private; checked by a test)
+        if setter is None:
+            print_dist(f"DRAGONN: this torch cannot change a process group's timeout; 'dragonn.comm_timeout_s' "
+                       f"applies to the world group only", ranks=[0])
+            return
+        for g in {id(x): x for x in (group, None)}.values():  # None: the world group
+            setter(timeout, g)
 
     def _next_ordinal(self, round_id: Hashable) -> int:
         """The bucket's position within its reduction round (reset when ``round_id`` changes)."""
