@@ -153,14 +153,14 @@ def main():
 
     print(f"bucket {records[0]['numel']:,} elements (MLP {'-'.join(map(str, layers))}), density {args.density}, "
           f"{args.threads} thread(s), median of {args.steps} steps; kernel {cpu_table.THREADING or 'reference'}")
-    head = f"{'phase':<28}" + "".join(f"{r['dtype'] + ' ms':>15}" for r in records)
+    head = f"{'phase':<28}" + "".join(f"{r['dtype'] + ' ms':>18}" for r in records)
     print(head)
     print("-" * len(head))
     rows = [(p.replace("_ms", ""), p) for p in PHASES] + [
         ("whole step (no wire)", "total_ms"), ("one read pass (floor)", "floor_ms"), ("step / floor", "x_floor"),
         ("dense DeepSpeed local work", "dense_local_ms")]
     for label, key in rows:
-        print(f"{label:<28}" + "".join(f"{r[key]:>15.2f}" for r in records))
+        print(f"{label:<28}" + "".join(f"{r[key]:>18.2f}" for r in records))
     if args.json:
         meta = {"machine": platform.processor() or platform.machine(), "torch": torch.__version__,
                 "cpu_threads_available": os.cpu_count()}
