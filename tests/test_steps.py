@@ -152,3 +152,27 @@ def test_skipped_step_leaves_every_residual_as_before(skips, name):
     for step in range(SKIP_STEPS):  # ranks identical throughout
         assert all(torch.equal(a, b) for a, b in zip(skips[0][name]["steps"][step]["params"],
                                                      skips[1][name]["steps"][step]["params"]))
+
+
+def test_resumed_residuals_keep_the_loss_scale_they_were_saved_in():
+    """Saved right after an overflow (scale halved, residual not yet rescaled): the resumed run rescales it at
+    its first reduction, as the uninterrupted run would have."""
+    from types import SimpleNamespace
+
+    from ds_dragonn.config import DragonnConfig
+    from ds_dragonn.engine.base import HookBase
+    opt = SimpleNamespace(loss_scale=1024.0)
+    engine = SimpleNamespace(module=torch.nn.Linear(2, 2), global_steps=5, skipped_steps=0, optimizer=opt,
+                             zero_optimization_stage=lambda: 0, zero_reduce_bucket_size=lambda: 500_000_000,
+                             communication_data_type=torch.float32, device=torch.device("cpu"))
+    src = HookBase(engine, DragonnConfig(enabled=True))
+    src.steps.begin(5)
+    src.error_feedback.residuals["b"] = torch.full((4,), 3.0)
+    opt.loss_scale = 512.0  # the step overflowed: DeepSpeed halved the scale
+    engine.global_steps = 6
+    state = src.state_dict()
+    assert state["loss_scale_units"] == 1024.0
+    dst = HookBase(engine, DragonnConfig(enabled=True))
+    dst.load_state_dict(state)
+    dst.steps.begin(6)
+    assert torch.equal(dst.error_feedback.residuals["b"], torch.full((4,), 1.5))

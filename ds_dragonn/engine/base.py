@@ -227,7 +227,8 @@ class HookBase:
         return {"description": desc, "rank": desc["rank"], "world_size": desc["world_size"],
                 "error_feedback": self.error_feedback.state_dict(),
                 "exchange": [p.exchange.state_dict() for p in self._pipelines.values()],
-                "pending": list(self._pending), "telemetry": asdict(self.telemetry)}
+                "pending": list(self._pending), "telemetry": asdict(self.telemetry),
+                "loss_scale_units": self.steps.units}
 
     def reset_state(self, why: str) -> None:
         """Start with empty residuals (and no pending flush), with a warning saying why."""
@@ -278,6 +279,8 @@ class HookBase:
             for pipe, ex_state in zip(self._pipelines.values(), exchanges):
                 pipe.exchange.load_state_dict(ex_state, getattr(self.engine, "device", None))
         self._pending = set(state.get("pending", residuals.keys())) | set(residuals)
+        # the fp16 loss scale the residuals are in (rescaled at the next reduction if the scale differs)
+        self.steps.units = state.get("loss_scale_units")
         for field, value in state.get("telemetry", {}).items():
             if hasattr(self.telemetry, field):
                 setattr(self.telemetry, field, value)

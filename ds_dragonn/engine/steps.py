@@ -53,7 +53,7 @@ class StepGuard:
         self._stores, self._skipped, self._scale = stores, skipped_steps, scale
         self._step: Optional[int] = None  # the global step whose transaction is open
         self._skipped_at_open = 0
-        self._units: Optional[float] = None  # the loss scale the residuals are in
+        self.units: Optional[float] = None  # the loss scale the residuals are in (None: not known yet)
         self.restored_steps = 0  # skipped steps whose residual changes were discarded
 
     def begin(self, step: int) -> None:
@@ -62,12 +62,12 @@ class StepGuard:
         if self._step is not None and step != self._step:
             self.end()
         scale = self._scale()
-        if self._units is not None and scale != self._units:
+        if self.units is not None and scale != self.units:
             for store in self._stores():
-                store.rescale_(scale / self._units)
-            print_dist(f"DRAGONN: loss scale {self._units:g} -> {scale:g}: residuals rescaled by "
-                       f"{scale / self._units:g}", ranks=[0])
-        self._units = scale
+                store.rescale_(scale / self.units)
+            print_dist(f"DRAGONN: loss scale {self.units:g} -> {scale:g}: residuals rescaled by "
+                       f"{scale / self.units:g}", ranks=[0])
+        self.units = scale
         if self._step is None:
             self._step, self._skipped_at_open = step, int(self._skipped())
 

@@ -66,8 +66,8 @@ def main() -> int:
         failures.append("a residual changed in the skipped step")
     if not hook.transactional or hook.steps.restored_steps != 1:
         failures.append(f"transactional={hook.transactional} restored={hook.steps.restored_steps}")
-    if hook.steps._units != scales[-2] and hook.steps._units != scales[-1]:
-        failures.append(f"residual units {hook.steps._units} vs loss scales {scales[-2:]}")
+    if hook.steps.units != scales[-2] and hook.steps.units != scales[-1]:
+        failures.append(f"residual units {hook.steps.units} vs loss scales {scales[-2:]}")
     if args.precision == "fp16" and len(set(scales)) < 3:
         failures.append(f"the loss scale did not both drop and rise: {scales}")
     if not all(bool(torch.isfinite(p).all()) for p in engine.module.parameters()):
