@@ -1,8 +1,9 @@
 """DRAGONN state in DeepSpeed's own checkpoints: one file per rank beside DeepSpeed's, in the tag folder.
 
 ``engine.save_checkpoint(save_dir, tag)`` and ``engine.load_checkpoint(load_dir, tag)`` are wrapped on the
-engine *instance* (:func:`install`): after DeepSpeed has written (read) its files, every rank writes (reads)
-``<save_dir>/<tag>/dragonn_rank<R>.pt``. No user code is needed, and nothing goes into ``client_state``,
+engine *instance* (:func:`install`): every rank writes ``<save_dir>/<tag>/dragonn_rank<R>.pt`` before
+DeepSpeed saves (whose last act is to point ``latest`` at the tag, after a barrier), and reads it after
+DeepSpeed has loaded. No user code is needed, and nothing goes into ``client_state``,
 which DeepSpeed saves from rank 0 only (every rank would then load rank 0's residuals).
 
 A state file holds this rank's residuals (the partitioned exchange's server residuals too), the buckets
@@ -134,18 +135,21 @@ def install(hook: Any) -> None:
     save, load = engine.save_checkpoint, engine.load_checkpoint
 
     def save_checkpoint(*args, **kwargs):
-        """DeepSpeed's ``save_checkpoint``, then this rank's DRAGONN state in the same tag folder."""
+        """This rank's DRAGONN state in the tag folder, then DeepSpeed's ``save_checkpoint``.
+
+        Written first: DeepSpeed's save starts with a barrier and ends by pointing ``latest`` at the tag, so
+        ``latest`` never names a tag whose DRAGONN files are still being written."""
         a = _bound(save, args, kwargs)
         tag = a.get("tag")
         tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"  # DeepSpeed's default
-        out = save(*args, **kwargs)
-        folder = os.path.join(a["save_dir"], tag)
-        os.makedirs(folder, exist_ok=True)
-        state = hook.state_dict()
-        path = state_path(folder, state["description"]["rank"])
-        torch.save(state, path + ".tmp")
-        os.replace(path + ".tmp", path)  # never a half-written file under the final name
-        return out
+        if a.get("save_dir"):  # (DeepSpeed itself refuses an empty save_dir)
+            folder = os.path.join(a["save_dir"], tag)
+            os.makedirs(folder, exist_ok=True)
+            state = hook.state_dict()
+            path = state_path(folder, state["description"]["rank"])
+            torch.save(state, path + ".tmp")
+            os.replace(path + ".tmp", path)  # never a half-written file under the final name
+        return save(*args, **kwargs)
 
     def load_checkpoint(*args, **kwargs):
         """DeepSpeed's ``load_checkpoint``, then this rank's DRAGONN state from the loaded tag folder."""
