@@ -7,15 +7,22 @@ import torch
 
 from tests.dist_cases import _engine_config, _init, _zero_config
 
+K = 3  # save after K steps; compare at 2K
 _D = {"enabled": True, "density": 0.01, "min_compress_numel": 1}
 RESUME_RUNS = {
     "s0_fp32": _engine_config(_D),
     "s0_partitioned": _engine_config({**_D, "exchange": "partitioned"}),
     "s0_bf16": _engine_config(_D, bf16=True),  # transactional residuals (bf16 steps may be skipped)
     "s2_fp32": _zero_config(2, {"enabled": True, "density": 0.01}),
+    "s0_bf16_partitioned": _engine_config({**_D, "exchange": "partitioned"}, bf16=True),
     "s0_dense": _engine_config(None),  # a checkpoint without DRAGONN state
 }
-K = 3  # save after K steps; compare at 2K
+#: a second engine of these runs trains past K, then loads the step-K tag in the same process and trains to 2K:
+#: the result must be the uninterrupted run's. (steps past K, overflow step or -1): s0_fp32 stops one step
+#: past K, so its last reduction round has the loaded step's number (bucket ordinals must restart); the bf16
+#: run overflows at K and stops after a clean step, so a transaction opened with one skipped step counted
+#: is still open when DeepSpeed restores skipped_steps to 0 (it must be dropped, not undone into the load)
+RELOAD_IN_PROCESS = {"s0_fp32": (1, -1), "s0_bf16_partitioned": (2, K)}
 LAYERS = (32, 64, 4)
 
 
@@ -30,13 +37,16 @@ def _engine(cfg: dict, frozen_first: bool = False):
     return engine
 
 
-def _train(engine, rank: int, start: int, stop: int) -> None:
+def _train(engine, rank: int, start: int, stop: int, overflow_at: int = -1) -> None:
     dtype = next(engine.module.parameters()).dtype
     for step in range(start, stop):  # each step's batch depends on (rank, step) only: resumable
         g = torch.Generator().manual_seed(1000 * rank + step)
         x = torch.randn(8, LAYERS[0], generator=g).to(dtype)
         y = torch.randint(0, LAYERS[2], (8,), generator=g)
-        engine.backward(torch.nn.functional.cross_entropy(engine(x).float(), y))
+        loss = torch.nn.functional.cross_entropy(engine(x).float(), y)
+        if step == overflow_at and rank == 0:
+            loss = loss * float("inf")  # bf16/fp16 engines skip this step
+        engine.backward(loss)
         engine.step()
 
 
@@ -64,7 +74,15 @@ def save_runs(rank: int, world: int, out_dir: str) -> None:
         _train(engine, rank, K, 2 * K)
         if name == "s0_fp32":
             engine.save_checkpoint(str(Path(out_dir) / "ckpt" / name), tag="end")  # a second tag, step 2K
+            engine.save_checkpoint(str(Path(out_dir) / "ckpt" / name), tag="end2")  # another tag, same step
         out[name] = {"params": _params(engine), "mass_at_k": mass}
+    for name, (past, overflow_at) in RELOAD_IN_PROCESS.items():
+        engine = _engine(RESUME_RUNS[name])
+        _train(engine, rank, 0, K + past, overflow_at=overflow_at)
+        engine.load_checkpoint(str(Path(out_dir) / "ckpt" / name), tag="k")
+        _train(engine, rank, K, 2 * K)
+        out[name]["reloaded_params"] = _params(engine)
+        out[name]["restored_steps"] = engine.dragonn.steps.restored_steps  # real skipped steps only
     torch.save(out, Path(out_dir) / f"save_rank{rank}.pt")
     torch.distributed.destroy_process_group()
 
@@ -93,6 +111,20 @@ def resume_runs(rank: int, world: int, out_dir: str) -> None:
     out["model_changed"] = resume("model_changed", _engine_config(_D), "s0_fp32", frozen_first=True)
     out["warm_start"] = resume("warm_start", _engine_config(_D), "s0_fp32", load_optimizer_states=False)
     out["no_dragonn_state"] = resume("no_dragonn_state", _engine_config(_D), "s0_dense")
+    # a flush owed by a resumed residual (density 0.4 bf16 under auto: pairs cost more than dense, so the
+    # bucket goes dense and flushes) on a step that overflows: still owed afterwards, sent the step after
+    engine = _engine(_engine_config({**_D, "density": 0.4, "policy": "auto"}, bf16=True))
+    engine.load_checkpoint(str(ckpt / "s0_bf16"), tag="k")
+    flush = {"after_load": _residual_mass(engine)}
+    _train(engine, rank, K, K + 1, overflow_at=K)
+    flush["after_skipped"] = _residual_mass(engine)
+    flush["pending_after_skipped"] = len(engine.dragonn._pending)
+    _train(engine, rank, K + 1, K + 2)
+    flush["after_next"] = _residual_mass(engine)
+    flush["skipped"] = int(engine.skipped_steps)
+    out["flush_on_skipped_step"] = flush
+    # DeepSpeed's averaging changed: the residuals are in other units
+    out["predivide_changed"] = resume("predivide_changed", _engine_config(_D, predivide=2.0), "s0_fp32")
     # ranks resuming different tags: an error on every rank, not a hang in the next step
     import ds_dragonn
     engine = _engine(_engine_config(_D))
@@ -101,6 +133,12 @@ def resume_runs(rank: int, world: int, out_dir: str) -> None:
         out["different_tags"] = None
     except ds_dragonn.CheckpointMismatchError as err:
         out["different_tags"] = str(err)
+    engine = _engine(_engine_config(_D))
+    try:
+        engine.load_checkpoint(str(ckpt / "s0_fp32"), tag="end" if rank == 0 else "end2")
+        out["same_step_other_tag"] = None
+    except ds_dragonn.CheckpointMismatchError as err:
+        out["same_step_other_tag"] = str(err)
     torch.save(out, Path(out_dir) / f"resume_rank{rank}.pt")
     torch.distributed.destroy_process_group()
 

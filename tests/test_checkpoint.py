@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.ckpt_cases import RESUME_RUNS
+from tests.ckpt_cases import RELOAD_IN_PROCESS, RESUME_RUNS
 from tests.multiproc import run_ranks
 
 
@@ -66,7 +66,7 @@ def test_density_change_keeps_residuals_with_a_warning(ckpt):
 def test_exchange_change_folds_server_residuals_exactly(ckpt):
     for r in range(2):
         got = ckpt["resume"][r]["exchange_changed"]
-        assert any("dragonn.exchange partitioned (now allgather)" in n for n in got["notes"]), got["notes"]
+        assert any("exchange partitioned (now allgather)" in n for n in got["notes"]), got["notes"]
         state = torch.load(ckpt["dir"] / "ckpt" / "s0_partitioned" / "k" / f"dragonn_rank{r}.pt", weights_only=False)
         worker = sum(float(v.double().abs().sum()) for v in state["error_feedback"]["residuals"].values())
         server = sum(float(v.double().abs().sum()) for v in state["exchange"][0]["server"]["residuals"].values())
@@ -75,7 +75,27 @@ def test_exchange_change_folds_server_residuals_exactly(ckpt):
         assert worker < got["mass_after_load"] <= worker + server + 1e-9
 
 
+@pytest.mark.parametrize("name", list(RELOAD_IN_PROCESS))
+def test_reloading_in_the_same_process_equals_the_uninterrupted_run(ckpt, name):
+    """A load in the middle of a run (after more steps, an overflow step for bf16) starts a fresh round:
+    bucket ordinals from 0 (the residual keys match), no open step transaction or undo log carried over."""
+    for r in range(2):
+        saved = ckpt["save"][r][name]
+        assert _equal(saved["params"], saved["reloaded_params"]), f"rank {r}"
+        assert saved["restored_steps"] == (1 if RELOAD_IN_PROCESS[name][1] >= 0 else 0)
+
+
+def test_a_flush_owed_on_a_skipped_step_is_still_owed(ckpt):
+    for r in range(2):
+        f = ckpt["resume"][r]["flush_on_skipped_step"]
+        assert f["skipped"] == 1 and f["after_load"] > 0
+        assert f["after_skipped"] == pytest.approx(f["after_load"], rel=1e-12)  # restored, still owed
+        assert f["pending_after_skipped"] >= 1
+        assert f["after_next"] < 0.01 * f["after_load"]  # flushed by the next (applied) dense step
+
+
 @pytest.mark.parametrize("case, words", [("model_changed", "trainable parameters 0.weight: (64, 32) (now absent)"),
+                                         ("predivide_changed", "gradient_predivide_factor 1.0 (now 2.0)"),
                                          ("warm_start", "a warm start"),
                                          ("no_dragonn_state", "not found")])
 def test_mismatches_reset_residuals_with_a_warning_naming_the_cause(ckpt, case, words):
@@ -104,12 +124,20 @@ def test_load_state_dict_refuses_what_is_not_a_state():
                              zero_optimization_stage=lambda: 0, zero_reduce_bucket_size=lambda: 500_000_000,
                              communication_data_type=torch.float32, device=torch.device("cpu"))
     hook = HookBase(engine, DragonnConfig(enabled=True))
-    with pytest.raises(ValueError, match="not a DRAGONN state"):
+    with pytest.raises(ValueError, match="x.pt is not a valid DRAGONN state: no 'error_feedback'"):
         hook.load_state_dict({"model": 1}, source="x.pt")
     good = hook.state_dict()
-    bad = dict(good, error_feedback={"residuals": {"b": torch.ones(2, 2)}})
-    with pytest.raises(ValueError, match="residual b is not a 1-D float tensor"):
-        hook.load_state_dict(bad)
+    key = (0, "torch.bfloat16", 6, "abc")  # a stage-0 key: 6 elements, bf16 wire -> fp32 residual
+    for residual, words in ((torch.ones(2, 2), "not a 1-D float tensor"), (torch.ones(5), "5 elements for a bucket of 6"),
+                            (torch.ones(6, dtype=torch.float64), "residual dtype is torch.float32"),
+                            (torch.tensor([1.0, float("nan"), 0, 0, 0, 0]), "NaN or Inf")):
+        with pytest.raises(ValueError, match=words):
+            hook.load_state_dict(dict(good, error_feedback={"residuals": {key: residual}}))
+    for part, value in (("error_feedback", 5), ("error_feedback", None), ("description", "hello"), ("exchange", 5),
+                        ("pending", 5), ("telemetry", [1]), ("description", dict(good["description"], format="2")),
+                        ("description", dict(good["description"], parameters=None))):
+        with pytest.raises(ValueError, match="not a valid DRAGONN state"):
+            hook.load_state_dict(dict(good, **{part: value}))
     newer = dict(good, description=dict(good["description"], format=99))
     with pytest.raises(ValueError, match="format 99"):
         hook.load_state_dict(newer)
@@ -124,3 +152,5 @@ def test_ranks_resuming_different_tags_fail_on_every_rank(ckpt):
     for r in range(2):
         msg = ckpt["resume"][r]["different_tags"]
         assert msg is not None and msg.startswith(f"[rank {r}]") and "rank 0: 3, rank 1: 6" in msg, msg
+        msg = ckpt["resume"][r]["same_step_other_tag"]
+        assert msg is not None and "tags at the same step" in msg, msg

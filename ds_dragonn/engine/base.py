@@ -25,7 +25,7 @@ from ..pipeline import CompressedAllreduce, ReduceStats
 from ..policy import AutoPolicy
 from ..telemetry import Telemetry, log_reduction, monitor_events
 from ..exchange.ownership import HashedOwnership
-from .checkpoint import FORMAT, compare, describe
+from .checkpoint import compare, describe, validate
 from .steps import StepGuard, loss_scale, may_skip_steps
 
 
@@ -64,6 +64,7 @@ class HookBase:
         self._warned_small = False
         self._announced = False  # the switch to compression was logged
         self._pending: set = set()  # buckets whose residual may hold unsent gradient
+        self._flushing: set = set()  # transactional: flushed in the open step (still pending if it is skipped)
         self._costly: Dict[Hashable, bool] = {}  # bucket key -> its pairs may cost more than dense
         self.notes: list = []  # what loading a state did beyond restoring it (also logged as warnings)
         self.policy = AutoPolicy(cfg.auto_probe_steps, cfg.auto_recheck_interval,
@@ -74,8 +75,33 @@ class HookBase:
         return build_exchange(self.cfg, backend, self.compressor, transactional=self.transactional)
 
     def _stores(self) -> list:
-        """Everything that holds residuals: the workers' store and each pipeline's exchange."""
-        return [self.error_feedback] + [p.exchange for p in self._pipelines.values()]
+        """Everything whose state a skipped step must not change: the workers' store, each pipeline's
+        exchange, and this hook's record of which residuals still need a flush."""
+        return [self.error_feedback] + [p.exchange for p in self._pipelines.values()] + [self]
+
+    def _flushed(self, key: Hashable) -> None:
+        """The residual of ``key`` went out with a dense reduction: no flush is owed any more (once the step
+        is applied, where DeepSpeed may skip it)."""
+        if self.transactional:
+            self._flushing.add(key)
+        else:
+            self._pending.discard(key)
+
+    def end_step(self, applied: bool) -> None:
+        """Step transaction (``steps.StepGuard``): an applied step's flushes are done; a skipped step's are
+        owed again (the residuals were restored)."""
+        if applied:
+            self._pending -= self._flushing
+        self._flushing.clear()
+
+    def rescale_(self, factor: float) -> None:
+        """Nothing of this hook's own is in gradient units (``steps.StepGuard`` store interface)."""
+
+    def _forget_round(self) -> None:
+        """After a load or reset: no step transaction is open, bucket ordinals count from 0 again."""
+        self.steps.abandon()
+        self._flushing.clear()
+        self._round, self._ordinal = None, 0
 
     def _settle(self) -> None:
         """End the last step's residual transaction if DeepSpeed has finished that step."""
@@ -238,28 +264,24 @@ class HookBase:
         for pipe in self._pipelines.values():
             pipe.exchange.reset()
         self._pending = set()
+        self._forget_round()
 
     def load_state_dict(self, state: dict, source: str = "the state") -> None:
         """Restore :meth:`state_dict` of this rank, by the rules of ``engine/checkpoint.py``: residuals
-        saved by another rank, world size, model or bucketing are reset, server residuals saved under
-        another exchange are folded into the worker residuals, other setting changes keep them; each case
-        logs a warning naming what differs.
+        saved by another rank, world size, model, bucketing or gradient scaling are reset, server residuals
+        saved under another exchange are folded into the worker residuals, other setting changes keep them;
+        each case logs a warning naming what differs. Any open step transaction is dropped and bucket
+        ordinals count from 0 again (a load in the middle of a run starts a fresh round).
 
         Raises:
-            ValueError: ``state`` is not a DRAGONN state (names the missing part), comes from a newer format,
-                or holds a residual that is not a 1-D floating-point tensor.
+            ValueError: ``state`` is not a valid DRAGONN state (:func:`~ds_dragonn.engine.checkpoint.validate`:
+                a missing or malformed part, a newer format, a residual that is not a finite 1-D float tensor
+                of its bucket's length and residual dtype), naming ``source`` and what is wrong.
         """
         rank, world = self._where()
-        if not isinstance(state, dict) or "error_feedback" not in state:
-            raise ValueError(f"[rank {rank}] DRAGONN: {source} is not a DRAGONN state (no 'error_feedback')")
+        validate(state, f"[rank {rank}] DRAGONN: {source}")
         saved = state.get("description") or {"rank": state.get("rank"), "world_size": state.get("world_size")}
-        if saved.get("format", FORMAT) > FORMAT:
-            raise ValueError(f"[rank {rank}] DRAGONN: {source} has format {saved['format']}, newer than this "
-                             f"ds_dragonn's {FORMAT}")
         residuals = state["error_feedback"].get("residuals", {})
-        for key, buf in residuals.items():
-            if not isinstance(buf, torch.Tensor) or buf.dim() != 1 or not buf.is_floating_point():
-                raise ValueError(f"[rank {rank}] DRAGONN: {source}: residual {key} is not a 1-D float tensor")
         if "description" in state:
             reset, fold, kept = compare(saved, describe(self))
         else:  # a bare state (rank and world size only)
@@ -269,20 +291,23 @@ class HookBase:
         if reset:
             self.reset_state(f"{source} does not apply here: " + "; ".join(reset))
             return
+        self._forget_round()
         self.error_feedback.load_state_dict(state["error_feedback"], getattr(self.engine, "device", None))
         exchanges = state.get("exchange", [])
+        for pipe in self._pipelines.values():
+            pipe.exchange.reset()
         if fold:
             self._fold_server_residuals(exchanges)
             self._note(f"[rank {rank}] DRAGONN: {'; '.join(fold)}: this rank's server residuals from {source} "
                        f"were added into its worker residuals (exact: the same unsent sum)")
-        else:
+        elif exchanges and len(exchanges) == len(self._pipelines):
             for pipe, ex_state in zip(self._pipelines.values(), exchanges):
                 pipe.exchange.load_state_dict(ex_state, getattr(self.engine, "device", None))
-        self._pending = set(state.get("pending", residuals.keys())) | set(residuals)
+        self._pending = set(state.get("pending") or ()) | set(residuals)
         # the fp16 loss scale the residuals are in (rescaled at the next reduction if the scale differs)
         self.steps.units = state.get("loss_scale_units")
-        for field, value in state.get("telemetry", {}).items():
-            if hasattr(self.telemetry, field):
+        for field, value in (state.get("telemetry") or {}).items():
+            if hasattr(self.telemetry, field) and isinstance(value, (int, float)):
                 setattr(self.telemetry, field, value)
         if kept:
             self._note(f"[rank {rank}] DRAGONN: {source} was saved with {'; '.join(kept)}; its residuals are "

@@ -16,8 +16,9 @@ Rules when the run differs from the saved one (:func:`compare`; every case logs 
 differs, none is silent):
 
 * another world size or rank, other trainable parameters (names or shapes), another ZeRO stage, bucket
-  size or communication dtype: the residuals belong to other buckets or other ranks' gradients, so they
-  are **reset** (start empty);
+  size or communication dtype: the residuals belong to other buckets or other ranks' gradients; another
+  ``gradient_predivide_factor`` or ``prescale_gradients``: they are in other units. They are **reset**
+  (start empty);
 * another exchange scheme: the partitioned exchange's server residuals are **folded** into this rank's
   worker residuals at the indices it owned (exact: the same unsent sum goes out with the next
   compressed reduction);
@@ -30,6 +31,7 @@ residuals empty, like DeepSpeed's optimizer state.
 """
 from __future__ import annotations
 
+import hashlib
 import inspect
 import os
 from typing import Any, Dict, List, Tuple
@@ -49,12 +51,13 @@ class CheckpointMismatchError(ValueError):
     """Ranks resumed from different checkpoints (different global steps): raised on every rank."""
 
 
-def check_same_step(hook: Any) -> None:
-    """One small allgather of ``global_steps`` over the data-parallel group after a load: ranks that resumed
-    different tags would otherwise take different dense/compressed branches (warm-up, seeds) and hang.
+def check_same_step(hook: Any, tag: str = "") -> None:
+    """One small allgather of ``(global_steps, digest of the loaded tag)`` over the data-parallel group after
+    a load: ranks that resumed different tags would otherwise take different dense/compressed branches
+    (warm-up, seeds) or hold residuals of different steps, or hang.
 
     Raises:
-        CheckpointMismatchError: on every rank, naming each rank's step.
+        CheckpointMismatchError: on every rank, naming each rank's step and tag.
     """
     if not hook._pipelines:
         return
@@ -62,11 +65,14 @@ def check_same_step(hook: Any) -> None:
     if backend.world_size <= 1:
         return
     device = getattr(hook.engine, "device", None) or torch.device("cpu")
-    steps = [row[0] for row in backend.all_gather_ints([int(hook.engine.global_steps)], device)]
-    if len(set(steps)) > 1:
-        per_rank = ", ".join(f"rank {r}: {s}" for r, s in enumerate(steps))
-        raise CheckpointMismatchError(f"[rank {backend.rank}] ranks resumed at different global steps ({per_rank}); "
-                                      f"every rank must load the same checkpoint tag")
+    code = int.from_bytes(hashlib.blake2b(tag.encode(), digest_size=7).digest(), "little")
+    rows = backend.all_gather_ints([int(hook.engine.global_steps), code], device)
+    if len({tuple(r) for r in rows}) > 1:
+        per_rank = ", ".join(f"rank {r}: {row[0]}" for r, row in enumerate(rows))
+        what = "global steps" if len({r[0] for r in rows}) > 1 else "tags at the same step"
+        raise CheckpointMismatchError(f"[rank {backend.rank}] ranks resumed different checkpoint {what} (global "
+                                      f"step {per_rank}; this rank's tag {tag!r}); every rank must load the "
+                                      f"same checkpoint tag")
 
 
 def state_path(folder: str, rank: int) -> str:
@@ -85,8 +91,13 @@ def describe(hook: Any) -> Dict[str, Any]:
                  "communication_data_type": str(comm).replace("torch.", "") if comm is not None else None}
     if hasattr(engine, "zero_reduce_bucket_size"):
         bucketing["zero_optimization.reduce_bucket_size"] = int(engine.zero_reduce_bucket_size())
+    # the residuals are in units of the prescaled gradients: DeepSpeed's averaging settings fix that scale
+    for name in ("gradient_predivide_factor", "postscale_gradients"):
+        if hasattr(engine, name):
+            bucketing[name] = getattr(engine, name)()
     return {"format": FORMAT, "rank": rank, "world_size": world, "global_steps": int(engine.global_steps),
-            "dragonn": hook.cfg.model_dump(mode="json"), "bucketing": bucketing, "parameters": params}
+            "dragonn": hook.cfg.model_dump(mode="json"), "exchange": hook.exchange_name, "bucketing": bucketing,
+            "parameters": params}
 
 
 def compare(saved: Dict[str, Any], current: Dict[str, Any]) -> Tuple[List[str], List[str], List[str]]:
@@ -114,12 +125,83 @@ def compare(saved: Dict[str, Any], current: Dict[str, Any]) -> Tuple[List[str], 
     sd, cd = saved.get("dragonn", {}), current["dragonn"]
     if sd.get("error_feedback", True) != cd["error_feedback"] and not cd["error_feedback"]:
         reset.append("error_feedback off now")
-    if sd.get("exchange") != cd["exchange"]:
-        fold.append(f"dragonn.exchange {sd.get('exchange')} (now {cd['exchange']})")
+    ran, runs = saved.get("exchange", sd.get("exchange")), current["exchange"]  # the scheme the hook ran
+    if ran != runs and ran == "partitioned":  # only the partitioned exchange holds server residuals
+        fold.append(f"exchange partitioned (now {runs})")
+    elif sd.get("exchange") != cd["exchange"]:
+        kept.append(f"dragonn.exchange {sd.get('exchange')} (now {cd['exchange']})")
     for field in _KEPT_FIELDS:
         if field in sd and sd.get(field) != cd.get(field) and field != "log_interval":
             kept.append(f"dragonn.{field} {sd.get(field)} (now {cd.get(field)})")
     return reset, fold, kept
+
+
+def _residual_dtype_of(key: Any) -> Any:
+    """The residual dtype a bucket key implies (its wire dtype's ``residual_dtype``), or None if unknown."""
+    from ..feedback import residual_dtype
+    names = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
+    for part in key if isinstance(key, tuple) else ():
+        if isinstance(part, str) and part in names:
+            return residual_dtype(names[part])
+    return None
+
+
+def _numel_of(key: Any) -> Any:
+    """The bucket length in a hook's key (stage 0: ``(ordinal, dtype, numel, layout)``; ZeRO: ``("zero",
+    ordinal, dtype, numel, layout)``), or None for another key."""
+    if isinstance(key, tuple) and len(key) == 4 and isinstance(key[2], int):
+        return key[2]
+    if isinstance(key, tuple) and len(key) == 5 and key[0] == "zero" and isinstance(key[3], int):
+        return key[3]
+    return None
+
+
+def validate(state: Any, where: str) -> None:
+    """Check the structure of a DRAGONN state before anything of it is used.
+
+    Raises:
+        ValueError: naming ``where`` (rank and source) and what is wrong: not a dict; no or a malformed
+            ``error_feedback``; a newer ``format``; a malformed description, exchange list or pending list;
+            a residual that is not a 1-D floating-point tensor, holds NaN/Inf (a residual never does), or
+            does not have its bucket's length or residual dtype.
+    """
+    def bad(what: str) -> ValueError:
+        return ValueError(f"{where} is not a valid DRAGONN state: {what}")
+
+    if not isinstance(state, dict):
+        raise bad(f"a {type(state).__name__}, not a dict")
+    ef = state.get("error_feedback")
+    if not isinstance(ef, dict) or not isinstance(ef.get("residuals", {}), dict):
+        raise bad("no 'error_feedback' dict with a 'residuals' dict")
+    desc = state.get("description")
+    if desc is not None:
+        if not isinstance(desc, dict):
+            raise bad("'description' is not a dict")
+        fmt = desc.get("format", FORMAT)
+        if not isinstance(fmt, int):
+            raise bad(f"'description.format' is {fmt!r}, not an int")
+        if fmt > FORMAT:
+            raise ValueError(f"{where} has format {fmt}, newer than this ds_dragonn's {FORMAT}")
+        if not isinstance(desc.get("parameters", []), list) or not isinstance(desc.get("bucketing", {}), dict) \
+                or not isinstance(desc.get("dragonn", {}), dict):
+            raise bad("'description' has malformed 'parameters', 'bucketing' or 'dragonn'")
+    for part in ("exchange", "pending"):
+        if not isinstance(state.get(part, []), (list, tuple)):
+            raise bad(f"'{part}' is not a list")
+    if not all(isinstance(x, dict) for x in state.get("exchange", [])):
+        raise bad("'exchange' holds something other than dicts")
+    if not isinstance(state.get("telemetry", {}), dict):
+        raise bad("'telemetry' is not a dict")
+    for key, buf in ef.get("residuals", {}).items():
+        if not isinstance(buf, torch.Tensor) or buf.dim() != 1 or not buf.is_floating_point():
+            raise bad(f"residual {key} is not a 1-D float tensor")
+        numel, dtype = _numel_of(key), _residual_dtype_of(key)
+        if numel is not None and buf.numel() != numel:
+            raise bad(f"residual {key} has {buf.numel()} elements for a bucket of {numel}")
+        if dtype is not None and buf.dtype != dtype:
+            raise bad(f"residual {key} is {buf.dtype}, the bucket's residual dtype is {dtype}")
+        if buf.numel() and not bool(torch.isfinite(buf).all()):
+            raise bad(f"residual {key} holds NaN or Inf")
 
 
 def _bound(method: Any, args: tuple, kwargs: dict) -> Dict[str, Any]:
@@ -155,8 +237,8 @@ def install(hook: Any) -> None:
         """DeepSpeed's ``load_checkpoint``, then this rank's DRAGONN state from the loaded tag folder."""
         a = _bound(load, args, kwargs)
         out = load(*args, **kwargs)
-        check_same_step(hook)
         load_path = out[0] if isinstance(out, tuple) and out else None
+        check_same_step(hook, os.path.basename(os.path.dirname(str(load_path))) if load_path else "")
         if load_path is None:
             return out  # DeepSpeed loaded nothing
         rank, _ = hook._where()

@@ -95,7 +95,7 @@ class DragonnHook(HookBase):
             clock = PhaseClock(bucket[0].device)
             if key in self._pending:  # compressed before: flush its residual now
                 out = pipeline.reduce_dense(bucket, key, *reduction_scales(engine, dp_world_size), comm_dtype)
-                self._pending.discard(key)
+                self._flushed(key)
             else:
                 out = self._dense_allreduce_bucket(bucket, dp_group, dp_world_size)
             self._record_dense(key, numel, comm_dtype.itemsize, world, clock.lap(), fixed)

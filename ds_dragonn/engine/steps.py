@@ -84,6 +84,10 @@ class StepGuard:
                        f"state before it", ranks=[0])
         self._step = None
 
+    def abandon(self) -> None:
+        """Forget the open transaction without ending it (the stores were just reset or reloaded)."""
+        self._step = None
+
     def finished(self, step: int) -> bool:
         """Whether the open transaction belongs to a step before ``step`` (so it can be ended now)."""
         return self._step is not None and step != self._step

@@ -109,7 +109,7 @@ class ZeroHook(HookBase):
             return done_dense()
         if flush:  # compressed before, dense now: the residual goes out with this reduction
             out = pipeline.reduce_dense([tensor], key, 1.0, 1.0, dt)
-            self._pending.discard(key)
+            self._flushed(key)
             self._write_owned(tensor, out, mine)
             return done_dense()
 

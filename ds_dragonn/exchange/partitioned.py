@@ -291,6 +291,7 @@ class PartitionedExchange(Exchange):
             ValueError: a residual's length does not match its bucket's owner map here (a corrupt or
                 foreign state), naming the bucket.
         """
+        self._undo.clear()  # a step left open before the load must not undo into the loaded state
         saved_world, saved_rank = state.get("world_size"), state.get("rank")
         world, rank = self.backend.world_size, self.backend.rank
         if (saved_world, saved_rank) != (world, rank):
