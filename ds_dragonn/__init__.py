@@ -72,7 +72,7 @@ def initialize(*args: Any, **kwargs: Any):
         ds_dist.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                                  distributed_port=bound.arguments.get("distributed_port", 29500),
                                  dist_init_required=bound.arguments.get("dist_init_required"), **timeout)
-        check_ranks_agree(cfg, stage, refusal=refusal)
+        check_ranks_agree(cfg, stage, refusal=refusal, ds_config=ds_config)
     if refusal is not None:
         raise refusal
     if cfg.enabled:
@@ -161,8 +161,12 @@ class DragonnConfigMismatchError(DragonnConfigError):
 _LOCAL_KEYS = {"dragonn.log_interval", "dragonn.comm_timeout_s"}
 
 
+#: DeepSpeed settings that change when and how often the hooks reduce: compared with the "dragonn" block
+_DS_AGREED = ("gradient_accumulation_steps", "train_micro_batch_size_per_gpu", "train_batch_size")
+
+
 def check_ranks_agree(cfg: Optional[DragonnConfig], zero_stage: int, group: Any = None,
-                      refusal: Optional[BaseException] = None) -> None:
+                      refusal: Optional[BaseException] = None, ds_config: Optional[dict] = None) -> None:
     """Compare every rank's DRAGONN settings (one ``all_gather_object``); raise on every rank when they differ
     or when any rank refused its configuration.
 
@@ -174,6 +178,8 @@ def check_ranks_agree(cfg: Optional[DragonnConfig], zero_stage: int, group: Any 
         cfg: this rank's validated block (None when it was invalid: then ``refusal`` says why).
         zero_stage: this rank's ZeRO stage.
         refusal: the error this rank is about to raise, if any.
+        ds_config: this rank's DeepSpeed config; its batch and accumulation settings (``_DS_AGREED``) are
+            compared too (ZeRO 2 reduces at every micro step: ranks with different accumulation hang).
     Raises:
         DragonnConfigMismatchError: on every rank (a refusing rank raises its own error instead, after the
             exchange), naming each differing field with every rank's value, or the rank that refused and why.
@@ -184,6 +190,7 @@ def check_ranks_agree(cfg: Optional[DragonnConfig], zero_stage: int, group: Any 
     mine = {"settings": None if cfg is None else {f"dragonn.{k}": v for k, v in cfg.model_dump(mode="json").items()
                                                   if f"dragonn.{k}" not in _LOCAL_KEYS},
             "enabled": bool(cfg is not None and cfg.enabled), "stage": zero_stage,
+            "ds": {k: (ds_config or {}).get(k) for k in _DS_AGREED},
             "refusal": None if refusal is None else f"{type(refusal).__name__}: {refusal}"}
     everyone: list = [None] * dist.get_world_size(group=group)
     dist.all_gather_object(everyone, mine, group=group)
@@ -198,7 +205,8 @@ def check_ranks_agree(cfg: Optional[DragonnConfig], zero_stage: int, group: Any 
                                          f"stops ({first})")
     if not any(v["enabled"] for v in everyone):
         return  # compression off everywhere: nothing to agree on
-    merged = [dict(v["settings"] or {}, **{"zero_optimization.stage": v["stage"]}) for v in everyone]
+    merged = [dict(v["settings"] or {}, **{"zero_optimization.stage": v["stage"]}, **v.get("ds", {}))
+              for v in everyone]
     keys = sorted(set().union(*merged))
     diffs = [f"{key}: " + ", ".join(f"rank {r}: {json.dumps(m.get(key))}" for r, m in enumerate(merged))
              for key in keys if len({json.dumps(m.get(key), sort_keys=True) for m in merged}) > 1]

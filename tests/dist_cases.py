@@ -338,6 +338,7 @@ DISAGREE = {  # name -> per-rank "dragonn" blocks (rank r takes entry r % 2)
     "min_compress_numel": [{"enabled": True, "min_compress_numel": 1}, {"enabled": True, "min_compress_numel": 10**9}],
     "warmup_steps": [{"enabled": True, "warmup_steps": 0}, {"enabled": True, "warmup_steps": 3}],
     "zero_stage": [{"enabled": True}, {"enabled": True}],  # stage 0 on rank 0, stage 2 on the others
+    "gradient_accumulation_steps": [{"enabled": True}, {"enabled": True}],  # 1 on rank 0, 2 on the others
 }
 REFUSED_ON_ONE_RANK = {  # rank 0 fine, the others refuse: every rank must stop at once, none may hang
     "invalid_key": [{"enabled": True}, {"enabled": True, "densty": 0.1}],
@@ -363,6 +364,8 @@ def disagree_runs(rank: int, world: int, out_dir: str) -> None:
         cfg = _engine_config(block) if block is not None else _engine_config(None)
         if block is not None and "densty" in block:
             cfg["dragonn"] = dict(block)
+        if name == "gradient_accumulation_steps" and rank > 0:
+            cfg["gradient_accumulation_steps"] = 2
         if (name == "zero_stage" or name == "offload") and rank > 0:
             cfg["zero_optimization"] = {"stage": 2}
             cfg["optimizer"] = {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}}

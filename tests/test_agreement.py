@@ -21,13 +21,15 @@ def runs(request, tmp_path_factory):
 @pytest.mark.parametrize("name", list(DISAGREE))
 def test_every_rank_names_the_field_and_each_value(runs, name):
     world, ranks = runs
-    field = "zero_optimization.stage" if name == "zero_stage" else f"dragonn.{name}"
+    field = {"zero_stage": "zero_optimization.stage",
+             "gradient_accumulation_steps": "gradient_accumulation_steps"}.get(name, f"dragonn.{name}")
     for r in range(world):
         kind, msg, seconds = ranks[r][name]
         assert kind == "DragonnConfigMismatchError", (kind, msg)
         assert msg.startswith(f"[rank {r}]") and f"{field}: rank 0: " in msg, msg
-        values = [DISAGREE[name][min(q, 1)].get(name) for q in range(world)] if name != "zero_stage" else \
-            [0] + [2] * (world - 1)
+        values = {"zero_stage": [0] + [2] * (world - 1),
+                  "gradient_accumulation_steps": [1] + [2] * (world - 1)}.get(
+            name, [DISAGREE[name][min(q, 1)].get(name) for q in range(world)])
         for q, v in enumerate(values):
             assert f"rank {q}: {json.dumps(v)}" in msg, msg
         assert seconds < 60, "the mismatch must be reported within seconds, not after a collective timeout"
