@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.multiproc import PORT_ATTEMPTS, REPO, free_port, port_was_taken
 
@@ -61,3 +62,49 @@ def test_compare_flags_missed_targets(tmp_path):
     assert proc.returncode == 1 and "partitioned" in proc.stdout  # c still misses
     runs = json.loads((tmp_path / "out.json").read_text())["runs"]
     assert runs["p"]["accuracy_ok"] and runs["p"]["bytes_ok"] and not runs["c"]["accuracy_ok"]
+
+
+@pytest.mark.timeout(480)
+def test_lm_task_runs_under_the_launcher(tmp_path):
+    """launch/train_lm.py (issue 8's second task), a tiny GPT (85k parameters: one compressed bucket above
+    min_compress_numel) for 4 steps: held-out loss in the summary."""
+    import math
+    launcher = shutil.which("deepspeed") or os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    summary = tmp_path / "lm.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
+               PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    for _ in range(PORT_ATTEMPTS):
+        port = free_port()
+        cmd = [launcher, "--num_gpus", "2", "--master_addr", "127.0.0.1", "--master_port", str(port),
+               "launch/train_lm.py", "--deepspeed_config", "configs/lm_dragonn.json", "--steps", "4",
+               "--log-interval", "2", "--n-layer", "1", "--d-model", "64", "--n-head", "2", "--ctx", "32",
+               "--eval-windows", "8", "--summary", str(summary)]
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+        if proc.returncode == 0 or not port_was_taken(proc.stdout + proc.stderr, port):
+            break
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    s = json.loads(summary.read_text())
+    assert s["task"] == "lm" and s["metric"] == "test_loss" and s["world_size"] == 2 and s["steps"] == 4
+    assert [h["step"] for h in s["history"]] == [2, 4]
+    assert math.isfinite(s["test_loss"]) and 0 < s["test_loss"] < math.log(256) + 1.0  # nats/byte
+    assert s["compressed_reductions"] == 4 and 0 < s["bytes_sent"] < 0.05 * s["dense_bytes_equivalent"]
+
+
+def test_lm_corpus_split_is_fixed_and_disjoint():
+    sys.path.insert(0, str(REPO / "launch"))
+    try:
+        from train_lm import stdlib_corpus
+    finally:
+        sys.path.pop(0)
+    train, held = stdlib_corpus(max_train_bytes=1 << 20)
+    again_train, again_held = stdlib_corpus(max_train_bytes=1 << 20)
+    assert train.numel() == 1 << 20 and held.numel() > 100_000
+    assert torch.equal(train, again_train) and torch.equal(held, again_held)
+    # independently: the held-out text is every 10th file (sorted by path), each followed by a 0 byte
+    import sysconfig
+    from pathlib import Path
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts)
+    want = b"".join(p.read_bytes() + b"\0" for p in files[9::10])
+    assert bytes(held.tolist()) == want
+    assert bytes(train[:len(files[0].read_bytes())].tolist()) == files[0].read_bytes()
