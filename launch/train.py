@@ -9,7 +9,6 @@ split; each rank trains on its own shard of every global batch. Only rank 0 logs
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 
@@ -22,6 +21,7 @@ from sklearn.model_selection import train_test_split
 
 import ds_dragonn
 from ds_dragonn.comm.mpi_env import setup_mpi_env
+from run_summary import dense_totals, report  # launch/, the script's folder
 
 # -- defaults (units in comments) -----------------------------------------------------------------------
 STEPS = 600            # optimizer steps
@@ -115,18 +115,8 @@ def main():
                "exchange": dragonn.exchange_name if dragonn else None,
                "zero_stage": int(engine.zero_optimization_stage()),
                "final_loss": last_loss, "wall_s": time.time() - t0}
-    if dragonn:
-        summary.update(dragonn.telemetry.summary())
-    else:
-        ring = 2 * (world - 1) / world * sum(p.numel() * p.element_size() for p in model.parameters())
-        summary.update(bytes_sent=int(ring * args.steps), dense_bytes_equivalent=int(ring * args.steps),
-                       compress_ms_mean=0.0)
-    if rank == 0:
-        print(f"test_accuracy {acc:.4f} | final_loss {last_loss:.4f} | bytes_sent {summary['bytes_sent']} "
-              f"| dense_bytes_equivalent {summary['dense_bytes_equivalent']}", flush=True)
-        if args.summary:
-            with open(args.summary, "w") as f:
-                json.dump(summary, f, indent=2)
+    summary.update(dragonn.telemetry.summary() if dragonn else dense_totals(model, world, args.steps))
+    report(summary, rank, f"test_accuracy {acc:.4f} | final_loss {last_loss:.4f}", args.summary)
     dist.barrier()
     torch.distributed.destroy_process_group()
 

@@ -13,7 +13,6 @@ Only rank 0 logs and writes the summary.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -28,6 +27,7 @@ import torch.nn.functional as F
 
 import ds_dragonn
 from ds_dragonn.comm.mpi_env import setup_mpi_env
+from run_summary import dense_totals, report  # launch/, the script's folder
 
 # -- defaults (units in comments) -----------------------------------------------------------------------
 STEPS = 500            # optimizer steps
@@ -182,18 +182,9 @@ def main():
                "test_loss": history[-1]["test_loss"] if history else math.nan, "final_loss": last_loss,
                "history": history, "wall_s": time.time() - t0, "python": platform.python_version(),
                "train_bytes": len(train), "held_out_bytes": len(held)}
-    if dragonn:
-        summary.update(dragonn.telemetry.summary())
-    else:
-        ring = 2 * (world - 1) / world * sum(p.numel() * p.element_size() for p in model.parameters())
-        summary.update(bytes_sent=int(ring * args.steps), dense_bytes_equivalent=int(ring * args.steps))
-    if rank == 0:
-        print(f"test_loss {summary['test_loss']:.4f} nats/byte | final_loss {last_loss:.4f} | "
-              f"bytes_sent {summary['bytes_sent']} | dense_bytes_equivalent {summary['dense_bytes_equivalent']}",
-              flush=True)
-        if args.summary:
-            with open(args.summary, "w") as f:
-                json.dump(summary, f, indent=2)
+    summary.update(dragonn.telemetry.summary() if dragonn else dense_totals(model, world, args.steps))
+    report(summary, rank, f"test_loss {summary['test_loss']:.4f} nats/byte | final_loss {last_loss:.4f}",
+           args.summary)
     dist.barrier()
     torch.distributed.destroy_process_group()
 

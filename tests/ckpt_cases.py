@@ -125,20 +125,19 @@ def resume_runs(rank: int, world: int, out_dir: str) -> None:
     out["flush_on_skipped_step"] = flush
     # DeepSpeed's averaging changed: the residuals are in other units
     out["predivide_changed"] = resume("predivide_changed", _engine_config(_D, predivide=2.0), "s0_fp32")
-    # ranks resuming different tags: an error on every rank, not a hang in the next step
+    # ranks resuming different tags (at different steps, at the same step): an error on every rank, not a
+    # hang in the next step
     import ds_dragonn
-    engine = _engine(_engine_config(_D))
-    try:
-        engine.load_checkpoint(str(ckpt / "s0_fp32"), tag="k" if rank == 0 else "end")
-        out["different_tags"] = None
-    except ds_dragonn.CheckpointMismatchError as err:
-        out["different_tags"] = str(err)
-    engine = _engine(_engine_config(_D))
-    try:
-        engine.load_checkpoint(str(ckpt / "s0_fp32"), tag="end" if rank == 0 else "end2")
-        out["same_step_other_tag"] = None
-    except ds_dragonn.CheckpointMismatchError as err:
-        out["same_step_other_tag"] = str(err)
+
+    def mismatch(tag: str):
+        try:
+            _engine(_engine_config(_D)).load_checkpoint(str(ckpt / "s0_fp32"), tag=tag)
+            return None
+        except ds_dragonn.CheckpointMismatchError as err:
+            return str(err)
+
+    out["different_tags"] = mismatch("k" if rank == 0 else "end")
+    out["same_step_other_tag"] = mismatch("end" if rank == 0 else "end2")
     torch.save(out, Path(out_dir) / f"resume_rank{rank}.pt")
     torch.distributed.destroy_process_group()
 

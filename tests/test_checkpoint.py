@@ -116,14 +116,10 @@ def test_world_size_change_resets_on_every_rank(ckpt):
 
 
 def test_load_state_dict_refuses_what_is_not_a_state():
-    from types import SimpleNamespace
-
     from ds_dragonn.config import DragonnConfig
     from ds_dragonn.engine.base import HookBase
-    engine = SimpleNamespace(module=torch.nn.Linear(2, 2), global_steps=0, skipped_steps=0,
-                             zero_optimization_stage=lambda: 0, zero_reduce_bucket_size=lambda: 500_000_000,
-                             communication_data_type=torch.float32, device=torch.device("cpu"))
-    hook = HookBase(engine, DragonnConfig(enabled=True))
+    from tests.fakes import fake_engine
+    hook = HookBase(fake_engine(), DragonnConfig(enabled=True))
     with pytest.raises(ValueError, match="x.pt is not a valid DRAGONN state: no 'error_feedback'"):
         hook.load_state_dict({"model": 1}, source="x.pt")
     good = hook.state_dict()

@@ -258,10 +258,8 @@ def test_hook_state_of_another_rank_is_not_loaded(caplog):
     from ds_dragonn.engine.base import HookBase
     from ds_dragonn.pipeline import CompressedAllreduce
 
-    from types import SimpleNamespace
-    engine = SimpleNamespace(module=torch.nn.Linear(2, 2), global_steps=0, skipped_steps=0,
-                             zero_optimization_stage=lambda: 0, zero_reduce_bucket_size=lambda: 500_000_000,
-                             communication_data_type=torch.float32, device=torch.device("cpu"))
+    from tests.fakes import fake_engine
+    engine = fake_engine()
 
     def hook(rank, world):
         h = HookBase(engine, DragonnConfig(enabled=True))

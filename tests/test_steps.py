@@ -161,10 +161,9 @@ def test_resumed_residuals_keep_the_loss_scale_they_were_saved_in():
 
     from ds_dragonn.config import DragonnConfig
     from ds_dragonn.engine.base import HookBase
+    from tests.fakes import fake_engine
     opt = SimpleNamespace(loss_scale=1024.0)
-    engine = SimpleNamespace(module=torch.nn.Linear(2, 2), global_steps=5, skipped_steps=0, optimizer=opt,
-                             zero_optimization_stage=lambda: 0, zero_reduce_bucket_size=lambda: 500_000_000,
-                             communication_data_type=torch.float32, device=torch.device("cpu"))
+    engine = fake_engine(global_steps=5, optimizer=opt)
     src = HookBase(engine, DragonnConfig(enabled=True))
     src.steps.begin(5)
     src.error_feedback.residuals["b"] = torch.full((4,), 3.0)

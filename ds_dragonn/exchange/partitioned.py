@@ -65,6 +65,11 @@ class Scattered(NamedTuple):
         return [sum(row[d] for row in self.matrix) for d in range(len(self.matrix))]
 
 
+def _counts_header_bytes(world: int) -> int:
+    """Bytes each rank sends in the counts-header allgather of a sparse reduce-scatter (ring model)."""
+    return (world - 1) * (world + 2) * 8
+
+
 def _block_bytes(count: int, idx_dtype: torch.dtype, wire_dtype: torch.dtype) -> int:
     return align(count * idx_dtype.itemsize) + align(count * wire_dtype.itemsize)
 
@@ -122,7 +127,7 @@ def sparse_reduce_scatter(selection: Selection, numel: int, wire_dtype: torch.dt
         slots.append(recv[off:off + c * sdt.itemsize].view(sdt))
         vals.append(recv[off + ib:off + ib + c * wire_dtype.itemsize].view(wire_dtype))
         off += recv_sizes[src]
-    header_bytes = (world - 1) * (world + 2) * 8
+    header_bytes = _counts_header_bytes(world)
     sent = header_bytes + sum(s for d, s in enumerate(send_sizes) if d != rank)
     received = header_bytes + sum(s for d, s in enumerate(recv_sizes) if d != rank)
     return Scattered(slots, vals, matrix, sent, received)
@@ -133,8 +138,8 @@ def max_scatter_bytes(numel: int, pairs: int, wire_dtype: torch.dtype, world_siz
     plus every pair addressed to another rank (padding of each block included)."""
     if world_size <= 1:
         return 0
-    header = (world_size - 1) * (world_size + 2) * 8
-    return header + _block_bytes(pairs, index_dtype(numel), wire_dtype) + 2 * ALIGN * (world_size - 1)
+    padding = 2 * ALIGN * (world_size - 1)  # each destination's block is aligned
+    return _counts_header_bytes(world_size) + _block_bytes(pairs, index_dtype(numel), wire_dtype) + padding
 
 
 def owner_seed(seed: int, owner: int) -> int:
