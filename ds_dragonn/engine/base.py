@@ -135,7 +135,7 @@ class HookBase:
             print_dist(f"DRAGONN: this torch cannot change a process group's timeout; 'dragonn.comm_timeout_s' "
                        f"applies to the world group only", ranks=[0])
             return
-        for g in {id(x): x for x in (group, None)}.values():  # None: the world group
+        for g in (group, None):  # None: the world group
             setter(timeout, g)
 
     def _next_ordinal(self, round_id: Hashable) -> int:

@@ -44,7 +44,7 @@ FORMAT = 1
 #: Settings of the "dragonn" block whose difference resets nothing (the residuals are unsent gradients
 #: in the same units), and those that change what the residuals mean.
 _KEPT_FIELDS = ("density", "compressor", "kernel", "sample_ratio", "min_sample", "table_factor", "warmup_steps",
-                "policy", "auto_probe_steps", "auto_recheck_interval", "min_compress_numel", "seed", "log_interval")
+                "policy", "auto_probe_steps", "auto_recheck_interval", "min_compress_numel", "seed")
 
 
 class CheckpointMismatchError(ValueError):
@@ -131,7 +131,7 @@ def compare(saved: Dict[str, Any], current: Dict[str, Any]) -> Tuple[List[str], 
     elif sd.get("exchange") != cd["exchange"]:
         kept.append(f"dragonn.exchange {sd.get('exchange')} (now {cd['exchange']})")
     for field in _KEPT_FIELDS:
-        if field in sd and sd.get(field) != cd.get(field) and field != "log_interval":
+        if field in sd and sd.get(field) != cd.get(field):
             kept.append(f"dragonn.{field} {sd.get(field)} (now {cd.get(field)})")
     return reset, fold, kept
 
