@@ -41,8 +41,8 @@ import torch
 #: Version of the state file layout (refused when newer than this code).
 FORMAT = 1
 
-#: Settings of the "dragonn" block whose difference resets nothing (the residuals are unsent gradients
-#: in the same units), and those that change what the residuals mean.
+#: Settings of the "dragonn" block whose difference keeps the residuals (they are unsent gradients in the same
+#: units whatever these say); the difference is logged.
 _KEPT_FIELDS = ("density", "compressor", "kernel", "sample_ratio", "min_sample", "table_factor", "warmup_steps",
                 "policy", "auto_probe_steps", "auto_recheck_interval", "min_compress_numel", "seed")
 
