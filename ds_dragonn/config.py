@@ -38,6 +38,11 @@ class ExchangeScheme(str, Enum):
     partitioned = "partitioned"  # sparse reduce-scatter to balanced owners + server residual + allgather
 
 
+class SelectionScope(str, Enum):
+    per_tensor = "per_tensor"  # each parameter of a bucket gets its own k and threshold (DRAGONN paper, Sec. 4)
+    global_ = "global"  # one threshold over the whole flattened bucket
+
+
 class Policy(str, Enum):
     auto = "auto"  # compress a bucket only where it measured faster than the dense allreduce
     always = "always"  # compress every bucket above min_compress_numel after the warm-up
@@ -84,6 +89,27 @@ class DragonnConfig(DeepSpeedConfigModel):
 
     warmup_steps: int = Field(0, ge=0, strict=True)
     """Optimizer steps that use the dense allreduce before compression starts (paper: 200)."""
+
+    density_warmup_steps: int = Field(100, ge=0, strict=True)
+    """Compressed steps (after ``warmup_steps``) over which the density falls exponentially from
+    ``density_warmup_start`` to ``density`` (DGC's warm-up, Lin et al., ICLR 2018, Sec. 3.3); 0: none."""
+
+    density_warmup_start: float = Field(0.25, gt=0.0, le=1.0, strict=True)
+    """Density of the first compressed step of the density warm-up (DGC: 0.25). A start at or below
+    ``density`` means no density warm-up."""
+
+    selection: SelectionScope = SelectionScope.per_tensor
+    """``per_tensor``: each parameter's gradient in a bucket gets its own ``k = ceil(density · numel)``,
+    threshold and hash table (DRAGONN paper, Sec. 4), in one kernel call per bucket; ``global``: one
+    threshold over the whole flattened bucket (small gradients starve)."""
+
+    tensor_min_compress_numel: int = Field(4096, ge=0, strict=True)
+    """Per-tensor selection: parameters with fewer elements are sent whole (every element, as pairs in the
+    same exchange; counted in the bytes)."""
+
+    compress_1d: bool = Field(False, strict=True)
+    """Per-tensor selection: false sends 1-D parameters (biases, norm weights) whole, as PowerSGD leaves them
+    uncompressed; true compresses them like the others."""
 
     policy: Policy = Policy.auto
     """``auto``: per bucket, time the dense and the compressed reduction on the real link

@@ -114,7 +114,7 @@ class CompressedAllreduce:
 
     def reduce(self, tensors: Union[torch.Tensor, Sequence[torch.Tensor]], key: Hashable, seed: int,
                prescale: float = 1.0, postscale: float = 1.0, dtype: torch.dtype | None = None,
-               into_inputs: bool = False) -> Reduced:
+               into_inputs: bool = False, segments=None) -> Reduced:
         """Reduce the bucket ``tensors`` (their concatenation) across ranks.
 
         Args:
@@ -128,6 +128,8 @@ class CompressedAllreduce:
             into_inputs: write the result into ``tensors`` themselves (zeroed during compensation, the
                 pairs decoded into them): no decode buffer and no copy back. Needs
                 :meth:`can_reduce_into` true.
+            segments: None (one selection over the bucket) or the bucket's
+                :class:`~ds_dragonn.compress.segments.Segments` (per-tensor selection).
         Returns:
             :class:`Reduced`; ``out`` is a persistent (n,) buffer of ``dtype`` holding
             ``postscale × Σ_ranks decoded pairs``, valid until this key's next reduction (None with
@@ -148,7 +150,7 @@ class CompressedAllreduce:
         clock = PhaseClock(device)
         compensated = self.error_feedback.compensate_(key, tensors, dtype, prescale, zero_inputs=into_inputs)
         compensate_ms = clock.lap()
-        sel = self.compressor.compress(compensated, seed)
+        sel = self.compressor.compress(compensated, seed, segments)
         wire_values = to_wire(sel.values, dtype)
         select_ms = clock.lap()
 

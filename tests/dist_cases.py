@@ -71,6 +71,12 @@ def exchange_cases(rank: int, world: int, out_dir: str) -> None:
 
 
 # -- engine -------------------------------------------------------------------------------------------
+#: The engine tests' models are tiny (a few thousand elements a tensor): every tensor is compressed per tensor
+#: (none sent whole) and the density is the configured one from the first compressed step, so a few steps
+#: exercise the compressed path at the density under test. tests/test_selection.py covers the defaults.
+PINNED = {"density_warmup_steps": 0, "tensor_min_compress_numel": 0, "compress_1d": True}
+
+
 def _engine_config(dragonn: dict | None, bf16: bool = False, predivide: float | None = None) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
            "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}},
@@ -80,7 +86,7 @@ def _engine_config(dragonn: dict | None, bf16: bool = False, predivide: float | 
     if predivide is not None:
         cfg["gradient_predivide_factor"] = predivide
     if dragonn is not None:
-        cfg["dragonn"] = {"policy": "always", **dragonn}
+        cfg["dragonn"] = {"policy": "always", **PINNED, **dragonn}
     return cfg
 
 
@@ -275,7 +281,7 @@ def _zero_config(stage: int, dragonn: dict | None, bf16: bool = False, gas: int 
     if bf16:
         cfg["bf16"] = {"enabled": True}
     if dragonn is not None:
-        cfg["dragonn"] = {"policy": "always", "min_compress_numel": 1, **dragonn}
+        cfg["dragonn"] = {"policy": "always", "min_compress_numel": 1, **PINNED, **dragonn}
     return cfg
 
 

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from tests.dist_cases import PINNED
+
 OPT_STEPS = 4            # optimizer steps per run (micro steps = OPT_STEPS * gradient_accumulation_steps)
 LAYERS = (32, 64, 4)     # in -> hidden (tanh) -> classes
 MICRO_BATCH = 8
@@ -35,7 +37,7 @@ CASES = {
 CASES.update({f"z{stage}_{name}": dict(CASES[name], zero=stage)
               for stage in (1, 2) for name in ("gas3", "clip", "frozen", "empty")})
 DRAGONN = {"d1": {"enabled": True, "density": 1.0, "min_compress_numel": 1, "policy": "always"},
-           "d001": {"enabled": True, "density": 0.01, "min_compress_numel": 1, "policy": "always"}}
+           "d001": {"enabled": True, "density": 0.01, "min_compress_numel": 1, "policy": "always", **PINNED}}
 VARIANTS = ("dense", "d1", "d001")
 
 

@@ -24,6 +24,8 @@ from typing import Callable, Optional
 
 import torch
 
+from tests.dist_cases import PINNED
+
 BAD_RANK = 1
 STEPS_BEFORE_FAULT = 3
 TOTAL_STEPS = 10
@@ -34,7 +36,7 @@ def dragonn_config(comm_backend: str = "torch", **extra) -> dict:
     return {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
             "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}},
             "zero_optimization": {"stage": 0}, "steps_per_print": 10**6,
-            "dragonn": {"enabled": True, "density": 0.01, "min_compress_numel": 1, "policy": "always",
+            "dragonn": {"enabled": True, "density": 0.01, "min_compress_numel": 1, "policy": "always", **PINNED,
                         "comm_backend": comm_backend, **extra}}
 
 

@@ -82,6 +82,22 @@ def trim(sel: Selection, cap: int) -> Selection:
     return Selection(sel.indices[keep], sel.values[keep], sel.threshold, sel.k, min(sel.capacity, cap))
 
 
+def segment_seed(seed: int, s: int) -> int:
+    """The seed of segment ``s`` of a call with ``seed`` (48 bits, like the callers' seeds): segments of
+    equal length get different hash tables and samples."""
+    return (int(seed) + (s + 1) * 0x9E3779B97F4A7C15) & 0xFFFF_FFFF_FFFF
+
+
+def check_segments(segments, flat: torch.Tensor) -> None:
+    """Raises ValueError when ``segments`` do not tile ``flat`` (wrong length, descending offsets)."""
+    off = segments.offsets
+    if len(off) != len(segments.whole) + 1 or off[0] != 0 or any(b < a for a, b in zip(off[:-1], off[1:])):
+        raise ValueError(f"segment offsets must ascend from 0 with one more entry than 'whole' flags, "
+                         f"got {len(off)} offsets for {len(segments.whole)} segments")
+    if off[-1] != flat.numel():
+        raise ValueError(f"segments cover {off[-1]} elements but the buffer holds {flat.numel()}")
+
+
 def magnitude(flat: torch.Tensor) -> torch.Tensor:
     """|flat| in float32, with NaN and ±Inf mapped to +Inf: non-finite entries always rank first.
 
@@ -119,21 +135,56 @@ class Compressor(ABC):
             raise ValueError(f"density must be in (0, 1], got {density}")
         self.density = float(density)
 
-    def compress(self, flat: torch.Tensor, seed: int = 0) -> Selection:
+    def compress(self, flat: torch.Tensor, seed: int = 0, segments=None) -> Selection:
         """Select from ``flat``; an empty buffer gives an empty selection. At most :func:`max_pairs` (k)
         pairs are returned, whatever the values (ties included: see :func:`trim`).
 
+        Args:
+            flat: (n,) float buffer.
+            seed: per-call seed (equal on every rank).
+            segments: None (one global selection over ``flat``), or a :class:`~ds_dragonn.compress.segments.
+                Segments` tiling ``flat``: per-tensor selection, each segment with its own
+                ``k_s = ceil(density · n_s)`` (``n_s`` for a whole segment) and seed; then
+                ``k = Σ k_s`` and the cut is ``max_pairs(k)`` over the whole selection.
         Raises:
-            ValueError: ``flat`` is not 1-D. TypeError: ``flat`` is not floating point.
+            ValueError: ``flat`` is not 1-D, or ``segments`` do not tile it. TypeError: ``flat`` is not
+                floating point.
         """
         if flat.dim() != 1:
             raise ValueError(f"compressors take a flattened 1-D buffer, got shape {tuple(flat.shape)}")
         if not flat.is_floating_point():
             raise TypeError(f"compressors take a floating-point buffer, got {flat.dtype}")
+        if segments is not None:
+            check_segments(segments, flat)
+            ks = segments.ks(self.density)
+            k = sum(ks)
+            if k == 0:
+                return empty_selection(flat)
+            return trim(self._select_segments(flat, segments, ks, seed), max_pairs(k))
         k = target_k(flat.numel(), self.density)
         if k == 0:
             return empty_selection(flat)
         return trim(self._select(flat, k, seed), max_pairs(k))
+
+    def target(self, numel: int, segments=None) -> int:
+        """The target count k of a buffer of ``numel`` elements (``Σ k_s`` with ``segments``)."""
+        return sum(segments.ks(self.density)) if segments is not None else target_k(numel, self.density)
+
+    def _select_segments(self, flat: torch.Tensor, segments, ks, seed: int) -> Selection:
+        """Per-tensor selection: :meth:`_select` on each segment with ``k_s`` and :func:`segment_seed`,
+        indices shifted to bucket positions. Kernels override this with one call for the whole bucket.
+        ``threshold`` is the smallest of the segments' cuts (0 with a whole segment)."""
+        n = flat.numel()
+        idx, vals, thr, cap = [], [], [], 0
+        for s, (lo, k) in enumerate(zip(segments.offsets[:-1], ks)):
+            if k == 0:
+                continue
+            sel = self._select(flat[lo:lo + segments.offsets[s + 1] - lo], k, segment_seed(seed, s))
+            idx.append(sel.indices.to(torch.int64) + lo)
+            vals.append(sel.values)
+            thr.append(sel.threshold.reshape(1))
+            cap += sel.capacity
+        return Selection(torch.cat(idx).to(index_dtype(n)), torch.cat(vals), torch.cat(thr).min(), sum(ks), cap)
 
     @abstractmethod
     def _select(self, flat: torch.Tensor, k: int, seed: int) -> Selection:

@@ -10,8 +10,8 @@ import math
 
 import torch
 
-from .base import Compressor, Selection, max_pairs, target_k
-from .kernels import check_kernel, resolve_kernel, sample_threshold_fast, select_fast
+from .base import Compressor, Selection, index_dtype, max_pairs, target_k
+from .kernels import check_kernel, cpu_table, resolve_kernel, sample_threshold_fast, select_fast
 from .reference import (  # noqa: F401  (re-exported: the reference API)
     MIN_SAMPLE_HITS, build_table, candidate_density, gather_table, hash_slots, index_bits, key_to_index,
     priority_keys, sample_positions, sample_size, sample_threshold, selection_mask, step_hash_seed,
@@ -48,10 +48,47 @@ class DragonnCompressor(Compressor):
         self.min_sample = int(min_sample)
         self.table_factor = float(table_factor)
         self.kernel = check_kernel(getattr(kernel, "value", kernel))
+        self._plans: dict = {}  # (segments, density) -> the CPU kernel's per-segment plan
 
-    def threshold(self, flat: torch.Tensor, seed: int, kernel: str = "reference") -> torch.Tensor:
+    def segment_plan(self, segments, ks) -> tuple:
+        """(offsets (nseg+1,) int64, plan (3, nseg) int64, capacity) of a per-tensor selection: per segment the
+        threshold sample size (0: threshold 0), the threshold's rank in the sample and the table slots, as
+        :meth:`threshold` and :meth:`_select` would use on the segment alone. Cached per (segments, density)."""
+        key = (segments, self.density)
+        hit = self._plans.get(key)
+        if hit is None:
+            rows, cap = [], 0
+            for n, k in zip(segments.lengths(), ks):
+                if k == 0:
+                    rows.append((0, 0, 0))
+                    continue
+                m = table_capacity(k, self.table_factor, n)
+                cap += min(m, max_pairs(k))
+                if k >= n:
+                    rows.append((0, 0, m))
+                    continue
+                s = sample_size(n, self.sample_ratio, self.min_sample, self.density)
+                rate = candidate_density(self.density, self.table_factor, direct=m >= n)
+                rows.append((s, target_k(s, rate), m))
+            plan = torch.tensor(rows, dtype=torch.int64).reshape(-1, 3).t().contiguous()
+            if len(self._plans) > 64:  # a density warm-up visits a new density every step
+                self._plans.clear()
+            hit = self._plans[key] = (torch.tensor(segments.offsets, dtype=torch.int64), plan, cap)
+        return hit
+
+    def _select_segments(self, flat: torch.Tensor, segments, ks, seed: int) -> Selection:
+        if resolve_kernel(self.kernel, flat) != "cpu":
+            return super()._select_segments(flat, segments, ks, seed)
+        offsets, plan, cap = self.segment_plan(segments, ks)
+        idx, vals, thr = cpu_table.select_segments(flat, offsets, plan, seed, index_dtype(flat.numel()))
+        used = plan[2] > 0
+        thr = thr[used].min() if bool(used.any()) else torch.zeros((), dtype=torch.float32)
+        return Selection(indices=idx, values=vals, threshold=thr, k=sum(ks), capacity=cap)
+
+    def threshold(self, flat: torch.Tensor, seed: int, kernel: str = "reference", k: int | None = None) -> torch.Tensor:
+        """0-d float32 threshold of ``flat`` for target ``k`` (default ``ceil(density · n)``; 0 when k ≥ n)."""
         n = flat.numel()
-        k = target_k(n, self.density)
+        k = target_k(n, self.density) if k is None else k
         if k >= n:
             return torch.zeros((), dtype=torch.float32, device=flat.device)  # keep every nonzero
         s = sample_size(n, self.sample_ratio, self.min_sample, self.density)
@@ -63,6 +100,6 @@ class DragonnCompressor(Compressor):
         n = flat.numel()
         kernel = resolve_kernel(self.kernel, flat)
         m = table_capacity(k, self.table_factor, n)
-        thr = self.threshold(flat, seed, kernel)
+        thr = self.threshold(flat, seed, kernel, k)
         idx, vals = select_fast(flat, thr, m, step_hash_seed(seed), kernel)
         return Selection(indices=idx, values=vals, threshold=thr, k=k, capacity=min(m, max_pairs(k)))

@@ -18,11 +18,13 @@ from deepspeed.utils.logging import print_dist
 from ..comm import build_backend
 from ..comm.base import CommBackend
 from ..compress import build_compressor, max_pairs, target_k
-from ..config import DragonnConfig, Policy
+from ..compress.segments import Segments, plan_segments
+from ..config import DragonnConfig, Policy, SelectionScope
 from ..exchange import Exchange, build_exchange
 from ..feedback import ErrorFeedback
 from ..pipeline import CompressedAllreduce, ReduceStats
 from ..policy import AutoPolicy
+from ..schedule import DensitySchedule
 from ..telemetry import Telemetry, log_reduction, monitor_events
 from ..exchange.ownership import HashedOwnership
 from .checkpoint import compare, describe, validate
@@ -69,6 +71,8 @@ class HookBase:
         self.notes: list = []  # what loading a state did beyond restoring it (also logged as warnings)
         self.policy = AutoPolicy(cfg.auto_probe_steps, cfg.auto_recheck_interval,
                                  always=cfg.policy == Policy.always)
+        self.schedule = DensitySchedule.from_config(cfg)
+        self._segments: Dict[Hashable, Optional[Segments]] = {}  # bucket key -> its per-tensor segments
 
     # -- pieces for the hook points ----------------------------------------------------------------
     def _build_exchange(self, backend: CommBackend) -> Exchange:
@@ -158,7 +162,7 @@ class HookBase:
                        f"{self.cfg.min_compress_numel}: it uses DeepSpeed's dense path (lower "
                        f"'dragonn.min_compress_numel' to compress it)", ranks=[0])
         costly = not small and self._pairs_cost_more(key, numel, pipeline, dtype, dense_bytes)
-        warm = step < self.cfg.warmup_steps
+        warm = self.schedule.dense(step)
         fixed = small or (costly and self.cfg.policy == Policy.auto)
         return fixed or warm or not self.policy.compress(key), fixed
 
@@ -170,17 +174,37 @@ class HookBase:
         hit = self._costly.get(key)
         if hit is None:
             world = pipeline.backend.world_size
-            pairs = max_pairs(target_k(numel, self.compressor.density))
+            segments = self._segments.get(key)  # at the target density: the density warm-up is transient
+            pairs = max_pairs(sum(segments.ks(self.cfg.density)) if segments is not None
+                              else target_k(numel, self.cfg.density))
             most = pipeline.exchange.max_bytes(numel, pairs, dtype, world)
             dense = pipeline.exchange.dense_bytes(numel, dtype.itemsize, world) if dense_bytes is None else dense_bytes
             hit = self._costly[key] = most > dense
             if hit:
                 what = ("it uses the dense path (policy 'auto')" if self.cfg.policy == Policy.auto else
                         "it is compressed anyway (policy 'always')")
-                print_dist(f"DRAGONN: at density {self.compressor.density} the pairs of a {numel}-element "
+                print_dist(f"DRAGONN: at density {self.cfg.density} the pairs of a {numel}-element "
                            f"{str(dtype).replace('torch.', '')} bucket may cost {most} bytes per rank, more than "
                            f"the dense collective's {dense}: {what}", ranks=[0])
         return hit
+
+    def _bucket_segments(self, key: Hashable, shapes) -> Optional[Segments]:
+        """The per-tensor segments of bucket ``key`` (None: global selection), planned once from the shapes of
+        its tensors in bucket order (None for ``shapes``: not known, global selection). Logged once."""
+        if key not in self._segments:
+            seg = None
+            if self.cfg.selection == SelectionScope.per_tensor and shapes is not None:
+                seg = plan_segments(shapes, self.cfg.tensor_min_compress_numel, self.cfg.compress_1d)
+                if len(self._segments) == 0:
+                    print_dist(f"DRAGONN: per-tensor selection, first bucket: {seg.describe()}", ranks=[0])
+            self._segments[key] = seg
+        return self._segments[key]
+
+    def _set_density(self, step: int) -> None:
+        """The compressor's density for this step (the density warm-up); the same on every rank."""
+        d = self.schedule.at(step)
+        if d is not None and d != self.compressor.density:
+            self.compressor.density = d
 
     def _record_dense(self, key: Hashable, numel: int, itemsize: int, world: int, ms: float, fixed: bool,
                       dense_bytes: Optional[int] = None) -> None:
@@ -194,12 +218,12 @@ class HookBase:
             return
         self._announced = True
         if self.cfg.policy == Policy.auto:
-            print_dist(f"DRAGONN auto: timing the compressed path from step {step + 1} (after "
-                       f"{self.cfg.warmup_steps} warm-up steps and the dense probes); the decision follows "
-                       f"after {self.cfg.auto_probe_steps} compressed steps", ranks=[0])
+            print_dist(f"DRAGONN auto: compressing from step {step + 1} (schedule: {self.schedule.describe()}); "
+                       f"the compressed path is timed at the target density and the decision follows after "
+                       f"{self.cfg.auto_probe_steps} such steps", ranks=[0])
         else:
-            print_dist(f"DRAGONN: compressing from step {step + 1} (after {self.cfg.warmup_steps} dense "
-                       f"warm-up steps)", ranks=[0])
+            print_dist(f"DRAGONN: compressing from step {step + 1}; schedule: {self.schedule.describe()}",
+                       ranks=[0])
 
     def _record_compressed(self, key: Hashable, stats: ReduceStats, pipeline: CompressedAllreduce, ordinal: int,
                            step: int, device: torch.device) -> None:
@@ -207,7 +231,8 @@ class HookBase:
             self._pending.add(key)
         self.telemetry.record_compressed(stats)
         total_ms = stats.compress_ms + stats.exchange_ms + stats.decode_ms
-        if self.policy.record_compressed(key, total_ms):
+        # the auto policy times the compressed path at its target density, after the density warm-up
+        if not self.schedule.warming(step) and self.policy.record_compressed(key, total_ms):
             compress, dense_ms, comp_ms = self.policy.decide(key, pipeline.backend, device)
             print_dist(f"DRAGONN auto: bucket {ordinal} ({stats.numel} elements) dense {dense_ms:.2f} ms, compressed "
                        f"{comp_ms:.2f} ms -> {'compress' if compress else 'dense'}"
@@ -223,7 +248,9 @@ class HookBase:
         print_dist(f"DRAGONN enabled ({self.hook_name}): compressor={self.compressor.name} density={cfg.density} "
                    f"kernel={getattr(cfg.kernel, 'value', cfg.kernel)} "
                    f"sample_ratio={cfg.sample_ratio} table_factor={cfg.table_factor} "
-                   f"min_compress_numel={cfg.min_compress_numel} warmup_steps={cfg.warmup_steps} "
+                   f"min_compress_numel={cfg.min_compress_numel} selection={cfg.selection.value}"
+                   f"{f' (tensor_min_compress_numel={cfg.tensor_min_compress_numel} compress_1d={cfg.compress_1d})' if cfg.selection == SelectionScope.per_tensor else ''} "
+                   f"schedule: {self.schedule.describe()}; "
                    f"error_feedback={cfg.error_feedback} comm_backend={cfg.comm_backend.value} "
                    f"exchange={exchange} policy={cfg.policy.value}"
                    f"{f' (probe {cfg.auto_probe_steps} steps, re-check every {cfg.auto_recheck_interval})' if cfg.policy == Policy.auto else ''}",

@@ -44,7 +44,9 @@ FORMAT = 1
 #: Settings of the "dragonn" block whose difference keeps the residuals (they are unsent gradients in the same
 #: units whatever these say); the difference is logged.
 _KEPT_FIELDS = ("density", "compressor", "kernel", "sample_ratio", "min_sample", "table_factor", "warmup_steps",
-                "policy", "auto_probe_steps", "auto_recheck_interval", "min_compress_numel", "seed")
+                "policy", "auto_probe_steps", "auto_recheck_interval", "min_compress_numel", "seed",
+                "density_warmup_steps", "density_warmup_start", "selection", "tensor_min_compress_numel",
+                "compress_1d")
 
 
 class CheckpointMismatchError(ValueError):

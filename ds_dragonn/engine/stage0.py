@@ -90,6 +90,7 @@ class DragonnHook(HookBase):
         if dp_world_size is None:
             dp_world_size = world
         key: Hashable = (ordinal, str(comm_dtype), numel, self._layout(bucket))
+        segments = self._bucket_segments(key, [t.shape for t in bucket])
         dense, fixed = self._goes_dense(key, numel, step, pipeline, comm_dtype)
         if dense:
             clock = PhaseClock(bucket[0].device)
@@ -102,13 +103,14 @@ class DragonnHook(HookBase):
             return out
 
         self._announce(step)
+        self._set_density(step)
         scales = reduction_scales(engine, dp_world_size)
         # no flatten: the pipeline compensates the bucket's gradients straight into the persistent
         # residual; it decodes into the gradients themselves (from allreduce_and_copy, where it can), or
         # returns its persistent decode buffer, which is unflattened and copied into them
         into = into_bucket and pipeline.can_reduce_into(bucket, comm_dtype)
         out, stats = pipeline.reduce(bucket, key, bucket_seed(self.cfg.seed, step, ordinal), scales.prescale,
-                                     scales.postscale, comm_dtype, into_inputs=into)
+                                     scales.postscale, comm_dtype, into_inputs=into, segments=segments)
         self._record_compressed(key, stats, pipeline, ordinal, step, bucket[0].device)
         return out
 

@@ -874,3 +874,53 @@ int dragonn_addr_update(int dtype, const int64_t* addr, int64_t count, const voi
                          [&](auto&& op) { addr_loop(addr, count, nthreads, op); });
 }
 }  // extern "C"
+
+// ---------------------------------------------------------------------------------------------------------
+// Per-tensor selection (compress/segments.py): DRAGONN on each segment [off[s], off[s+1]) of the bucket with
+// its own threshold sample, k and table, in one call (no per-tensor loop in Python). Segment s is exactly
+// the global selection of the slice x[off[s]:off[s+1]] with the segment's seed (base.segment_seed): local
+// index bits, sample of ns[s] positions (0: threshold 0, every nonzero element), the kk[s]-th largest
+// sampled magnitude, a table of m[s] slots (0: nothing). Indices come out as bucket positions, segments in
+// order, each in its slot order. table: sum m slots; vtab: as many elements of x's dtype; scratch: max ns
+// uint32; idx_out / val_out: sum m entries; thr_out: nseg floats. Returns the pair count.
+namespace {
+inline uint64_t seg_seed(uint64_t seed, int s) { return (seed + (uint64_t)(s + 1) * 0x9E3779B97F4A7C15ull) & 0xFFFFFFFFFFFFull; }
+inline uint32_t hash_seed_of(uint64_t v) { return (uint32_t)(v * 0x9E3779B1ull + 0x7F4A7C15ull); }
+inline uint32_t sample_seed_of(uint64_t v) { return (uint32_t)(v * 0x85EBCA77ull + 0x165667B1ull); }
+inline int local_ibits(int64_t n) {
+  int b = 0;
+  for (uint64_t v = (uint64_t)(n > 1 ? n - 1 : 0); v; v >>= 1) ++b;
+  return b < 32 ? 32 : b;
+}
+}  // namespace
+
+extern "C" {
+int64_t dragonn_select_segments(const void* x, int dtype, int nseg, const int64_t* off, const int64_t* ns,
+                                const int64_t* kk, const int64_t* ms, uint64_t seed, int64_t* table, void* vtab,
+                                uint32_t* scratch, void* idx_out, int idx64, void* val_out, float* thr_out,
+                                int nthreads, int isa) {
+  const int es = elem_size(dtype), isz = idx64 ? 8 : 4;
+  int64_t w = 0, toff = 0;
+  for (int s = 0; s < nseg; ++s) {
+    const int64_t n = off[s + 1] - off[s], m = ms[s];
+    thr_out[s] = 0.0f;
+    if (n <= 0 || m <= 0) continue;
+    const char* xs = (const char*)x + off[s] * es;
+    const uint64_t sd = seg_seed(seed, s);
+    const float thr = ns[s] > 0 ? dragonn_sample_kth(xs, dtype, n, ns[s], kk[s], sample_seed_of(sd), scratch, nthreads)
+                                : 0.0f;
+    thr_out[s] = thr;
+    const int ib = local_ibits(n);
+    int64_t* tb = table + toff;
+    char* vt = (char*)vtab + toff * es;
+    const int filled = dragonn_build_table(xs, dtype, n, thr, m, hash_seed_of(sd), ib, tb, nthreads, 0, 0, isa, vt);
+    const int64_t c = dragonn_gather(tb, m, ib, xs, es, (char*)idx_out + w * isz, idx64, (char*)val_out + w * es,
+                                     nthreads, filled ? vt : nullptr);
+    if (idx64) { int64_t* io = (int64_t*)idx_out + w; for (int64_t j = 0; j < c; ++j) io[j] += off[s]; }
+    else { int32_t* io = (int32_t*)idx_out + w; for (int64_t j = 0; j < c; ++j) io[j] += (int32_t)off[s]; }
+    w += c;
+    toff += m;
+  }
+  return w;
+}
+}  // extern "C"

@@ -181,6 +181,9 @@ def load() -> ctypes.CDLL:
         lib.dragonn_build_table.restype = i32
         lib.dragonn_gather.argtypes = [vp, i64, i32, vp, i32, vp, i32, vp, i32, vp]
         lib.dragonn_gather.restype = i64
+        lib.dragonn_select_segments.argtypes = [vp, i32, i32, vp, vp, vp, vp, ctypes.c_uint64, vp, vp, vp, vp,
+                                                i32, vp, vp, i32, i32]
+        lib.dragonn_select_segments.restype = i64
         lib.dragonn_isa.argtypes = [i32]
         lib.dragonn_isa.restype = i32
         lib.dragonn_sparse_update.argtypes = [vp, i32, vp, i32, i64, vp, i32, ctypes.c_double, vp, i32]
@@ -295,6 +298,37 @@ def select(flat: torch.Tensor, threshold: torch.Tensor, capacity: int, seed: int
     flat = _check(flat)
     table, vtab = _build_table(flat, threshold, capacity, seed, index_bits, with_values=True)
     return gather_table(flat, table, index_bits, index_dtype, vtab)
+
+
+def select_segments(flat: torch.Tensor, offsets: torch.Tensor, plan: torch.Tensor, seed: int,
+                    index_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-tensor DRAGONN selection of every segment of ``flat`` in one call.
+
+    Args:
+        flat: (n,) CPU buffer. offsets: (nseg + 1,) int64 segment offsets.
+        plan: (3, nseg) int64: per segment the sample size (0: threshold 0, every nonzero element), the rank
+            of the threshold in the sample, and the table slots (0: nothing kept).
+        seed: the call's seed; segment s uses ``base.segment_seed(seed, s)``.
+        index_dtype: int32 or int64 of the output indices (bucket positions).
+    Returns:
+        (indices, values, thresholds (nseg,) float32): equal to the concatenation of :func:`select` on each
+        slice with its threshold from :func:`sample_kth` (tests/test_segments.py).
+    """
+    flat = _check(flat)
+    nseg = offsets.numel() - 1
+    total = int(plan[2].sum())
+    table = torch.empty(total, dtype=torch.int64)
+    vtab = torch.empty(total, dtype=flat.dtype)
+    scratch = torch.empty(max(int(plan[0].max()) if nseg else 0, 1), dtype=torch.int32)
+    idx = torch.empty(total, dtype=index_dtype)
+    vals = torch.empty(total, dtype=flat.dtype)
+    thr = torch.empty(nseg, dtype=torch.float32)
+    count = load().dragonn_select_segments(
+        flat.data_ptr(), DTYPE_CODES[flat.dtype], nseg, offsets.data_ptr(), plan[0].data_ptr(), plan[1].data_ptr(),
+        plan[2].data_ptr(), int(seed) & 0xFFFF_FFFF_FFFF_FFFF, table.data_ptr(), vtab.data_ptr(), scratch.data_ptr(),
+        idx.data_ptr(), int(index_dtype == torch.int64), vals.data_ptr(), thr.data_ptr(), torch.get_num_threads(),
+        _isa_code(ISA))
+    return idx[:count], vals[:count], thr
 
 
 # -- sparse updates (decode and error-feedback commit) ----------------------------------------------------

@@ -1,0 +1,262 @@
+"""Convergence sweep: held-out quality of DRAGONN against dense DeepSpeed and the baselines, on both main-job tasks.
+
+For each task (``classifier``: launch/train.py, ``lm``: launch/train_lm.py), with 2 ranks, the same seeds and
+the same steps, every run below goes through the ``deepspeed`` launcher with a config written from the task's
+dense / DRAGONN config plus the run's ``"dragonn"`` overrides:
+
+====================  ================================================================================
+dense                 DeepSpeed's dense allreduce
+dragonn_0.01          DRAGONN at density 0.01 with the defaults (per-tensor selection, density warm-up)
+dragonn_0.001         the same at density 0.001
+global_0.01           DRAGONN 0.01 as before issue 8: one threshold over the bucket, no warm-up
+no_ef_0.01            DRAGONN 0.01 without error feedback
+topk_0.01             exact top-k per tensor at 0.01 (same defaults)
+randomk_0.01          random-k per tensor at 0.01 (same defaults)
+partitioned_0.01      DRAGONN 0.01 with the partitioned exchange
+====================  ================================================================================
+
+Writes ``<out>/convergence.json`` (one record per run and seed: task, run, selection, exchange, density,
+error_feedback, warmup, seed, steps, metric, value, bytes_sent, dense_bytes_equivalent, wall_s, history),
+``<out>/convergence.md`` (a table per task: mean and spread over seeds, gap to dense, bytes ratio) and
+``<out>/convergence.png`` (held-out metric against step and against cumulative bytes sent; one panel per
+task, one line per run). ``--quick`` runs a short sweep (fewer steps, a smaller LM, three runs a task).
+
+    bash launch/convergence.sh [--quick] [--out docs/convergence] [--tasks classifier,lm] [--seeds 3]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+#: run name -> "dragonn" overrides (None: dense)
+RUNS = {
+    "dense": None,
+    "dragonn_0.01": {"density": 0.01},
+    "dragonn_0.001": {"density": 0.001},
+    "global_0.01": {"density": 0.01, "selection": "global", "warmup_steps": 0, "density_warmup_steps": 0},
+    "no_ef_0.01": {"density": 0.01, "error_feedback": False},
+    "topk_0.01": {"density": 0.01, "compressor": "topk"},
+    "randomk_0.01": {"density": 0.01, "compressor": "randomk"},
+    "partitioned_0.01": {"density": 0.01, "exchange": "partitioned"},
+}
+#: keys kept from the task's DRAGONN config; every other key takes its default
+BASE_KEYS = ("enabled", "policy", "min_compress_numel", "log_interval")
+QUICK_RUNS = ("dense", "dragonn_0.01", "global_0.01")
+
+#: task -> (script, dense config, DRAGONN config, metric, extra script arguments, quick extra arguments)
+TASKS = {
+    "classifier": ("launch/train.py", "configs/dense.json", "configs/dragonn.json", "test_accuracy",
+                   ["--log-interval", "50"], ["--log-interval", "25"]),
+    "lm": ("launch/train_lm.py", "configs/lm_dense.json", "configs/lm_dragonn.json", "test_loss",
+           ["--n-layer", "4", "--d-model", "128", "--n-head", "4", "--ctx", "64", "--log-interval", "50",
+            "--eval-windows", "256"],
+           ["--n-layer", "2", "--d-model", "64", "--n-head", "2", "--ctx", "32", "--log-interval", "20",
+            "--eval-windows", "64"]),
+}
+
+
+def get_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="short sweep (about 4 minutes on 2 cores)")
+    p.add_argument("--out", default=None, help="output folder (default docs/convergence, runs/convergence_quick)")
+    p.add_argument("--tasks", default="classifier,lm")
+    p.add_argument("--runs", default=None, help="comma-separated run names (default: all; --quick: "
+                                                 + ",".join(QUICK_RUNS) + ")")
+    p.add_argument("--seeds", type=int, default=None, help="classifier seeds (default 3; --quick 1); the LM runs 1")
+    p.add_argument("--classifier-steps", type=int, default=None, help="default 600 (--quick 100)")
+    p.add_argument("--lm-steps", type=int, default=None, help="default 300 (--quick 60)")
+    p.add_argument("--ranks", type=int, default=2)
+    a = p.parse_args()
+    a.out = Path(a.out or ("runs/convergence_quick" if a.quick else "docs/convergence"))
+    a.seeds = a.seeds or (1 if a.quick else 3)
+    a.classifier_steps = a.classifier_steps or (100 if a.quick else 600)
+    a.lm_steps = a.lm_steps or (60 if a.quick else 300)
+    names = a.runs.split(",") if a.runs else list(QUICK_RUNS if a.quick else RUNS)
+    unknown = [n for n in names if n not in RUNS]
+    if unknown:
+        p.error(f"unknown run(s) {unknown}; choose from {', '.join(RUNS)}")
+    a.run_names = names
+    tasks = a.tasks.split(",")
+    if any(t not in TASKS for t in tasks):
+        p.error(f"unknown task in {a.tasks!r}; choose from {', '.join(TASKS)}")
+    a.task_names = tasks
+    return a
+
+
+def write_config(task: str, run: str, steps: int, folder: Path) -> Path:
+    """The run's DeepSpeed config: the task's dense or DRAGONN config with the run's overrides; the LM's
+    learning-rate schedule decays over ``steps``."""
+    _, dense_cfg, dragonn_cfg, *_ = TASKS[task]
+    over = RUNS[run]
+    cfg = json.loads((REPO / (dense_cfg if over is None else dragonn_cfg)).read_text())
+    if over is not None:  # the product's defaults, except what the run names
+        cfg["dragonn"] = {**{k: cfg["dragonn"][k] for k in BASE_KEYS if k in cfg["dragonn"]}, **over}
+    sched = cfg.get("scheduler", {}).get("params", {})
+    if "total_num_steps" in sched:
+        sched["total_num_steps"] = steps
+        sched["warmup_num_steps"] = min(sched.get("warmup_num_steps", 0), steps // 5)
+    path = folder / f"{task}_{run}.json"
+    path.write_text(json.dumps(cfg, indent=2))
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(task: str, run: str, seed: int, steps: int, args, folder: Path) -> dict:
+    """One run under the deepspeed launcher; returns its summary (raises with the log tail on failure)."""
+    script, *_, extra, quick_extra = TASKS[task]
+    cfg = write_config(task, run, steps, folder)
+    summary = folder / f"{task}_{run}_s{seed}.summary.json"
+    log = folder / f"{task}_{run}_s{seed}.log"
+    port = free_port()
+    cmd = ["deepspeed", "--num_gpus", str(args.ranks), "--master_addr", "127.0.0.1", "--master_port", str(port),
+           script, "--deepspeed_config", str(cfg), "--steps", str(steps), "--seed", str(seed),
+           "--summary", str(summary), *(quick_extra if args.quick else extra)]
+    t0 = time.time()
+    try:
+        with open(log, "w") as f:
+            proc = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, timeout=1800)
+    finally:  # DeepSpeed's CPU allreduce leaves a /dev/shm file per rank and port
+        for p in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_127.0.0.1_{port}_*"):
+            p.unlink(missing_ok=True)
+    if proc.returncode != 0 or not summary.exists():
+        tail = "".join(log.read_text().splitlines(keepends=True)[-30:])
+        raise RuntimeError(f"{task}/{run} seed {seed} failed (exit {proc.returncode}); {log}:\n{tail}")
+    out = json.loads(summary.read_text())
+    out["launch_s"] = time.time() - t0
+    return out
+
+
+def record(task: str, run: str, seed: int, steps: int, s: dict) -> dict:
+    """The sweep's record of one run (the fields of issue 8) plus its history."""
+    over = RUNS[run]
+    cfg = json.loads((REPO / TASKS[task][2]).read_text())["dragonn"] if over is not None else {}
+    from ds_dragonn.config import DragonnConfig  # the defaults the run used
+    d = DragonnConfig(**{**{k: cfg[k] for k in BASE_KEYS if k in cfg}, **over}) if over is not None else None
+    metric = TASKS[task][3]
+    history = []
+    for h in s.get("history", []):
+        sent = h.get("bytes_sent")
+        if sent is None:  # dense: the same bytes every step
+            sent = s["bytes_sent"] * h["step"] / max(s["steps"], 1)
+        history.append({"step": h["step"], "value": h[metric], "bytes_sent": sent})
+    return {
+        "task": task, "run": run,
+        "selection": (d.selection.value if d else None), "exchange": (d.exchange.value if d else "dense"),
+        "compressor": (d.compressor.value if d else "dense"), "density": (d.density if d else 1.0),
+        "error_feedback": (d.error_feedback if d else None),
+        "warmup": ({"warmup_steps": d.warmup_steps, "density_warmup_steps": d.density_warmup_steps,
+                    "density_warmup_start": d.density_warmup_start} if d else None),
+        "seed": seed, "steps": steps, "metric": metric, "value": s[metric],
+        "bytes_sent": s["bytes_sent"], "dense_bytes_equivalent": s["dense_bytes_equivalent"],
+        "wall_s": s["wall_s"], "history": history,
+    }
+
+
+def table(records: list, task: str) -> list[str]:
+    """Markdown rows: per run, the mean (± spread over seeds) of the metric, its gap to dense, the bytes ratio."""
+    rows = [r for r in records if r["task"] == task]
+    runs = list(dict.fromkeys(r["run"] for r in rows))
+    metric = rows[0]["metric"]
+    dense = [r["value"] for r in rows if r["run"] == "dense"]
+    dense_mean = statistics.mean(dense) if dense else None
+    dense_bytes = statistics.mean(r["bytes_sent"] for r in rows if r["run"] == "dense") if dense else None
+    unit = "accuracy (%)" if metric == "test_accuracy" else "held-out loss (nats/byte)"
+    gap_unit = "points" if metric == "test_accuracy" else "%"
+    out = [f"| run | seeds | {unit} | spread (min–max) | gap to dense ({gap_unit}) | bytes vs dense | wall s |",
+           "|---|---|---|---|---|---|---|"]
+    scale = 100.0 if metric == "test_accuracy" else 1.0
+    for run in runs:
+        vals = [r["value"] for r in rows if r["run"] == run]
+        mean = statistics.mean(vals)
+        if dense_mean is None:
+            gap = "–"
+        elif metric == "test_accuracy":
+            gap = f"{(mean - dense_mean) * 100:+.2f}"
+        else:
+            gap = f"{(mean / dense_mean - 1) * 100:+.2f}"
+        sent = statistics.mean(r["bytes_sent"] for r in rows if r["run"] == run)
+        ratio = f"{sent / dense_bytes:.4f}" if dense_bytes else "–"
+        wall = statistics.mean(r["wall_s"] for r in rows if r["run"] == run)
+        out.append(f"| {run} | {len(vals)} | {mean * scale:.3f} | {min(vals) * scale:.3f}–{max(vals) * scale:.3f} "
+                   f"| {gap} | {ratio} | {wall:.0f} |")
+    return out
+
+
+def plot(records: list, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    tasks = list(dict.fromkeys(r["task"] for r in records))
+    fig, axes = plt.subplots(2, len(tasks), figsize=(6.5 * len(tasks), 9), squeeze=False)
+    for col, task in enumerate(tasks):
+        rows = [r for r in records if r["task"] == task]
+        metric = rows[0]["metric"]
+        for run in dict.fromkeys(r["run"] for r in rows):
+            first = next(r for r in rows if r["run"] == run)  # the first seed: one line per run
+            h = first["history"]
+            style = {"color": "black", "lw": 2.2} if run == "dense" else {"lw": 1.4}
+            axes[0][col].plot([p["step"] for p in h], [p["value"] for p in h], marker=".", label=run, **style)
+            axes[1][col].plot([p["bytes_sent"] / 1e6 for p in h], [p["value"] for p in h], marker=".", label=run,
+                              **style)
+        label = "held-out accuracy" if metric == "test_accuracy" else "held-out loss (nats/byte)"
+        axes[0][col].set(title=f"{task}: {label} vs step (seed {rows[0]['seed']})", xlabel="optimizer step",
+                         ylabel=label)
+        axes[1][col].set(title=f"{task}: {label} vs bytes sent per rank", xlabel="cumulative MB sent per rank",
+                         ylabel=label, xscale="log")
+        for ax in axes[:, col]:
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        if metric == "test_accuracy":
+            for ax in axes[:, col]:
+                ax.set_ylim(0.85, 1.0)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    args = get_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = args.out / "runs"
+    work.mkdir(exist_ok=True)
+    records, t0 = [], time.time()
+    for task in args.task_names:
+        steps = args.classifier_steps if task == "classifier" else args.lm_steps
+        seeds = range(1, args.seeds + 1) if task == "classifier" else range(1, 2)
+        for seed in seeds:
+            for run in args.run_names:
+                s = launch(task, run, seed, steps, args, work)
+                rec = record(task, run, seed, steps, s)
+                records.append(rec)
+                print(f"[{time.time() - t0:6.0f} s] {task:10s} {run:17s} seed {seed}: {rec['metric']} "
+                      f"{rec['value']:.4f} | bytes {rec['bytes_sent'] / max(rec['dense_bytes_equivalent'], 1):.4f} "
+                      f"of dense | {rec['wall_s']:.0f} s", flush=True)
+    (args.out / "convergence.json").write_text(json.dumps({"records": records, "quick": args.quick,
+                                                           "ranks": args.ranks, "total_s": time.time() - t0},
+                                                          indent=1))
+    lines = [f"# Convergence sweep ({'quick' if args.quick else 'default'}; {args.ranks} ranks; "
+             f"{time.time() - t0:.0f} s)", ""]
+    for task in args.task_names:
+        lines += [f"## {task}", ""] + table(records, task) + [""]
+    (args.out / "convergence.md").write_text("\n".join(lines))
+    plot(records, args.out / "convergence.png")
+    print("\n".join(lines))
+    print(f"wrote {args.out}/convergence.json, convergence.md, convergence.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""Per-tensor selection (compress/segments.py, the kernels' segmented path) and the density schedule (schedule.py)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ds_dragonn.compress import DragonnCompressor, RandomKCompressor, TopKCompressor, max_pairs, target_k
+from ds_dragonn.compress.base import segment_seed
+from ds_dragonn.compress.kernels import cpu_table
+from ds_dragonn.compress.segments import Segments, plan_segments
+from ds_dragonn.config import DragonnConfig, DragonnConfigError
+from ds_dragonn.schedule import DensitySchedule
+from tests.multiproc import run_ranks
+
+needs_cpu_kernel = pytest.mark.skipif(not cpu_table.available(), reason="no C++ compiler")
+
+#: awkward layouts: empty tensors, a 1-element tensor, tensors smaller than k, sizes not divisible by anything
+SHAPES = [
+    [(192,), (576, 192), (7,), (0,), (192, 768), (1,), (3000,)],
+    [(1,)],
+    [(0,), (5, 0), (3, 3)],
+    [(37, 41), (37,), (1, 1), (4099,), (2, 2049)],
+]
+
+
+def _random(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 3  # heavy-tailed, some near zero
+    if n > 10:
+        x[torch.randint(0, n, (n // 10,), generator=g)] = 0.0
+    return x.to(dtype)
+
+
+def test_plan_marks_small_and_1d_tensors_whole():
+    seg = plan_segments([(10, 10), (100,), (3, 4), (0,), (50, 50)], min_numel=13, compress_1d=False)
+    assert seg.offsets == (0, 100, 200, 212, 212, 2712)
+    assert seg.whole == (False, True, True, True, False)
+    assert plan_segments([(100,)], 0, compress_1d=True).whole == (False,)
+    assert seg.ks(0.01) == (1, 100, 12, 0, 25)
+    assert "5 tensors, 3 sent whole" in seg.describe()
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("density", [0.001, 0.01, 0.3, 1.0])
+@pytest.mark.parametrize("layout", range(len(SHAPES)))
+def test_cpu_kernel_equals_the_reference_per_tensor(dtype, density, layout):
+    seg = plan_segments(SHAPES[layout], min_numel=100, compress_1d=False)
+    x = _random(seg.numel, dtype, seed=layout * 7 + int(density * 1000))
+    for seed in (0, 12345):
+        a = DragonnCompressor(density, kernel="cpu").compress(x, seed, seg)
+        b = DragonnCompressor(density, kernel="reference").compress(x, seed, seg)
+        assert torch.equal(a.indices, b.indices) and torch.equal(a.values, b.values)
+        assert a.k == b.k == sum(seg.ks(density)) and a.capacity == b.capacity
+        assert float(a.threshold) == float(b.threshold)
+
+
+@pytest.mark.parametrize("kernel", ["reference", pytest.param("cpu", marks=needs_cpu_kernel)])
+def test_each_segment_is_the_selection_of_its_slice(kernel):
+    """Per tensor = the global selection applied to each slice alone, with the segment's seed."""
+    seg = plan_segments(SHAPES[0], min_numel=100, compress_1d=False)
+    x = _random(seg.numel, torch.float32, 3)
+    comp = DragonnCompressor(0.01, kernel=kernel)
+    sel = comp.compress(x, 99, seg)
+    idx = sel.indices.long()
+    for s, (lo, hi) in enumerate(zip(seg.offsets[:-1], seg.offsets[1:])):
+        mine = idx[(idx >= lo) & (idx < hi)]
+        if seg.whole[s]:  # every nonzero element, and nothing else
+            assert torch.equal(mine.sort().values, torch.nonzero(x[lo:hi]).squeeze(1) + lo)
+            continue
+        if hi == lo:
+            assert mine.numel() == 0
+            continue
+        alone = DragonnCompressor(0.01, kernel="reference").compress(x[lo:hi], segment_seed(99, s))
+        assert torch.equal(mine.sort().values, alone.indices.long().sort().values + lo)
+    assert torch.equal(sel.values, x[idx])
+
+
+@pytest.mark.parametrize("compressor", [TopKCompressor, RandomKCompressor])
+def test_baselines_select_exactly_k_per_segment(compressor):
+    seg = plan_segments(SHAPES[3], min_numel=0, compress_1d=True)
+    x = _random(seg.numel, torch.float64, 5) + 1e-3  # no zeros: top-k keeps exactly k
+    sel = compressor(0.05).compress(x, 7, seg)
+    idx = sel.indices.long()
+    for lo, hi, k in zip(seg.offsets[:-1], seg.offsets[1:], seg.ks(0.05)):
+        mine = idx[(idx >= lo) & (idx < hi)]
+        assert mine.numel() == k
+        if compressor is TopKCompressor:  # the exact top-k of the slice (float64 reference)
+            ref = torch.topk(x[lo:hi].abs(), k).indices + lo
+            assert set(mine.tolist()) == set(ref.tolist())
+
+
+@pytest.mark.parametrize("kernel", ["reference", pytest.param("cpu", marks=needs_cpu_kernel)])
+def test_a_quiet_tensor_gets_its_share_only_per_tensor(kernel):
+    """A tensor 1000x quieter than its neighbour gets ~k_s pairs per tensor and none under one global threshold."""
+    g = torch.Generator().manual_seed(11)
+    loud, quiet = torch.randn(50_000, generator=g), torch.randn(20_000, generator=g) * 1e-3
+    x = torch.cat([loud, quiet])
+    seg = Segments((0, 50_000, 70_000), (False, False))
+    comp = DragonnCompressor(0.01, kernel=kernel)
+    per = comp.compress(x, 1, seg).indices.long()
+    glob = comp.compress(x, 1).indices.long()
+    assert int((glob >= 50_000).sum()) == 0
+    k_quiet = target_k(20_000, 0.01)
+    assert 0.7 * k_quiet <= int((per >= 50_000).sum()) <= max_pairs(k_quiet)
+
+
+@pytest.mark.parametrize("kernel", ["reference", pytest.param("cpu", marks=needs_cpu_kernel)])
+def test_ties_stay_within_the_byte_bound(kernel):
+    seg = plan_segments([(300, 300), (90_000,)], 0, compress_1d=True)
+    x = torch.ones(seg.numel)  # every element ties at the threshold: the tables fill up
+    sel = DragonnCompressor(0.01, kernel=kernel).compress(x, 0, seg)
+    assert sel.count <= max_pairs(sum(seg.ks(0.01)))
+
+
+def test_segments_must_tile_the_buffer():
+    comp = DragonnCompressor(0.01, kernel="reference")
+    with pytest.raises(ValueError, match="segments cover 10 elements but the buffer holds 11"):
+        comp.compress(torch.randn(11), 0, Segments((0, 10), (False,)))
+    with pytest.raises(ValueError, match="ascend"):
+        comp.compress(torch.randn(10), 0, Segments((0, 8, 5, 10), (False, False, False)))
+
+
+def test_empty_and_all_zero_buckets():
+    comp = DragonnCompressor(0.01, kernel="reference")
+    assert comp.compress(torch.empty(0), 0, Segments((0,), ())).count == 0
+    assert comp.compress(torch.empty(0), 0, Segments((0, 0), (True,))).count == 0
+    seg = plan_segments([(100,), (100, 100)], 0, compress_1d=False)
+    assert comp.compress(torch.zeros(seg.numel), 0, seg).count == 0
+
+
+# -- the density schedule ---------------------------------------------------------------------------------
+def test_density_schedule_is_dgc_exponential():
+    s = DensitySchedule(0.001, warmup_steps=10, density_warmup_steps=40, density_warmup_start=0.25)
+    assert all(s.at(t) is None and s.dense(t) for t in range(10))
+    assert s.at(10) == 0.25 and s.at(50) == s.at(1000) == 0.001
+    ds = [s.at(t) for t in range(10, 51)]
+    assert all(a > b for a, b in zip(ds, ds[1:]))  # strictly falling
+    for j in (0, 13, 39):  # float64 reference: log-linear in the step
+        ref = math.exp(math.log(0.25) + (math.log(0.001) - math.log(0.25)) * j / 40)
+        assert s.at(10 + j) == pytest.approx(ref, rel=1e-12)
+    assert s.warming(10) and s.warming(49) and not s.warming(50) and not s.warming(9)
+    assert s.describe().startswith("10 dense warm-up steps") and "0.25 -> 0.001 over 40 steps" in s.describe()
+
+
+def test_no_density_warmup_when_the_start_is_not_above_the_density():
+    s = DensitySchedule(0.5, 0, 100, 0.25)
+    assert s.at(0) == 0.5 and not s.warming(0)
+    assert DensitySchedule(0.01, 0, 0, 0.25).at(0) == 0.01
+
+
+def test_config_validates_the_new_keys():
+    d = DragonnConfig()
+    assert d.selection.value == "per_tensor" and not d.compress_1d and d.density_warmup_steps == 100
+    for key, bad in [("selection", "layerwise"), ("density_warmup_start", 0.0), ("density_warmup_start", 1.5),
+                     ("density_warmup_steps", -1), ("tensor_min_compress_numel", -5), ("compress_1d", "yes")]:
+        with pytest.raises(DragonnConfigError, match=f"dragonn.{key}"):
+            DragonnConfig.from_ds_config({"dragonn": {"enabled": True, key: bad}})
+
+
+# -- in real engines ----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    out = tmp_path_factory.mktemp("selection")
+    run_ranks("tests.selection_cases:selection_runs", 2, out, timeout=400)
+    return [torch.load(out / f"selection_rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def test_global_selection_starves_the_quiet_tensors(engines):
+    for name in ("global", "zero2_global"):
+        moved = engines[0][name]["moved"]
+        assert moved["quiet"] == 0 and moved["bias"] == 0, (name, moved)
+        assert moved["loud.weight"] > 0
+
+
+def test_per_tensor_selection_updates_them(engines):
+    for name in ("per_tensor", "zero2_per_tensor"):
+        moved, numel = engines[0][name]["moved"], engines[0][name]["numel"]
+        assert moved["quiet"] >= target_k(4096, 0.01), (name, moved)  # its own k, every step
+        assert moved["bias"] == numel["bias"], (name, moved)  # 1-D: sent whole
+    for name in RUNS_NAMES:
+        assert all(torch.equal(a, b) for a, b in zip(engines[0][name]["params"], engines[1][name]["params"]))
+
+
+def test_defaults_warm_the_density_up(engines):
+    d = engines[0]["defaults"]
+    # step 6 of the 100-step warm-up from 0.25 to 0.01
+    assert d["density"] == pytest.approx(0.25 * (0.01 / 0.25) ** (5 / 100))
+    assert d["moved"]["bias"] == 256 and d["moved"]["quiet"] > 0.1 * 4096
+
+
+RUNS_NAMES = ("defaults", "per_tensor", "global", "zero2_per_tensor", "zero2_global")
