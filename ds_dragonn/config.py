@@ -98,6 +98,13 @@ class DragonnConfig(DeepSpeedConfigModel):
     """Density of the first compressed step of the density warm-up (DGC: 0.25). A start at or below
     ``density`` means no density warm-up."""
 
+    freeze_adam_variance: bool = Field(True, strict=True)
+    """Freeze an Adam-type optimizer's second moment (``exp_avg_sq``) at the end of the dense warm-up
+    (``warmup_steps``, which must be at least 1: the variance is estimated from dense steps), as 1-bit Adam
+    does: error feedback delivers what waited in a burst, which Adam's variance would otherwise divide away
+    (``engine/adam.py``). Only with error feedback and ``density`` below 1; no effect on optimizers without
+    ``exp_avg_sq``."""
+
     selection: SelectionScope = SelectionScope.per_tensor
     """``per_tensor``: each parameter's gradient in a bucket gets its own ``k = ceil(density · numel)``,
     threshold and hash table (DRAGONN paper, Sec. 4), in one kernel call per bucket; ``global``: one

@@ -154,7 +154,7 @@ class CompressedAllreduce:
         wire_values = to_wire(sel.values, dtype)
         select_ms = clock.lap()
 
-        sent = Selection(sel.indices, wire_values, sel.threshold, sel.k, sel.capacity)
+        sent = Selection(sel.indices, wire_values, sel.threshold, sel.k, sel.capacity, sel.whole)
         gathered = self.exchange.exchange(key, sent, n, dtype, seed)
         exchange_ms = clock.lap()
 

@@ -9,7 +9,8 @@ gradients where the CPU library can, else a decode buffer plus DeepSpeed's copy 
 the bucket (``g.sum()``, the floor, timed in alternation in the same run), and for context the local
 work of DeepSpeed's dense path around its allreduce (flatten, scale, copy back).
 
-    python launch/bench_step.py                      # 1 thread, fp32, bf16 and bf16+txn, density 0.01
+    python launch/bench_step.py                      # 1 thread, density 0.01: fp32 and bf16 with global and
+                                                     # per-tensor (+pt) selection, bf16+txn per tensor
     python launch/bench_step.py --json docs/bench_step.json --threads 1 --steps 30
 """
 from __future__ import annotations
@@ -33,9 +34,10 @@ PHASES = ("compensate_ms", "select_ms", "exchange_ms", "residual_ms", "decode_ms
 
 def get_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dtypes", default="fp32,bf16,bf16+txn",
+    p.add_argument("--dtypes", default="fp32,fp32+pt,bf16,bf16+pt,bf16+txn+pt",
                    help="comma-separated: fp32, bf16, fp16; '+txn' = transactional residuals, what fp16 and bf16 "
-                        "engines whose steps DeepSpeed may skip on overflow run (check_grad_overflow, the default)")
+                        "engines whose steps DeepSpeed may skip on overflow run (check_grad_overflow, the default); "
+                        "'+pt' = per-tensor selection (the default 'selection'), else one global threshold")
     p.add_argument("--density", type=float, default=DENSITY)
     p.add_argument("--threads", type=int, default=1, help="torch (and kernel) threads")
     p.add_argument("--steps", type=int, default=STEPS)
@@ -68,11 +70,15 @@ def median(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
-def bench_dtype(dtype, shapes, args, backend, transactional=False):
+def bench_dtype(dtype, shapes, args, backend, transactional=False, per_tensor=False):
     from ds_dragonn.compress import DragonnCompressor
+    from ds_dragonn.compress.segments import plan_segments
+    from ds_dragonn.config import DragonnConfig
     from ds_dragonn.feedback import ErrorFeedback
     from ds_dragonn.pipeline import CompressedAllreduce
 
+    d = DragonnConfig()  # the per-tensor defaults: 1-D and small tensors whole
+    segments = plan_segments(shapes, d.tensor_min_compress_numel, d.compress_1d) if per_tensor else None
     ef = ErrorFeedback(True, transactional=transactional)
     pipe = CompressedAllreduce(DragonnCompressor(args.density), backend, ef)
     device = torch.device(args.device)
@@ -88,7 +94,7 @@ def bench_dtype(dtype, shapes, args, backend, transactional=False):
         sync(device)
         t0 = time.perf_counter()
         out, stats = pipe.reduce(bucket, "bucket", seed=step, prescale=1.0, postscale=0.5, dtype=dtype,
-                               into_inputs=into)
+                               into_inputs=into, segments=segments)
         if not into:  # DeepSpeed's allreduce_and_copy copies the flat result into the gradients
             for buf, synced in zip(bucket, torch._utils._unflatten_dense_tensors(out, bucket)):
                 buf.copy_(synced)
@@ -114,8 +120,8 @@ def bench_dtype(dtype, shapes, args, backend, transactional=False):
             dense_local.append((t3 - t2b) * 1e3)
             for p in PHASES:
                 phases[p].append(getattr(stats, p))
-    rec = {"dtype": str(dtype).replace("torch.", "") + ("+txn" if transactional else ""), "device": args.device,
-           "transactional": transactional, "decode_into_gradients": into,
+    rec = {"dtype": str(dtype).replace("torch.", "") + ("+txn" if transactional else "") + ("+pt" if per_tensor else ""),
+           "device": args.device, "transactional": transactional, "selection": "per_tensor" if per_tensor else "global", "decode_into_gradients": into,
            "numel": n, "density": args.density, "threads": args.threads,
            "steps": args.steps, "kept": stats.kept, "k": stats.k}
     rec.update({p: median(v) for p, v in phases.items()})
@@ -147,7 +153,8 @@ def main():
     layers = tuple(int(x) for x in args.layers.split(","))
     shapes = bucket_shapes(layers)
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-    records = [bench_dtype(dtypes[d.split("+")[0]], shapes, args, TorchCommBackend(), transactional=d.endswith("+txn"))
+    records = [bench_dtype(dtypes[d.split("+")[0]], shapes, args, TorchCommBackend(),
+                           transactional="+txn" in d, per_tensor="+pt" in d)
                for d in args.dtypes.split(",")]
     tdist.destroy_process_group()
 

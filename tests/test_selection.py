@@ -67,8 +67,8 @@ def test_each_segment_is_the_selection_of_its_slice(kernel):
     idx = sel.indices.long()
     for s, (lo, hi) in enumerate(zip(seg.offsets[:-1], seg.offsets[1:])):
         mine = idx[(idx >= lo) & (idx < hi)]
-        if seg.whole[s]:  # every nonzero element, and nothing else
-            assert torch.equal(mine.sort().values, torch.nonzero(x[lo:hi]).squeeze(1) + lo)
+        if seg.whole[s]:  # every element (zeros included: their positions are implicit on the wire), in order
+            assert torch.equal(mine, torch.arange(lo, hi))
             continue
         if hi == lo:
             assert mine.numel() == 0
@@ -76,6 +76,9 @@ def test_each_segment_is_the_selection_of_its_slice(kernel):
         alone = DragonnCompressor(0.01, kernel="reference").compress(x[lo:hi], segment_seed(99, s))
         assert torch.equal(mine.sort().values, alone.indices.long().sort().values + lo)
     assert torch.equal(sel.values, x[idx])
+    assert sel.whole == sum(b - a for a, b, w in zip(seg.offsets[:-1], seg.offsets[1:], seg.whole) if w)
+    assert torch.equal(idx[sel.count - sel.whole:], torch.cat([torch.arange(a, b) for a, b, w in
+                                                               zip(seg.offsets[:-1], seg.offsets[1:], seg.whole) if w]))
 
 
 @pytest.mark.parametrize("compressor", [TopKCompressor, RandomKCompressor])
@@ -128,7 +131,8 @@ def test_empty_and_all_zero_buckets():
     assert comp.compress(torch.empty(0), 0, Segments((0,), ())).count == 0
     assert comp.compress(torch.empty(0), 0, Segments((0, 0), (True,))).count == 0
     seg = plan_segments([(100,), (100, 100)], 0, compress_1d=False)
-    assert comp.compress(torch.zeros(seg.numel), 0, seg).count == 0
+    sel = comp.compress(torch.zeros(seg.numel), 0, seg)
+    assert sel.count == sel.whole == 100  # the whole 1-D tensor, zeros included; nothing of the matrix
 
 
 # -- the density schedule ---------------------------------------------------------------------------------
@@ -192,3 +196,41 @@ def test_defaults_warm_the_density_up(engines):
 
 
 RUNS_NAMES = ("defaults", "per_tensor", "global", "zero2_per_tensor", "zero2_global")
+
+
+@pytest.fixture(scope="module")
+def exchanged(tmp_path_factory):
+    out = tmp_path_factory.mktemp("selection_exchange")
+    run_ranks("tests.selection_cases:exchange_runs", 3, out, timeout=300)
+    return [torch.load(out / f"exchange_rank{r}.pt", weights_only=False) for r in range(3)]
+
+
+@pytest.mark.parametrize("dtype", ["torch.float32", "torch.bfloat16"])
+def test_whole_tensors_travel_as_values_and_nothing_is_lost(exchanged, dtype):
+    """allgather, 3 ranks: decoded sum == Σ_ranks (raw − residual) (float64 reference), whole tensors exact,
+    and the whole tensors' indices are not on the wire."""
+    runs = [e["out"][("allgather", dtype)] for e in exchanged]
+    seg = exchanged[0]["segments"]
+    sent = sum(r["x"].double() - r["residual"].double() for r in runs)
+    for r in runs:
+        assert torch.equal(r["out"], runs[0]["out"])  # every rank decodes the same
+        tol = 1e-6 if dtype == "torch.float32" else 2e-2
+        assert torch.allclose(r["out"].double(), sent, rtol=tol, atol=tol)
+    raw = sum(r["x"].double() for r in runs)
+    for lo, hi, w in zip(seg.offsets[:-1], seg.offsets[1:], seg.whole):
+        if w:  # sent whole: nothing stays behind
+            assert all(not bool(r["residual"][lo:hi].any()) for r in runs)
+            assert torch.allclose(runs[0]["out"][lo:hi].double(), raw[lo:hi], rtol=tol, atol=tol)
+    whole = sum(b - a for a, b, w in zip(seg.offsets[:-1], seg.offsets[1:], seg.whole) if w)
+    vb = 4 if dtype == "torch.float32" else 2
+    c = max(r["kept"] for r in runs)
+    align8 = lambda v: -(-v // 8) * 8  # noqa: E731
+    assert runs[0]["bytes_sent"] == 2 * (4 * 8 + align8(c - whole) * 4 + align8(c) * vb)
+    assert runs[0]["bytes_sent"] < 2 * (4 * 8 + align8(c) * (4 + vb))  # what pairs would cost
+
+
+def test_whole_tensors_through_the_partitioned_exchange(exchanged):
+    for dtype in ("torch.float32", "torch.bfloat16"):
+        runs = [e["out"][("partitioned", dtype)] for e in exchanged]
+        assert all(torch.equal(r["out"], runs[0]["out"]) for r in runs)
+        assert bool(torch.isfinite(runs[0]["out"]).all()) and float(runs[0]["out"].abs().sum()) > 0

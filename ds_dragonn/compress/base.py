@@ -35,12 +35,16 @@ class Selection(NamedTuple):
         k: target count, ``ceil(density * numel)`` (0 for an empty buffer).
         capacity: most pairs this selection may hold: ``min(table size, max_pairs(k))`` for DRAGONN (its
             table has ``ceil(table_factor * k)`` slots), k for top-k and random-k.
+        whole: per-tensor selection: the last ``whole`` pairs are every element of the segments sent whole, in
+            bucket order (zeros included). Every rank has the same such positions, so an exchange may send
+            their values without the indices (``exchange/allgather.py``).
     """
     indices: torch.Tensor
     values: torch.Tensor
     threshold: torch.Tensor
     k: int
     capacity: int
+    whole: int = 0
 
     @property
     def count(self) -> int:
@@ -75,11 +79,43 @@ def trim(sel: Selection, cap: int) -> Selection:
     c = sel.count
     if c <= cap:
         return sel
+    if sel.whole:  # the whole segments' tail is never cut: cut the selected head to what is left
+        head = Selection(sel.indices[:c - sel.whole], sel.values[:c - sel.whole], sel.threshold, sel.k, sel.capacity)
+        cut = trim(head, max(cap - sel.whole, 0))
+        return Selection(torch.cat([cut.indices, sel.indices[c - sel.whole:]]),
+                         torch.cat([cut.values, sel.values[c - sel.whole:]]), sel.threshold, sel.k,
+                         min(sel.capacity, cap), sel.whole)
     mag = magnitude(sel.values)  # (c,) float32 >= 0: its bits order like its values
     pos = torch.arange(c, device=mag.device, dtype=torch.int64)
     keys = (mag.view(torch.int32).to(torch.int64) << 32) | (0xFFFF_FFFF - pos)  # ties: earlier slot first
     keep = torch.topk(keys, cap, sorted=False).indices.sort().values
     return Selection(sel.indices[keep], sel.values[keep], sel.threshold, sel.k, min(sel.capacity, cap))
+
+
+def whole_positions(segments, device, dtype: torch.dtype) -> torch.Tensor:
+    """(W,) positions of every element of the whole segments, in bucket order (cached per segments)."""
+    key = (segments, str(device), dtype)
+    hit = _WHOLE.get(key)
+    if hit is None:
+        parts = [torch.arange(lo, hi, dtype=torch.int64) for lo, hi, w in
+                 zip(segments.offsets[:-1], segments.offsets[1:], segments.whole) if w and hi > lo]
+        pos = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+        if len(_WHOLE) > 64:
+            _WHOLE.clear()
+        hit = _WHOLE[key] = pos.to(device=device, dtype=dtype)
+    return hit
+
+
+_WHOLE: dict = {}
+
+
+def whole_tail(head: Selection, flat: torch.Tensor, segments) -> Selection:
+    """``head`` (the selected segments' pairs) followed by every element of the whole segments."""
+    pos = whole_positions(segments, flat.device, head.indices.dtype)
+    if pos.numel() == 0:
+        return head
+    return Selection(torch.cat([head.indices, pos]), torch.cat([head.values, flat[pos]]), head.threshold, head.k,
+                     head.capacity + pos.numel(), pos.numel())
 
 
 def segment_seed(seed: int, s: int) -> int:
@@ -171,20 +207,24 @@ class Compressor(ABC):
         return sum(segments.ks(self.density)) if segments is not None else target_k(numel, self.density)
 
     def _select_segments(self, flat: torch.Tensor, segments, ks, seed: int) -> Selection:
-        """Per-tensor selection: :meth:`_select` on each segment with ``k_s`` and :func:`segment_seed`,
-        indices shifted to bucket positions. Kernels override this with one call for the whole bucket.
-        ``threshold`` is the smallest of the segments' cuts (0 with a whole segment)."""
+        """Per-tensor selection: :meth:`_select` on each segment that is not whole, with ``k_s`` and
+        :func:`segment_seed`, indices shifted to bucket positions; then every element of the whole segments
+        (:func:`whole_tail`). Kernels override this with one call for the whole bucket. ``threshold`` is
+        the smallest of the selected segments' cuts (0 without one)."""
         n = flat.numel()
         idx, vals, thr, cap = [], [], [], 0
         for s, (lo, k) in enumerate(zip(segments.offsets[:-1], ks)):
-            if k == 0:
+            if k == 0 or segments.whole[s]:
                 continue
             sel = self._select(flat[lo:lo + segments.offsets[s + 1] - lo], k, segment_seed(seed, s))
-            idx.append(sel.indices.to(torch.int64) + lo)
+            idx.append(sel.indices.to(index_dtype(n)) + lo)
             vals.append(sel.values)
             thr.append(sel.threshold.reshape(1))
             cap += sel.capacity
-        return Selection(torch.cat(idx).to(index_dtype(n)), torch.cat(vals), torch.cat(thr).min(), sum(ks), cap)
+        thr = torch.cat(thr).min() if thr else torch.zeros((), dtype=torch.float32, device=flat.device)
+        head = Selection(torch.cat(idx) if idx else flat.new_empty(0, dtype=index_dtype(n)),
+                         torch.cat(vals) if vals else flat.new_empty(0), thr, sum(ks), cap)
+        return whole_tail(head, flat, segments)
 
     @abstractmethod
     def _select(self, flat: torch.Tensor, k: int, seed: int) -> Selection:

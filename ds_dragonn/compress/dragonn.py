@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from .base import Compressor, Selection, index_dtype, max_pairs, target_k
+from .base import Compressor, Selection, index_dtype, max_pairs, target_k, whole_tail
 from .kernels import check_kernel, cpu_table, resolve_kernel, sample_threshold_fast, select_fast
 from .reference import (  # noqa: F401  (re-exported: the reference API)
     MIN_SAMPLE_HITS, build_table, candidate_density, gather_table, hash_slots, index_bits, key_to_index,
@@ -58,8 +58,8 @@ class DragonnCompressor(Compressor):
         hit = self._plans.get(key)
         if hit is None:
             rows, cap = [], 0
-            for n, k in zip(segments.lengths(), ks):
-                if k == 0:
+            for n, k, whole in zip(segments.lengths(), ks, segments.whole):
+                if k == 0 or whole:  # whole segments: appended after the call (base.whole_tail)
                     rows.append((0, 0, 0))
                     continue
                 m = table_capacity(k, self.table_factor, n)
@@ -83,7 +83,7 @@ class DragonnCompressor(Compressor):
         idx, vals, thr = cpu_table.select_segments(flat, offsets, plan, seed, index_dtype(flat.numel()))
         used = plan[2] > 0
         thr = thr[used].min() if bool(used.any()) else torch.zeros((), dtype=torch.float32)
-        return Selection(indices=idx, values=vals, threshold=thr, k=sum(ks), capacity=cap)
+        return whole_tail(Selection(indices=idx, values=vals, threshold=thr, k=sum(ks), capacity=cap), flat, segments)
 
     def threshold(self, flat: torch.Tensor, seed: int, kernel: str = "reference", k: int | None = None) -> torch.Tensor:
         """0-d float32 threshold of ``flat`` for target ``k`` (default ``ceil(density · n)``; 0 when k ≥ n)."""

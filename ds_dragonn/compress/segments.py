@@ -8,8 +8,10 @@ sends small tensors dense ("efficiency-aware tensor selection", Wang et al., ICM
 
 A :class:`Segments` lists the parameters' offsets in the bucket. Each segment gets its own
 ``k_s = ceil(density · n_s)`` and its own threshold and hash table (``Compressor.compress(flat, seed,
-segments)``); a segment marked ``whole`` keeps every nonzero element: it is sent dense, as pairs, inside the
-same exchange, and its bytes are counted like any other pair's.
+segments)``); a segment marked ``whole`` is sent dense inside the same exchange: every element, after the
+selected pairs (``Selection.whole``). The allgather exchange sends their values only (every rank knows the
+positions); the partitioned and reduce-scatter exchanges send them as pairs. Either way their bytes are
+counted like any others.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ class Segments(NamedTuple):
     Attributes:
         offsets: (nseg + 1,) ascending element offsets; ``offsets[0] == 0``, ``offsets[-1] == numel``.
             Segment s is ``[offsets[s], offsets[s+1])`` (may be empty).
-        whole: (nseg,) True where the segment is sent whole (every nonzero element).
+        whole: (nseg,) True where the segment is sent whole (every element).
     """
     offsets: Tuple[int, ...]
     whole: Tuple[bool, ...]

@@ -72,6 +72,14 @@ class HookBase:
         self.policy = AutoPolicy(cfg.auto_probe_steps, cfg.auto_recheck_interval,
                                  always=cfg.policy == Policy.always)
         self.schedule = DensitySchedule.from_config(cfg)
+        self.variance_freeze = None
+        # only where gradients are delayed (density below 1, error feedback on: bursts), and only after dense
+        # warm-up steps: a variance estimated from sparse steps is ~0 where nothing arrived yet (measured:
+        # the LM diverges when frozen at the end of the density warm-up without dense steps)
+        if (cfg.freeze_adam_variance and cfg.density < 1.0 and cfg.error_feedback and cfg.warmup_steps > 0
+                and engine is not None and hasattr(engine, "optimizer")):
+            from .adam import VarianceFreeze
+            self.variance_freeze = VarianceFreeze(engine, cfg.warmup_steps)
         self._segments: Dict[Hashable, Optional[Segments]] = {}  # bucket key -> its per-tensor segments
 
     # -- pieces for the hook points ----------------------------------------------------------------

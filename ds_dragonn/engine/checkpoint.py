@@ -46,7 +46,7 @@ FORMAT = 1
 _KEPT_FIELDS = ("density", "compressor", "kernel", "sample_ratio", "min_sample", "table_factor", "warmup_steps",
                 "policy", "auto_probe_steps", "auto_recheck_interval", "min_compress_numel", "seed",
                 "density_warmup_steps", "density_warmup_start", "selection", "tensor_min_compress_numel",
-                "compress_1d")
+                "compress_1d", "freeze_adam_variance")
 
 
 class CheckpointMismatchError(ValueError):
@@ -243,6 +243,8 @@ def install(hook: Any) -> None:
         check_same_step(hook, os.path.basename(os.path.dirname(str(load_path))) if load_path else "")
         if load_path is None:
             return out  # DeepSpeed loaded nothing
+        if hook.variance_freeze is not None:  # the optimizer's state tensors were replaced: snapshot them anew
+            hook.variance_freeze.reset()
         rank, _ = hook._where()
         if not a.get("load_optimizer_states", True) or a.get("load_module_only", False):
             hook.reset_state(f"load_checkpoint(load_optimizer_states={a.get('load_optimizer_states')}, "

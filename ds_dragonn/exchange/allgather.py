@@ -2,11 +2,14 @@
 
 Wire format per rank, one ``all_gather`` of bytes after one small header ``all_gather``:
 
-* header: ``[count, numel, dtype code]`` (int64 × 3). It sizes the payload and lets every rank check
-  that all ranks reduce the same buffer — a mismatch raises the same error on every rank instead of
+* header: ``[count, numel, dtype code, whole]`` (int64 × 4). It sizes the payload and lets every rank
+  check that all ranks reduce the same buffer — a mismatch raises the same error on every rank instead of
   hanging in a collective of unequal size.
-* payload: ``C`` indices then ``C`` values as raw bytes, ``C`` = the largest count over ranks rounded
-  up to a multiple of 8 (keeps every block aligned for a zero-copy view). Shorter lists are padded.
+* payload: ``C`` indices then ``V`` values as raw bytes, ``V`` = the largest count over ranks and ``C``
+  the largest count less ``whole``, each rounded up to a multiple of 8 (keeps every block aligned for a
+  zero-copy view). Shorter lists are padded. The last ``whole`` values of a list are the elements of
+  the tensors sent whole (per-tensor selection, ``Selection.whole``): the same positions on every rank,
+  so their indices are not sent.
 
 Bytes reported are those a ring allgather makes each rank send (and receive): ``(P - 1) × (header +
 payload)``. Each rank receives P·k pairs, so the traffic grows with the world size; the ``partitioned``
@@ -20,22 +23,29 @@ import torch
 
 from ..comm.base import CommBackend
 from ..compress.base import Selection, index_dtype
-from .base import ALIGN, Exchange, Gathered, align, check_agreement, dtype_code
+from .base import Exchange, BufferMismatchError, Gathered, align, check_agreement, dtype_code
 
-HEADER_INTS = 3  # [count, numel, dtype code]
+HEADER_INTS = 4  # [count, numel, dtype code, whole]
 
 
 def exchange_header(count: int, numel: int, wire_dtype: torch.dtype, backend: CommBackend,
-                    device: torch.device) -> List[int]:
-    """Allgather ``[count, numel, dtype]``; check every rank reduces the same buffer; return the counts."""
-    header = backend.all_gather_ints([count, numel, dtype_code(wire_dtype)], device)
+                    device: torch.device, whole: int = 0) -> List[int]:
+    """Allgather ``[count, numel, dtype, whole]``; check every rank reduces the same buffer (and sends the same
+    whole tensors); return the counts."""
+    header = backend.all_gather_ints([count, numel, dtype_code(wire_dtype), whole], device)
     check_agreement([h[1] for h in header], [h[2] for h in header], backend.rank)
+    if len({h[3] for h in header}) > 1:
+        raise BufferMismatchError(f"rank {backend.rank}: ranks send different whole tensors in one bucket "
+                                  f"({[h[3] for h in header]} elements per rank): their per-tensor settings "
+                                  f"('tensor_min_compress_numel', 'compress_1d', 'selection') differ")
     return [h[0] for h in header]
 
 
 def gather_pairs(indices: torch.Tensor, values: torch.Tensor, counts: List[int], idx_dtype: torch.dtype,
-                 wire_dtype: torch.dtype, backend: CommBackend) -> Tuple[List[torch.Tensor], List[torch.Tensor], int]:
-    """Allgather every rank's ``counts[r]`` pairs (counts from :func:`exchange_header`).
+                 wire_dtype: torch.dtype, backend: CommBackend, whole: int = 0
+                 ) -> Tuple[List[torch.Tensor], List[torch.Tensor], int]:
+    """Allgather every rank's ``counts[r]`` pairs (counts from :func:`exchange_header`); the last ``whole``
+    pairs of every list (the same positions on every rank) travel without their indices.
 
     Returns:
         (indices per rank in ``idx_dtype``, values per rank in ``wire_dtype``, payload bytes per rank).
@@ -44,15 +54,19 @@ def gather_pairs(indices: torch.Tensor, values: torch.Tensor, counts: List[int],
     if max(counts, default=0) == 0:
         return ([torch.empty(0, dtype=idx_dtype, device=device)] * world,
                 [torch.empty(0, dtype=wire_dtype, device=device)] * world, 0)
-    cap = -(-max(counts) // ALIGN) * ALIGN
+    vcap = align(max(counts))
+    icap = align(max(counts) - whole)
     ib, vb = idx_dtype.itemsize, wire_dtype.itemsize
-    payload = torch.zeros(cap * (ib + vb), dtype=torch.uint8, device=device)
+    payload = torch.zeros(icap * ib + vcap * vb, dtype=torch.uint8, device=device)
     c = indices.numel()
-    payload[:c * ib].view(idx_dtype).copy_(indices.to(idx_dtype))
-    payload[cap * ib:cap * ib + c * vb].view(wire_dtype).copy_(values.to(wire_dtype))
+    payload[:(c - whole) * ib].view(idx_dtype).copy_(indices[:c - whole].to(idx_dtype))
+    payload[icap * ib:icap * ib + c * vb].view(wire_dtype).copy_(values.to(wire_dtype))
     rows = backend.all_gather_bytes(payload)
-    idx = [rows[r, :counts[r] * ib].view(idx_dtype) for r in range(world)]
-    val = [rows[r, cap * ib:cap * ib + counts[r] * vb].view(wire_dtype) for r in range(world)]
+    tail = indices[c - whole:].to(idx_dtype)
+    idx = [rows[r, :(counts[r] - whole) * ib].view(idx_dtype) for r in range(world)]
+    if whole:
+        idx = [torch.cat([i, tail]) for i in idx]
+    val = [rows[r, icap * ib:icap * ib + counts[r] * vb].view(wire_dtype) for r in range(world)]
     return idx, val, payload.numel()
 
 
@@ -68,9 +82,9 @@ def allgather_exchange(selection: Selection, numel: int, wire_dtype: torch.dtype
     Raises:
         BufferMismatchError: on every rank, when ranks disagree on ``numel`` or ``wire_dtype``.
     """
-    counts = exchange_header(selection.count, numel, wire_dtype, backend, selection.values.device)
+    counts = exchange_header(selection.count, numel, wire_dtype, backend, selection.values.device, selection.whole)
     idx, val, payload = gather_pairs(selection.indices, selection.values, counts, index_dtype(numel), wire_dtype,
-                                     backend)
+                                     backend, selection.whole)
     moved = (backend.world_size - 1) * (HEADER_INTS * 8 + payload)
     return Gathered(idx, val, counts, moved, moved)
 
