@@ -87,8 +87,9 @@ class DragonnConfig(DeepSpeedConfigModel):
     min_compress_numel: int = Field(1 << 16, ge=0, strict=True)
     """Buffers with fewer elements go through DeepSpeed's dense allreduce (paper: 2^20 per tensor)."""
 
-    warmup_steps: int = Field(0, ge=0, strict=True)
-    """Optimizer steps that use the dense allreduce before compression starts (paper: 200)."""
+    warmup_steps: int = Field(30, ge=0, strict=True)
+    """Optimizer steps that use the dense allreduce before compression starts (paper: 200). Adam's variance
+    is estimated from them (``freeze_adam_variance``)."""
 
     density_warmup_steps: int = Field(100, ge=0, strict=True)
     """Compressed steps (after ``warmup_steps``) over which the density falls exponentially from
@@ -105,12 +106,14 @@ class DragonnConfig(DeepSpeedConfigModel):
     (``engine/adam.py``). Only with error feedback and ``density`` below 1; no effect on optimizers without
     ``exp_avg_sq``."""
 
-    selection: SelectionScope = SelectionScope.per_tensor
-    """``per_tensor``: each parameter's gradient in a bucket gets its own ``k = ceil(density · numel)``,
-    threshold and hash table (DRAGONN paper, Sec. 4), in one kernel call per bucket; ``global``: one
-    threshold over the whole flattened bucket (small gradients starve)."""
+    selection: SelectionScope = SelectionScope.global_
+    """``global``: one threshold over the whole flattened bucket, so the budget goes where the gradient mass
+    is (measured better on the LM task: docs/convergence); tensors with small gradients are updated late.
+    ``per_tensor``: each parameter's gradient in a bucket gets its own ``k = ceil(density · numel)``,
+    threshold and hash table (DRAGONN paper, Sec. 4), in one kernel call per bucket, and small and 1-D
+    tensors are sent whole (``tensor_min_compress_numel``, ``compress_1d``)."""
 
-    tensor_min_compress_numel: int = Field(4096, ge=0, strict=True)
+    tensor_min_compress_numel: int = Field(1024, ge=0, strict=True)
     """Per-tensor selection: parameters with fewer elements are sent whole (every element, as pairs in the
     same exchange; counted in the bytes)."""
 

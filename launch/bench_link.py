@@ -200,7 +200,8 @@ def setup_deepspeed(model, args, world, comm_dtype: Optional[str] = None, dragon
     if comm_dtype:
         config["communication_data_type"] = comm_dtype
     if dragonn is not None:
-        config["dragonn"] = {"enabled": True, **dragonn}
+        # the steady state is timed: no dense or density warm-up (a long run spends almost all its steps there)
+        config["dragonn"] = {"enabled": True, "warmup_steps": 0, "density_warmup_steps": 0, **dragonn}
     engine, _, _, _ = ds_dragonn.initialize(model=model, model_parameters=model.parameters(), config=config)
 
     parts = {"forward_ms": [], "backward_ms": [], "optimizer_ms": []}  # backward includes the reduction

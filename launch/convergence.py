@@ -6,13 +6,16 @@ dense / DRAGONN config plus the run's ``"dragonn"`` overrides:
 
 ====================  ================================================================================
 dense                 DeepSpeed's dense allreduce
-dragonn_0.01          DRAGONN at density 0.01 with the defaults (per-tensor selection, density warm-up)
+dragonn_0.01          DRAGONN at density 0.01 with the defaults (global selection, 30 dense warm-up steps,
+                      density warm-up 0.25 -> 0.01 over 100 steps, Adam variance frozen after the dense
+                      warm-up)
 dragonn_0.001         the same at density 0.001
-global_0.01           DRAGONN 0.01 as before issue 8: one threshold over the bucket, no warm-up
-no_ef_0.01            DRAGONN 0.01 without error feedback
-topk_0.01             exact top-k per tensor at 0.01 (same defaults)
-randomk_0.01          random-k per tensor at 0.01 (same defaults)
-partitioned_0.01      DRAGONN 0.01 with the partitioned exchange
+per_tensor_0.01       the defaults with per-tensor selection (small and 1-D tensors whole)
+legacy_0.01           DRAGONN 0.01 as before issue 8: global selection, no warm-ups, no variance freeze
+no_ef_0.01            the defaults without error feedback
+topk_0.01             exact top-k at 0.01 (same defaults)
+randomk_0.01          random-k at 0.01 (same defaults)
+partitioned_0.01      the defaults with the partitioned exchange
 ====================  ================================================================================
 
 Writes ``<out>/convergence.json`` (one record per run and seed: task, run, selection, exchange, density,
@@ -42,7 +45,9 @@ RUNS = {
     "dense": None,
     "dragonn_0.01": {"density": 0.01},
     "dragonn_0.001": {"density": 0.001},
-    "global_0.01": {"density": 0.01, "selection": "global", "warmup_steps": 0, "density_warmup_steps": 0},
+    "per_tensor_0.01": {"density": 0.01, "selection": "per_tensor"},
+    "legacy_0.01": {"density": 0.01, "selection": "global", "warmup_steps": 0, "density_warmup_steps": 0,
+                    "freeze_adam_variance": False},
     "no_ef_0.01": {"density": 0.01, "error_feedback": False},
     "topk_0.01": {"density": 0.01, "compressor": "topk"},
     "randomk_0.01": {"density": 0.01, "compressor": "randomk"},
@@ -50,7 +55,7 @@ RUNS = {
 }
 #: keys kept from the task's DRAGONN config; every other key takes its default
 BASE_KEYS = ("enabled", "policy", "min_compress_numel", "log_interval")
-QUICK_RUNS = ("dense", "dragonn_0.01", "global_0.01")
+QUICK_RUNS = ("dense", "dragonn_0.01", "legacy_0.01")
 
 #: task -> (script, dense config, DRAGONN config, metric, extra script arguments, quick extra arguments)
 TASKS = {
@@ -71,7 +76,9 @@ def get_args():
     p.add_argument("--tasks", default="classifier,lm")
     p.add_argument("--runs", default=None, help="comma-separated run names (default: all; --quick: "
                                                  + ",".join(QUICK_RUNS) + ")")
-    p.add_argument("--seeds", type=int, default=None, help="classifier seeds (default 3; --quick 1); the LM runs 1")
+    p.add_argument("--seeds", type=int, default=None, help="classifier seeds (default 3; --quick 1)")
+    p.add_argument("--lm-seeds", type=int, default=1, help="LM seeds (default 1)")
+    p.add_argument("--first-seed", type=int, default=1, help="seeds run from this one up")
     p.add_argument("--classifier-steps", type=int, default=None, help="default 600 (--quick 100)")
     p.add_argument("--lm-steps", type=int, default=None, help="default 300 (--quick 60)")
     p.add_argument("--ranks", type=int, default=2)
@@ -235,7 +242,8 @@ def main() -> int:
     records, t0 = [], time.time()
     for task in args.task_names:
         steps = args.classifier_steps if task == "classifier" else args.lm_steps
-        seeds = range(1, args.seeds + 1) if task == "classifier" else range(1, 2)
+        count = args.seeds if task == "classifier" else args.lm_seeds
+        seeds = range(args.first_seed, args.first_seed + count)
         for seed in seeds:
             for run in args.run_names:
                 s = launch(task, run, seed, steps, args, work)

@@ -71,10 +71,12 @@ def exchange_cases(rank: int, world: int, out_dir: str) -> None:
 
 
 # -- engine -------------------------------------------------------------------------------------------
-#: The engine tests' models are tiny (a few thousand elements a tensor): every tensor is compressed per tensor
-#: (none sent whole) and the density is the configured one from the first compressed step, so a few steps
-#: exercise the compressed path at the density under test. tests/test_selection.py covers the defaults.
-PINNED = {"density_warmup_steps": 0, "tensor_min_compress_numel": 0, "compress_1d": True}
+#: The engine tests run a few steps of tiny models: no warm-ups (compressed from the first step, at the density
+#: under test, unless a test sets warmup_steps), and per-tensor selection with every tensor compressed (none
+#: sent whole), so that the per-tensor path runs in every engine test. tests/test_selection.py covers the
+#: defaults and global selection.
+PINNED = {"warmup_steps": 0, "density_warmup_steps": 0, "selection": "per_tensor", "tensor_min_compress_numel": 0,
+          "compress_1d": True}
 
 
 def _engine_config(dragonn: dict | None, bf16: bool = False, predivide: float | None = None) -> dict:

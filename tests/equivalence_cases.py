@@ -36,7 +36,7 @@ CASES = {
 #: reduces at every micro step of an accumulation, not only at the boundary)
 CASES.update({f"z{stage}_{name}": dict(CASES[name], zero=stage)
               for stage in (1, 2) for name in ("gas3", "clip", "frozen", "empty")})
-DRAGONN = {"d1": {"enabled": True, "density": 1.0, "min_compress_numel": 1, "policy": "always"},
+DRAGONN = {"d1": {"enabled": True, "density": 1.0, "min_compress_numel": 1, "policy": "always", **PINNED},
            "d001": {"enabled": True, "density": 0.01, "min_compress_numel": 1, "policy": "always", **PINNED}}
 VARIANTS = ("dense", "d1", "d001")
 

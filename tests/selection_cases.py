@@ -31,18 +31,21 @@ class Quiet(torch.nn.Module):
 
 _D = {"enabled": True, "density": 0.01, "min_compress_numel": 1}
 RUNS = {
-    # the product's defaults: per-tensor, 1-D whole, density warm-up (from 0.25 over 100 steps)
+    # the product's defaults: 30 dense warm-up steps, then the density warm-up (from 0.25 over 100 steps)
     "defaults": _engine_config(dict(_D)),  # dragonn block replaced below
-    "per_tensor": _engine_config({**_D, "density_warmup_steps": 0, "tensor_min_compress_numel": 4096,
-                                  "compress_1d": False}),
+    "density_warmup": _engine_config(dict(_D)),  # dragonn block replaced below
+    "per_tensor": _engine_config({**_D, "density_warmup_steps": 0, "tensor_min_compress_numel": 1024,
+                                  "compress_1d": False, "selection": "per_tensor"}),
     "global": _engine_config({**_D, "density_warmup_steps": 0, "selection": "global"}),
     # one IPG bucket for the whole model (DeepSpeed's default size), as ZeRO-0 flattens it
-    "zero2_per_tensor": _zero_config(2, {**_D, "density_warmup_steps": 0, "tensor_min_compress_numel": 4096,
-                                         "compress_1d": False}, reduce_bucket_size=500_000_000),
+    "zero2_per_tensor": _zero_config(2, {**_D, "density_warmup_steps": 0, "tensor_min_compress_numel": 1024,
+                                         "compress_1d": False, "selection": "per_tensor"},
+                                     reduce_bucket_size=500_000_000),
     "zero2_global": _zero_config(2, {**_D, "density_warmup_steps": 0, "selection": "global"},
                                  reduce_bucket_size=500_000_000),
 }
 RUNS["defaults"]["dragonn"] = {"policy": "always", **_D}  # without the suite's pinned settings
+RUNS["density_warmup"]["dragonn"] = {"policy": "always", **_D, "warmup_steps": 2}
 for _name in ("zero2_per_tensor", "zero2_global"):  # DeepSpeed's "Adam" is AdamW: no decay, so only updates move
     RUNS[_name]["optimizer"]["params"]["weight_decay"] = 0.0
 

@@ -67,16 +67,20 @@ def test_compare_flags_missed_targets(tmp_path):
 @pytest.mark.timeout(480)
 def test_lm_task_runs_under_the_launcher(tmp_path):
     """launch/train_lm.py (issue 8's second task), a tiny GPT (85k parameters: one compressed bucket above
-    min_compress_numel) for 4 steps: held-out loss in the summary."""
+    min_compress_numel) for 4 steps: held-out loss in the summary. The product's config without its warm-ups
+    (4 steps would all be dense), so that every step is compressed at the target density."""
     import math
     launcher = shutil.which("deepspeed") or os.path.join(os.path.dirname(sys.executable), "deepspeed")
     summary = tmp_path / "lm.json"
+    cfg = json.loads((REPO / "configs" / "lm_dragonn.json").read_text())
+    cfg["dragonn"].update(warmup_steps=0, density_warmup_steps=0)
+    (tmp_path / "lm_dragonn.json").write_text(json.dumps(cfg))
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
                PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     for _ in range(PORT_ATTEMPTS):
         port = free_port()
         cmd = [launcher, "--num_gpus", "2", "--master_addr", "127.0.0.1", "--master_port", str(port),
-               "launch/train_lm.py", "--deepspeed_config", "configs/lm_dragonn.json", "--steps", "4",
+               "launch/train_lm.py", "--deepspeed_config", str(tmp_path / "lm_dragonn.json"), "--steps", "4",
                "--log-interval", "2", "--n-layer", "1", "--d-model", "64", "--n-head", "2", "--ctx", "32",
                "--eval-windows", "8", "--summary", str(summary)]
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
@@ -108,3 +112,32 @@ def test_lm_corpus_split_is_fixed_and_disjoint():
     want = b"".join(p.read_bytes() + b"\0" for p in files[9::10])
     assert bytes(held.tolist()) == want
     assert bytes(train[:len(files[0].read_bytes())].tolist()) == files[0].read_bytes()
+
+
+@pytest.mark.timeout(600)
+def test_convergence_quick_sweep(tmp_path):
+    """``launch/convergence.sh --quick`` (issue 8): both tasks through the deepspeed launcher, records with the
+    issue's fields, a table and a figure; well under 5 minutes on 2 cores."""
+    out = tmp_path / "conv"
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    proc = subprocess.run(["bash", "launch/convergence.sh", "--quick", "--out", str(out)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=560)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((out / "convergence.json").read_text())
+    recs = data["records"]
+    fields = {"task", "run", "selection", "exchange", "density", "error_feedback", "warmup", "seed", "steps",
+              "metric", "value", "bytes_sent", "dense_bytes_equivalent", "wall_s"}
+    assert {(r["task"], r["run"]) for r in recs} == {(t, r) for t in ("classifier", "lm")
+                                                     for r in ("dense", "dragonn_0.01", "legacy_0.01")}
+    for r in recs:
+        assert fields <= set(r), fields - set(r)
+        assert r["metric"] == ("test_accuracy" if r["task"] == "classifier" else "test_loss")
+        assert r["value"] == r["value"] and r["history"] and r["history"][-1]["step"] == r["steps"]
+        if r["run"] == "dense":
+            assert r["bytes_sent"] == r["dense_bytes_equivalent"] and r["selection"] is None
+        else:
+            assert 0 < r["bytes_sent"] < r["dense_bytes_equivalent"]
+            assert r["selection"] == "global"
+            assert (r["warmup"]["warmup_steps"] == 0) == (r["run"] == "legacy_0.01")
+    assert "| dragonn_0.01 |" in (out / "convergence.md").read_text()
+    assert (out / "convergence.png").stat().st_size > 10_000

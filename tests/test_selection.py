@@ -157,7 +157,8 @@ def test_no_density_warmup_when_the_start_is_not_above_the_density():
 
 def test_config_validates_the_new_keys():
     d = DragonnConfig()
-    assert d.selection.value == "per_tensor" and not d.compress_1d and d.density_warmup_steps == 100
+    assert d.selection.value == "global" and not d.compress_1d and d.density_warmup_steps == 100
+    assert d.warmup_steps == 30 and d.freeze_adam_variance and d.tensor_min_compress_numel == 1024
     for key, bad in [("selection", "layerwise"), ("density_warmup_start", 0.0), ("density_warmup_start", 1.5),
                      ("density_warmup_steps", -1), ("tensor_min_compress_numel", -5), ("compress_1d", "yes")]:
         with pytest.raises(DragonnConfigError, match=f"dragonn.{key}"):
@@ -188,14 +189,16 @@ def test_per_tensor_selection_updates_them(engines):
         assert all(torch.equal(a, b) for a, b in zip(engines[0][name]["params"], engines[1][name]["params"]))
 
 
-def test_defaults_warm_the_density_up(engines):
-    d = engines[0]["defaults"]
-    # step 6 of the 100-step warm-up from 0.25 to 0.01
-    assert d["density"] == pytest.approx(0.25 * (0.01 / 0.25) ** (5 / 100))
-    assert d["moved"]["bias"] == 256 and d["moved"]["quiet"] > 0.1 * 4096
+def test_defaults_warm_up_dense_then_the_density(engines):
+    d = engines[0]["defaults"]["telemetry"]
+    assert d["dense_reductions"] == 6 and d["compressed_reductions"] == 0  # 30 dense warm-up steps
+    w = engines[0]["density_warmup"]
+    assert w["telemetry"]["dense_reductions"] == 2 and w["telemetry"]["compressed_reductions"] == 4
+    # the last step (global step 5) is compressed step 3 of the 100-step warm-up from 0.25 to 0.01
+    assert w["density"] == pytest.approx(0.25 * (0.01 / 0.25) ** (3 / 100))
 
 
-RUNS_NAMES = ("defaults", "per_tensor", "global", "zero2_per_tensor", "zero2_global")
+RUNS_NAMES = ("defaults", "density_warmup", "per_tensor", "global", "zero2_per_tensor", "zero2_global")
 
 
 @pytest.fixture(scope="module")
