@@ -92,7 +92,7 @@ class DragonnConfig(DeepSpeedConfigModel):
     is estimated from them (``freeze_adam_variance``)."""
 
     density_warmup_steps: int = Field(100, ge=0, strict=True)
-    """Compressed steps (after ``warmup_steps``) over which the density falls exponentially from
+    """Steps after ``warmup_steps`` over which the density falls exponentially from
     ``density_warmup_start`` to ``density`` (DGC's warm-up, Lin et al., ICLR 2018, Sec. 3.3); 0: none."""
 
     density_warmup_start: float = Field(0.25, gt=0.0, le=1.0, strict=True)
@@ -169,6 +169,11 @@ class DragonnConfig(DeepSpeedConfigModel):
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "DragonnConfig":
+        if self.selection == SelectionScope.per_tensor and self.exchange == ExchangeScheme.partitioned:
+            raise ValueError("'selection': 'per_tensor' does not combine with 'exchange': 'partitioned' (its owners "
+                             "re-select their part with one global threshold, so neither the per-tensor budgets nor "
+                             "the tensors sent whole would reach the other ranks); use 'exchange': 'allgather' or "
+                             "'selection': 'global'")
         if self.cuda_aware and self.comm_backend != CommBackend.mpi:
             raise ValueError(f"'cuda_aware': true only applies to 'comm_backend': 'mpi' "
                              f"(got 'comm_backend': '{self.comm_backend.value}')")

@@ -3,9 +3,10 @@
 Step ``t`` (DeepSpeed's ``global_steps``, the same on every rank):
 
 * ``t < warmup_steps``: dense (DeepSpeed's allreduce), as the DRAGONN paper's 200 warm-up iterations;
-* then, for ``density_warmup_steps`` compressed steps, the density falls exponentially from
-  ``density_warmup_start`` to ``density``: ``d(j) = start · (density / start)^(j / W)`` at compressed
-  step ``j`` (DGC, Lin et al., ICLR 2018, Sec. 3.3: 25 %, 6.25 %, 1.5625 %, ... per epoch);
+* then, for ``density_warmup_steps`` steps (global steps, whether a bucket was compressed in them or not), the
+  density falls exponentially from
+  ``density_warmup_start`` to ``density``: ``d(j) = start · (density / start)^(j / W)`` at step
+  ``warmup_steps + j`` (DGC, Lin et al., ICLR 2018, Sec. 3.3: 25 %, 6.25 %, 1.5625 %, ... per epoch);
 * then ``density``.
 
 The error-feedback residual is what makes a sudden drop in density harmful early in training (it holds

@@ -76,27 +76,36 @@ def get_args():
     p.add_argument("--tasks", default="classifier,lm")
     p.add_argument("--runs", default=None, help="comma-separated run names (default: all; --quick: "
                                                  + ",".join(QUICK_RUNS) + ")")
-    p.add_argument("--seeds", type=int, default=None, help="classifier seeds (default 3; --quick 1)")
-    p.add_argument("--lm-seeds", type=int, default=1, help="LM seeds (default 1)")
+    p.add_argument("--seeds", type=positive, default=None, help="classifier seeds (default 3; --quick 1)")
+    p.add_argument("--lm-seeds", type=positive, default=1, help="LM seeds (default 1)")
     p.add_argument("--first-seed", type=int, default=1, help="seeds run from this one up")
-    p.add_argument("--classifier-steps", type=int, default=None, help="default 600 (--quick 100)")
-    p.add_argument("--lm-steps", type=int, default=None, help="default 300 (--quick 60)")
-    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--classifier-steps", type=positive, default=None, help="default 600 (--quick 100)")
+    p.add_argument("--lm-steps", type=positive, default=None, help="default 300 (--quick 60)")
+    p.add_argument("--ranks", type=positive, default=2)
     a = p.parse_args()
-    a.out = Path(a.out or ("runs/convergence_quick" if a.quick else "docs/convergence"))
-    a.seeds = a.seeds or (1 if a.quick else 3)
-    a.classifier_steps = a.classifier_steps or (100 if a.quick else 600)
-    a.lm_steps = a.lm_steps or (60 if a.quick else 300)
-    names = a.runs.split(",") if a.runs else list(QUICK_RUNS if a.quick else RUNS)
+    a.out = Path(a.out).resolve() if a.out else REPO / ("runs/convergence_quick" if a.quick else "docs/convergence")
+    a.seeds = a.seeds if a.seeds is not None else (1 if a.quick else 3)
+    a.classifier_steps = a.classifier_steps if a.classifier_steps is not None else (100 if a.quick else 600)
+    a.lm_steps = a.lm_steps if a.lm_steps is not None else (60 if a.quick else 300)
+    names = list(dict.fromkeys(a.runs.split(","))) if a.runs else list(QUICK_RUNS if a.quick else RUNS)
     unknown = [n for n in names if n not in RUNS]
     if unknown:
         p.error(f"unknown run(s) {unknown}; choose from {', '.join(RUNS)}")
     a.run_names = names
-    tasks = a.tasks.split(",")
-    if any(t not in TASKS for t in tasks):
-        p.error(f"unknown task in {a.tasks!r}; choose from {', '.join(TASKS)}")
+    tasks = list(dict.fromkeys(a.tasks.split(",")))
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown:
+        p.error(f"unknown task(s) {unknown}; choose from {', '.join(TASKS)}")
     a.task_names = tasks
     return a
+
+
+def positive(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def write_config(task: str, run: str, steps: int, folder: Path) -> Path:

@@ -7,7 +7,8 @@
 #
 # Writes: env.txt (nvidia-smi, versions), test_kernels.log, bench.log, bench_compress.json,
 # bench_compress.png, bench_compress.md, train_cuda.{log,json} (the main job's DRAGONN run on CUDA, world
-# size 1 over NCCL), fp16_engine.log (skipped steps and the loss scale), bench_step.{log,json} (per-phase step cost on the GPU), status.txt (one line per
+# size 1 over NCCL), fp16_engine.log (skipped steps and the loss scale), train_lm_cuda.{log,json} (the LM with the
+# default warm-ups), bench_step.{log,json} (per-phase step cost on the GPU), status.txt (one line per
 # step: ok / FAILED rc).
 # Budget: set-up 1-3 min on a fresh machine (torch wheel), tests < 1 min, benchmark ~3-5 min on an H200
 # (--budget-s bounds each method). Set GPU_CHECK_QUICK=1 for the 2^20/2^22/2^24 fp32 benchmark only.
@@ -104,6 +105,12 @@ step train_cuda_zero2 "$OUTDIR/train_cuda_zero2.log" \
 step fp16_engine "$OUTDIR/fp16_engine.log" \
   python -m deepspeed.launcher.runner --num_gpus 1 --master_addr 127.0.0.1 --master_port 29536 \
   tests/gpu/fp16_engine.py --precision fp16 || rc=1
+# the LM with the product's defaults (30 dense warm-up steps, then the density warm-up, Adam's variance frozen)
+step train_lm_cuda "$OUTDIR/train_lm_cuda.log" \
+  python -m deepspeed.launcher.runner --num_gpus 1 --master_addr 127.0.0.1 --master_port 29537 \
+  launch/train_lm.py --deepspeed_config configs/lm_dragonn.json --steps 80 --log-interval 20 \
+  --summary "$OUTDIR/train_lm_cuda.json" || rc=1
+# per-phase step cost on the GPU; its +pt rows run per-tensor selection (Triton, one launch set per tensor)
 step bench_step_cuda "$OUTDIR/bench_step.log" \
   python launch/bench_step.py --device cuda --steps 20 --json "$OUTDIR/bench_step.json" || rc=1
 echo "outputs in $OUTDIR:" >&2

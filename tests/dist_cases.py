@@ -79,6 +79,12 @@ PINNED = {"warmup_steps": 0, "density_warmup_steps": 0, "selection": "per_tensor
           "compress_1d": True}
 
 
+def pinned(dragonn: dict) -> dict:
+    """:data:`PINNED`, with global selection for the partitioned exchange (per-tensor selection is refused
+    there: its owners re-select globally)."""
+    return {**PINNED, "selection": "global"} if dragonn.get("exchange") == "partitioned" else PINNED
+
+
 def _engine_config(dragonn: dict | None, bf16: bool = False, predivide: float | None = None) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
            "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}},
@@ -88,7 +94,7 @@ def _engine_config(dragonn: dict | None, bf16: bool = False, predivide: float | 
     if predivide is not None:
         cfg["gradient_predivide_factor"] = predivide
     if dragonn is not None:
-        cfg["dragonn"] = {"policy": "always", **PINNED, **dragonn}
+        cfg["dragonn"] = {"policy": "always", **pinned(dragonn), **dragonn}
     return cfg
 
 
@@ -283,7 +289,7 @@ def _zero_config(stage: int, dragonn: dict | None, bf16: bool = False, gas: int 
     if bf16:
         cfg["bf16"] = {"enabled": True}
     if dragonn is not None:
-        cfg["dragonn"] = {"policy": "always", "min_compress_numel": 1, **PINNED, **dragonn}
+        cfg["dragonn"] = {"policy": "always", "min_compress_numel": 1, **pinned(dragonn), **dragonn}
     return cfg
 
 

@@ -118,12 +118,28 @@ def test_ties_stay_within_the_byte_bound(kernel):
     assert sel.count <= max_pairs(sum(seg.ks(0.01)))
 
 
+@pytest.mark.parametrize("kernel", ["reference", pytest.param("cpu", marks=needs_cpu_kernel)])
+def test_whole_tensors_do_not_lend_their_bound_to_the_selected_ones(kernel):
+    """Ties fill the matrix's table; the whole 1-D tensor beside it must not raise the matrix's own bound."""
+    seg = Segments((0, 90_000, 140_000), (False, True))
+    x = torch.cat([torch.ones(90_000), torch.randn(50_000)])
+    sel = DragonnCompressor(0.01, kernel=kernel).compress(x, 0, seg)
+    head = sel.indices.long()[:sel.count - sel.whole]
+    assert sel.whole == 50_000 and head.numel() <= max_pairs(900) and bool((head < 90_000).all())
+    assert sel.count <= sel.capacity
+
+
 def test_segments_must_tile_the_buffer():
     comp = DragonnCompressor(0.01, kernel="reference")
     with pytest.raises(ValueError, match="segments cover 10 elements but the buffer holds 11"):
         comp.compress(torch.randn(11), 0, Segments((0, 10), (False,)))
     with pytest.raises(ValueError, match="ascend"):
         comp.compress(torch.randn(10), 0, Segments((0, 8, 5, 10), (False, False, False)))
+    with pytest.raises(TypeError, match="Segments.of"):
+        comp.compress(torch.randn(10), 0, Segments([0, 10], [False]))
+    assert comp.compress(torch.randn(10), 0, Segments.of([0, 10], [False])).count >= 1
+    with pytest.raises(ValueError, match="negative dimension"):
+        plan_segments([(-3, 4)])
 
 
 def test_empty_and_all_zero_buckets():
@@ -153,6 +169,12 @@ def test_no_density_warmup_when_the_start_is_not_above_the_density():
     s = DensitySchedule(0.5, 0, 100, 0.25)
     assert s.at(0) == 0.5 and not s.warming(0)
     assert DensitySchedule(0.01, 0, 0, 0.25).at(0) == 0.01
+
+
+def test_per_tensor_selection_is_refused_with_the_partitioned_exchange():
+    with pytest.raises(DragonnConfigError, match="'selection': 'per_tensor' does not combine with 'exchange'"):
+        DragonnConfig.from_ds_config({"dragonn": {"enabled": True, "selection": "per_tensor",
+                                                  "exchange": "partitioned"}})
 
 
 def test_config_validates_the_new_keys():

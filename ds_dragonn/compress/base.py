@@ -77,11 +77,13 @@ def trim(sel: Selection, cap: int) -> Selection:
     kernel and every rank cut the same way. What is cut stays in the residual.
     """
     c = sel.count
+    if sel.whole:  # the head's own bound applies even when the total fits
+        cap = min(cap, sel.whole + max_pairs(sel.k - sel.whole))
     if c <= cap:
         return sel
-    if sel.whole:  # the whole segments' tail is never cut: cut the selected head to what is left
+    if sel.whole:  # the whole segments' tail is never cut; the selected head keeps its own bound
         head = Selection(sel.indices[:c - sel.whole], sel.values[:c - sel.whole], sel.threshold, sel.k, sel.capacity)
-        cut = trim(head, max(cap - sel.whole, 0))
+        cut = trim(head, max(min(cap - sel.whole, max_pairs(sel.k - sel.whole)), 0))
         return Selection(torch.cat([cut.indices, sel.indices[c - sel.whole:]]),
                          torch.cat([cut.values, sel.values[c - sel.whole:]]), sel.threshold, sel.k,
                          min(sel.capacity, cap), sel.whole)
@@ -127,6 +129,9 @@ def segment_seed(seed: int, s: int) -> int:
 def check_segments(segments, flat: torch.Tensor) -> None:
     """Raises ValueError when ``segments`` do not tile ``flat`` (wrong length, descending offsets)."""
     off = segments.offsets
+    if not isinstance(off, tuple) or not isinstance(segments.whole, tuple):
+        raise TypeError("segments need tuples (they key caches): build them with Segments.of(offsets, whole) or "
+                        "plan_segments(shapes)")
     if len(off) != len(segments.whole) + 1 or off[0] != 0 or any(b < a for a, b in zip(off[:-1], off[1:])):
         raise ValueError(f"segment offsets must ascend from 0 with one more entry than 'whole' flags, "
                          f"got {len(off)} offsets for {len(segments.whole)} segments")

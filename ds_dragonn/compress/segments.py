@@ -31,6 +31,11 @@ class Segments(NamedTuple):
     offsets: Tuple[int, ...]
     whole: Tuple[bool, ...]
 
+    @classmethod
+    def of(cls, offsets, whole) -> "Segments":
+        """From any sequences (tuples are needed: segments key caches)."""
+        return cls(tuple(int(o) for o in offsets), tuple(bool(w) for w in whole))
+
     @property
     def numel(self) -> int:
         return self.offsets[-1]
@@ -64,6 +69,8 @@ def plan_segments(shapes: Sequence[Sequence[int]], min_numel: int = 0, compress_
     for shape in shapes:
         n = 1
         for d in shape:
+            if int(d) < 0:
+                raise ValueError(f"negative dimension in tensor shape {tuple(shape)}")
             n *= int(d)
         off += n
         offsets.append(off)

@@ -1,18 +1,22 @@
-"""Adam's variance frozen once compression is at its target density (1-bit Adam's remedy, Tang et al., ICML 2021).
+"""Adam's bias-corrected variance frozen after the dense warm-up (1-bit Adam's remedy, Tang et al., ICML 2021).
 
 Error feedback keeps what was not sent and delivers it later, in a burst: an element that waits 100 steps
 arrives with ~100 steps of gradient at once. SGD applies the sum linearly, so nothing is lost. Adam does
 not: it divides the burst by ``sqrt(v)``, and ``v`` grows with the burst's square, so the element moves
 about one learning rate once instead of a hundred times; exact top-k loses as much as DRAGONN (issue 8).
-1-bit Adam makes Adam linear again by freezing the second moment ``v`` after a warm-up: the update is
-then momentum SGD with a fixed per-element preconditioner, and error feedback works as for SGD. DGC's
-momentum correction solves the same problem for SGD momentum (Lin et al., ICLR 2018).
+1-bit Adam makes Adam linear again by freezing the second moment after a dense warm-up: the update is then
+momentum SGD with a fixed per-element preconditioner, and error feedback works as for SGD (DGC's momentum
+correction solves the same problem for SGD momentum, Lin et al., ICLR 2018).
 
-:class:`VarianceFreeze` registers a post-step hook on the engine's innermost ``torch.optim.Optimizer``
-(torch Adam/AdamW, DeepSpeed's FusedAdam/CPUAdam: any optimizer whose state holds ``exp_avg_sq``): at the
-first optimizer step at or after ``freeze_step`` it copies every ``exp_avg_sq``, and after every later
-step writes that copy back (one pass over the variance; the optimizer itself makes about ten). A skipped
-step (fp16 overflow) runs no optimizer step and no hook.
+:class:`VarianceFreeze` registers a pre-step hook on the engine's innermost ``torch.optim.Optimizer`` (torch
+Adam/AdamW: per-parameter ``exp_avg_sq`` and ``step``, bias correction ``1 − β2^t``). At the first step at
+or after ``freeze_step`` in which a bucket was compressed it records the bias-corrected variance
+``V̂ = v / (1 − β2^t)``. Before every later step it sets ``v ← (V̂·(1 − β2^(t+1)) − (1 − β2)·g²) / β2``, so
+that Adam's own update ``β2·v + (1 − β2)·g²`` lands on ``V̂·(1 − β2^(t+1))`` and its bias-corrected
+denominator is ``sqrt(V̂)`` whatever this step's gradient (the burst included) and however many steps pass.
+A few vector passes over the variance per step. A skipped step (fp16 overflow) runs no optimizer step.
+After a checkpoint load the next step records ``V̂`` again from the loaded state (the same value: the
+variance is kept on target).
 """
 from __future__ import annotations
 
@@ -33,44 +37,82 @@ def base_optimizer(engine: Any) -> Optional[torch.optim.Optimizer]:
     return None
 
 
+def _step_count(state: dict) -> Optional[float]:
+    step = state.get("step")
+    if step is None:
+        return None
+    return float(step.item() if torch.is_tensor(step) else step)
+
+
 class VarianceFreeze:
-    """Freeze Adam's ``exp_avg_sq`` from the optimizer step that ends at global step ``freeze_step``.
+    """Freeze Adam's bias-corrected ``exp_avg_sq`` from the first optimizer step at or after global step
+    ``freeze_step`` that follows a compressed reduction (:meth:`arm`).
 
     Args:
-        engine: the DeepSpeed engine (its ``global_steps`` counts the steps taken before the current one).
-        freeze_step: the first global step whose update uses the frozen variance is ``freeze_step + 1``.
+        engine: the DeepSpeed engine (``global_steps``: the steps taken before the current one).
+        freeze_step: global step from which the variance may be frozen (the end of the dense warm-up).
     """
 
     def __init__(self, engine: Any, freeze_step: int):
         self.engine = engine
         self.freeze_step = int(freeze_step)
         self.optimizer = base_optimizer(engine)
-        self.frozen: Optional[List[torch.Tensor]] = None
-        self.live: List[torch.Tensor] = []
+        self.frozen: Optional[List[torch.Tensor]] = None  # V̂ per entry of self.params
+        self.params: List[torch.nn.Parameter] = []
+        self.armed = False
         self.handle = None
-        if self.optimizer is not None and hasattr(self.optimizer, "register_step_post_hook"):
-            self.handle = self.optimizer.register_step_post_hook(self._after_step)
+        if self.optimizer is not None and hasattr(self.optimizer, "register_step_pre_hook"):
+            self.handle = self.optimizer.register_step_pre_hook(self._before_step)
 
     @property
     def active(self) -> bool:
         return self.handle is not None
 
-    def _after_step(self, optimizer, args, kwargs) -> None:
-        if int(self.engine.global_steps) < self.freeze_step:  # global_steps: steps before this one
+    def arm(self) -> None:
+        """A bucket was compressed this step: from now on the variance may be frozen."""
+        self.armed = True
+
+    def _before_step(self, optimizer, args, kwargs) -> None:
+        if not self.armed or int(self.engine.global_steps) < self.freeze_step:
             return
-        if self.frozen is None:
-            self.live = [s["exp_avg_sq"] for s in optimizer.state.values() if "exp_avg_sq" in s]
-            if not self.live:  # not an Adam-type optimizer: nothing to freeze
-                self.handle.remove()
-                self.handle = None
-                return
-            self.frozen = [v.detach().clone() for v in self.live]
-            print_dist(f"DRAGONN: Adam variance frozen from step {int(self.engine.global_steps) + 1} "
-                       f"({sum(v.numel() for v in self.live)} elements; 1-bit Adam's remedy for error feedback "
-                       f"under Adam)", ranks=[0])
+        if self.frozen is None and not self._record(optimizer):
             return
-        torch._foreach_copy_(self.live, self.frozen)
+        for group in optimizer.param_groups:
+            beta2 = float(group["betas"][1])
+            for p in group["params"]:
+                i = self._index.get(id(p))
+                if i is None or p.grad is None:
+                    continue
+                state = optimizer.state[p]
+                t = _step_count(state) + 1.0  # the step count Adam is about to use
+                v, g = state["exp_avg_sq"], p.grad
+                target = self.frozen[i] * ((1.0 - beta2 ** t) / beta2)
+                v.copy_(target.addcmul_(g, g, value=-(1.0 - beta2) / beta2))
+
+    def _record(self, optimizer) -> bool:
+        """Record ``V̂ = v / (1 − β2^t)`` of every Adam-type parameter; False (and the hook removed) when there
+        is none (an optimizer without ``exp_avg_sq`` and a per-parameter ``step``)."""
+        params, frozen = [], []
+        for group in optimizer.param_groups:
+            betas = group.get("betas")
+            for p in group["params"]:
+                state = optimizer.state.get(p, {})
+                t = _step_count(state)
+                if betas is None or "exp_avg_sq" not in state or not t:
+                    continue
+                params.append(p)
+                frozen.append(state["exp_avg_sq"].detach() / (1.0 - float(betas[1]) ** t))
+        if not params:
+            self.handle.remove()
+            self.handle = None
+            return False
+        self.params, self.frozen = params, frozen
+        self._index = {id(p): i for i, p in enumerate(params)}
+        print_dist(f"DRAGONN: Adam's bias-corrected variance frozen from step {int(self.engine.global_steps) + 1} "
+                   f"({sum(v.numel() for v in frozen)} elements; 1-bit Adam's remedy for error feedback under "
+                   f"Adam)", ranks=[0])
+        return True
 
     def reset(self) -> None:
-        """Take a new snapshot at the next step (after a checkpoint load replaced the optimizer state)."""
-        self.frozen, self.live = None, []
+        """Record ``V̂`` again at the next step (a checkpoint load replaced the optimizer state)."""
+        self.frozen, self.params = None, []

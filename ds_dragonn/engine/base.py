@@ -237,6 +237,8 @@ class HookBase:
                            step: int, device: torch.device) -> None:
         if self.error_feedback.enabled:
             self._pending.add(key)
+        if self.variance_freeze is not None:  # gradients are delayed from now on
+            self.variance_freeze.arm()
         self.telemetry.record_compressed(stats)
         total_ms = stats.compress_ms + stats.exchange_ms + stats.decode_ms
         # the auto policy times the compressed path at its target density, after the density warm-up
