@@ -99,12 +99,13 @@ class DragonnConfig(DeepSpeedConfigModel):
     """Density of the first compressed step of the density warm-up (DGC: 0.25). A start at or below
     ``density`` means no density warm-up."""
 
-    freeze_adam_variance: bool = Field(True, strict=True)
+    freeze_adam_variance: bool = Field(False, strict=True)
     """Freeze an Adam-type optimizer's second moment (``exp_avg_sq``) at the end of the dense warm-up
     (``warmup_steps``, which must be at least 1: the variance is estimated from dense steps), as 1-bit Adam
     does: error feedback delivers what waited in a burst, which Adam's variance would otherwise divide away
     (``engine/adam.py``). Only with error feedback and ``density`` below 1; no effect on optimizers without
-    ``exp_avg_sq``."""
+    ``exp_avg_sq``. Off by default: where an element's variance was ~0 in the warm-up and its gradient grows
+    later, the frozen preconditioner makes huge steps (measured: one of three classifier seeds diverged)."""
 
     selection: SelectionScope = SelectionScope.global_
     """``global``: one threshold over the whole flattened bucket, so the budget goes where the gradient mass

@@ -7,10 +7,10 @@ dense / DRAGONN config plus the run's ``"dragonn"`` overrides:
 ====================  ================================================================================
 dense                 DeepSpeed's dense allreduce
 dragonn_0.01          DRAGONN at density 0.01 with the defaults (global selection, 30 dense warm-up steps,
-                      density warm-up 0.25 -> 0.01 over 100 steps, Adam variance frozen after the dense
-                      warm-up)
+                      density warm-up 0.25 -> 0.01 over 100 steps)
 dragonn_0.001         the same at density 0.001
 per_tensor_0.01       the defaults with per-tensor selection (small and 1-D tensors whole)
+freeze_0.01           the defaults with Adam's variance frozen after the dense warm-up (1-bit Adam)
 legacy_0.01           DRAGONN 0.01 as before issue 8: global selection, no warm-ups, no variance freeze
 no_ef_0.01            the defaults without error feedback
 topk_0.01             exact top-k at 0.01 (same defaults)
@@ -46,6 +46,7 @@ RUNS = {
     "dragonn_0.01": {"density": 0.01},
     "dragonn_0.001": {"density": 0.001},
     "per_tensor_0.01": {"density": 0.01, "selection": "per_tensor"},
+    "freeze_0.01": {"density": 0.01, "freeze_adam_variance": True},
     "legacy_0.01": {"density": 0.01, "selection": "global", "warmup_steps": 0, "density_warmup_steps": 0,
                     "freeze_adam_variance": False},
     "no_ef_0.01": {"density": 0.01, "error_feedback": False},

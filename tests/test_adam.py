@@ -114,11 +114,11 @@ def test_resume_records_the_same_frozen_variance():
 
 
 @pytest.mark.parametrize("block, active", [
-    ({"warmup_steps": 5}, True),
-    ({"warmup_steps": 0}, False),  # no dense steps to estimate the variance from
-    ({"warmup_steps": 5, "density": 1.0}, False),  # nothing delayed
-    ({"warmup_steps": 5, "error_feedback": False}, False),
-    ({"warmup_steps": 5, "freeze_adam_variance": False}, False),
+    ({"warmup_steps": 5, "freeze_adam_variance": True}, True),
+    ({"warmup_steps": 0, "freeze_adam_variance": True}, False),  # no dense steps to estimate the variance from
+    ({"warmup_steps": 5, "freeze_adam_variance": True, "density": 1.0}, False),  # nothing delayed
+    ({"warmup_steps": 5, "freeze_adam_variance": True, "error_feedback": False}, False),
+    ({"warmup_steps": 5}, False),  # off by default
 ])
 def test_hook_freezes_only_where_gradients_arrive_in_bursts(block, active):
     p = torch.nn.Parameter(torch.randn(4))
