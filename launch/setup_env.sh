@@ -25,6 +25,12 @@ _ds_dragonn_install() (
   pip_q -e "$repo[mpi,test]"
   # build the C++ selection kernel now (cached), not in the first training step
   python -c "from ds_dragonn.compress.kernels import cpu_table; cpu_table.available()" >>"$log" 2>&1 || true
+  # and DeepSpeed's CPU shared-memory allreduce (JIT, ~1 min): otherwise the first multi-rank run builds it in
+  # every rank at once, and on a fresh machine the first test fixture can time out waiting for that build
+  if [[ "${DS_ACCELERATOR:-}" == cpu ]]; then
+    python -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load()" \
+      >>"$log" 2>&1 || true
+  fi
   echo "[setup] done: torch $(python -c 'import torch; print(torch.__version__)'), $(python -c 'import deepspeed; print("deepspeed", deepspeed.__version__)' 2>/dev/null)" >&2
 )
 
