@@ -196,14 +196,17 @@ class HookBase:
                            f"the dense collective's {dense}: {what}", ranks=[0])
         return hit
 
-    def _bucket_segments(self, key: Hashable, shapes) -> Optional[Segments]:
-        """The per-tensor segments of bucket ``key`` (None: global selection), planned once from the shapes of
-        its tensors in bucket order (None for ``shapes``: not known, global selection). Logged once."""
+    def _bucket_segments(self, key: Hashable, numel: int, shapes) -> Optional[Segments]:
+        """The per-tensor segments of bucket ``key`` (None: global selection), planned once per key from
+        ``shapes()``, its tensors' shapes in bucket order (called only then, and only for per-tensor
+        selection); None too where they do not add up to ``numel`` (padding). Logged once."""
         if key not in self._segments:
             seg = None
-            if self.cfg.selection == SelectionScope.per_tensor and shapes is not None:
-                seg = plan_segments(shapes, self.cfg.tensor_min_compress_numel, self.cfg.compress_1d)
-                if len(self._segments) == 0:
+            if self.cfg.selection == SelectionScope.per_tensor:
+                seg = plan_segments(shapes(), self.cfg.tensor_min_compress_numel, self.cfg.compress_1d)
+                if seg.numel != numel:
+                    seg = None
+                elif not any(s is not None for s in self._segments.values()):
                     print_dist(f"DRAGONN: per-tensor selection, first bucket: {seg.describe()}", ranks=[0])
             self._segments[key] = seg
         return self._segments[key]

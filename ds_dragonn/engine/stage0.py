@@ -90,7 +90,7 @@ class DragonnHook(HookBase):
         if dp_world_size is None:
             dp_world_size = world
         key: Hashable = (ordinal, str(comm_dtype), numel, self._layout(bucket))
-        segments = self._bucket_segments(key, [t.shape for t in bucket])
+        segments = self._bucket_segments(key, numel, lambda: [t.shape for t in bucket])
         dense, fixed = self._goes_dense(key, numel, step, pipeline, comm_dtype)
         if dense:
             clock = PhaseClock(bucket[0].device)

@@ -89,7 +89,7 @@ class ZeroHook(HookBase):
         world = pipeline.backend.world_size
         dt = communication_data_type
         key: Hashable = ("zero", ordinal, str(dt), numel, self._layout(dt))
-        segments = self._bucket_segments(key, self._shapes(dt, numel))
+        segments = self._bucket_segments(key, numel, lambda: self._shapes(dt))
         dense, fixed = self._goes_dense(key, numel, step, pipeline, dt, self._dense_bytes(numel, dt.itemsize, world))
         flush = dense and key in self._pending
         clock = PhaseClock(tensor.device)
@@ -190,19 +190,11 @@ class ZeroHook(HookBase):
             opt._add_to_grad_partition_buffer(output, synced)
             buf.copy_(synced)
 
-    def _shapes(self, dt: torch.dtype, numel: int):
+    def _shapes(self, dt: torch.dtype):
         """The IPG bucket's parameter shapes in bucket order (DeepSpeed appends each gradient at
-        ``bucket.elements``), or None where they do not add up to the bucket (padding: global selection)."""
-        bucket = self.optimizer.ipg_buckets[dt]
+        ``bucket.elements``)."""
         params = self.optimizer.bit16_groups
-        shapes = [tuple(params[g][i].shape) for g, i, _ in bucket.params]
-        total = 0
-        for shape in shapes:
-            n = 1
-            for d in shape:
-                n *= d
-            total += n
-        return shapes if total == numel else None
+        return [tuple(params[g][i].shape) for g, i, _ in self.optimizer.ipg_buckets[dt].params]
 
     def _layout(self, dt: torch.dtype) -> str:
         """Digest of the IPG bucket's parameters (ids and shapes), part of the residual's key."""
