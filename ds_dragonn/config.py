@@ -165,8 +165,8 @@ class DragonnConfig(DeepSpeedConfigModel):
     """Seconds a collective of the data-parallel group may wait for the other ranks before it fails, so that
     a hung or dead rank ends the job with an error (``comm_backend`` ``torch``: the gloo/NCCL timeout of the
     world and data-parallel groups). None keeps DeepSpeed's: ``DEEPSPEED_TIMEOUT`` for the world group, and
-    torch's default for the data-parallel group (30 min for gloo). mpi4py collectives do not time out: with
-    ``comm_backend`` ``mpi`` use the MPI launcher's timeout (e.g. MPICH's ``MPIEXEC_TIMEOUT``)."""
+    torch's default for the data-parallel group (30 min for gloo). With ``comm_backend`` ``mpi`` the exchange's
+    mpi4py collectives are polled against it (None: they wait for ever)."""
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "DragonnConfig":

@@ -9,6 +9,10 @@ Step budget: :class:`SparseDecoder` keeps one persistent output buffer per bucke
 the positions the previous step decoded; it clears those (``P × k`` positions) instead of zeroing the
 whole buffer, and scales only the decoded positions. A step therefore costs O(P·k), not O(n), unless
 somebody wrote into the returned buffer (its ``_version`` changed): then it is zeroed in full once.
+
+fp16: the sum of P ranks' values can exceed 65504 although each value and the average do not (4 ranks of
+30000.0). fp16 buckets are therefore summed in a float32 buffer and scaled there, and only the average is
+rounded to fp16 (DeepSpeed's dense fp16 allreduce sums in fp16 and overflows in that case).
 """
 from __future__ import annotations
 
@@ -21,8 +25,14 @@ from .compress.kernels import cpu_table
 from .memory import persistent_zeros
 
 
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype decoded sums are formed in: float32 for fp16 (whose range a sum of P values can exceed),
+    the buffer's own dtype otherwise (bf16 has float32's range)."""
+    return torch.float32 if dtype == torch.float16 else dtype
+
+
 def decode_sum(numel: int, indices: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
-               dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+               dtype: torch.dtype, device: torch.device, postscale: float = 1.0) -> torch.Tensor:
     """Dense sum of sparse contributions in a new buffer (reference; :class:`SparseDecoder` is the fast path).
 
     Args:
@@ -30,14 +40,19 @@ def decode_sum(numel: int, indices: Sequence[torch.Tensor], values: Sequence[tor
         indices: per rank, (c_r,) int32/int64 distinct positions in [0, n).
         values: per rank, (c_r,) values (any float dtype; cast to ``dtype``).
         dtype, device: of the result.
+        postscale: multiplies the sum (before the rounding to ``dtype``).
     Returns:
-        (n,) tensor: ``out[i] = sum over ranks r and j with indices[r][j] == i of values[r][j]``.
+        (n,) tensor: ``out[i] = postscale × sum over ranks r and j with indices[r][j] == i of values[r][j]``
+        (formed in :func:`accumulation_dtype`, then rounded to ``dtype``).
     """
-    out = torch.zeros(numel, dtype=dtype, device=device)
+    acc = accumulation_dtype(dtype)
+    out = torch.zeros(numel, dtype=acc, device=device)
     for idx, val in zip(indices, values):
         if idx.numel():
-            out.index_add_(0, idx.to(device=device, dtype=torch.long), val.to(device=device, dtype=dtype))
-    return out
+            out.index_add_(0, idx.to(device=device, dtype=torch.long), val.to(device=device, dtype=acc))
+    if postscale != 1.0:
+        out.mul_(postscale)
+    return out.to(dtype)
 
 
 def check_indices(indices: Sequence[torch.Tensor], numel: int) -> None:
@@ -58,6 +73,7 @@ class SparseDecoder:
         self._out: Dict[Hashable, torch.Tensor] = {}
         self._touched: Dict[Hashable, List[torch.Tensor]] = {}  # positions the last decode wrote
         self._version: Dict[Hashable, int] = {}  # the buffer's _version right after that decode
+        self._acc: Dict[Hashable, torch.Tensor] = {}  # fp16 buckets: the float32 buffer the sums are formed in
 
     def decode(self, key: Hashable, numel: int, indices: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
                dtype: torch.dtype, device: torch.device, postscale: float = 1.0) -> torch.Tensor:
@@ -80,6 +96,8 @@ class SparseDecoder:
         else:
             for idx in self._touched.get(key, ()):
                 scatter.zero_(out, idx)
+        if accumulation_dtype(dtype) != dtype:
+            return self._decode_widened(key, out, indices, values, postscale)
         touched = []
         for idx, val in zip(indices, values):
             if idx.numel():
@@ -91,6 +109,30 @@ class SparseDecoder:
             # written several times with the same value
             pos = touched[0] if len(touched) == 1 else torch.cat(touched)
             scatter.set_(out, pos, scatter.gather_scaled(out, pos, postscale))
+        self._touched[key] = touched
+        self._version[key] = out._version
+        return out
+
+    def _decode_widened(self, key: Hashable, out: torch.Tensor, indices: Sequence[torch.Tensor],
+                        values: Sequence[torch.Tensor], postscale: float) -> torch.Tensor:
+        """fp16 ``out`` (its previous positions already cleared): the sums and the scaling in float32, then
+        ``out[pos] = fp16(postscale × sum)``. The float32 buffer is zero outside the last decode's positions."""
+        acc_dtype = accumulation_dtype(out.dtype)
+        acc = self._acc.get(key)
+        if acc is None or acc.numel() != out.numel() or acc.device != out.device:
+            acc = self._acc[key] = persistent_zeros(out.numel(), acc_dtype, out.device)
+        else:
+            for idx in self._touched.get(key, ()):
+                scatter.zero_(acc, idx)
+        touched = []
+        for idx, val in zip(indices, values):
+            if idx.numel():
+                idx = idx.to(device=out.device)
+                scatter.add_(acc, idx, val.to(acc_dtype))
+                touched.append(idx)
+        if touched:
+            pos = touched[0] if len(touched) == 1 else torch.cat(touched)
+            scatter.set_(out, pos, scatter.gather_scaled(acc, pos, postscale))  # set_ rounds to fp16
         self._touched[key] = touched
         self._version[key] = out._version
         return out
@@ -118,5 +160,6 @@ class SparseDecoder:
 
     def reset(self) -> None:
         self._out.clear()
+        self._acc.clear()
         self._touched.clear()
         self._version.clear()

@@ -166,6 +166,7 @@ class CompressedAllreduce:
             self.error_feedback.clear_non_finite(key)
         residual_ms = clock.lap()
 
+        postscale = postscale / gathered.scale  # values the exchange already scaled
         if into_inputs:
             out = None
             self.decoder.decode_into(tensors, gathered.indices, gathered.values, postscale)

@@ -226,6 +226,29 @@ def zero_like_ranges(numel: int, world: int, seed: int = 3) -> list:
     return [(a, b - a, int(torch.randint(0, world, (1,), generator=g))) for a, b in zip(cuts, cuts[1:])]
 
 
+def fp16_limit_input(case: int, rank: int, numel: int = 1000) -> torch.Tensor:
+    """fp16 values whose sum over ranks exceeds 65504 though the mean does not: case 0 all 30000.0; case 1
+    magnitudes in [30000, 65504] with the same sign on every rank (so the mean is large too)."""
+    if case == 0:
+        return torch.full((numel,), 30000.0, dtype=torch.float16)
+    g = torch.Generator().manual_seed(77 + rank)
+    sign = torch.where(torch.arange(numel) % 3 == 0, -1.0, 1.0)
+    return (sign * (30000.0 + 35504.0 * torch.rand(numel, generator=g))).to(torch.float16)
+
+
+def fp16_near_limit(exchange: str, rank: int, world: int) -> list:
+    """Density-1.0 reductions of :func:`fp16_limit_input` (cases 0, 1) with ``exchange``, averaged over ranks."""
+    from ds_dragonn.comm.torch_backend import TorchCommBackend
+    from ds_dragonn.exchange import AllgatherExchange, PartitionedExchange
+    from ds_dragonn.feedback import ErrorFeedback
+    from ds_dragonn.pipeline import CompressedAllreduce
+    backend = TorchCommBackend()
+    ex = PartitionedExchange(backend, make_compressor("dragonn", 1.0)) if exchange == "partitioned" \
+        else AllgatherExchange(backend)
+    pipe = CompressedAllreduce(make_compressor("dragonn", 1.0), backend, ErrorFeedback(True), ex)
+    return [pipe.reduce(fp16_limit_input(c, rank), f"fp16_{c}", seed=3, postscale=1.0 / world).out for c in (0, 1)]
+
+
 def scheme_cases(rank: int, world: int, out_dir: str) -> None:
     """Every scheme case for SCHEME_STEPS steps; saves outputs, worker and server residuals, statistics."""
     _init()
@@ -265,6 +288,7 @@ def scheme_cases(rank: int, world: int, out_dir: str) -> None:
             steps.append(dict(out=out, residual=ef.residuals["b"].clone(),
                               server=None if server is None else server.residuals["b"].clone()))
         results.append(steps)
+    fp16_limit = {x: [out.clone() for out in fp16_near_limit(x, rank, world)] for x in ("allgather", "partitioned")}
     # ranks configured with different exchange schemes: one clear error on every rank, then in sync
     from ds_dragonn.exchange import BufferMismatchError
     mixed = PartitionedExchange(backend, make_compressor("dragonn", 0.01)) if rank == 0 else AllgatherExchange(backend)
@@ -276,8 +300,8 @@ def scheme_cases(rank: int, world: int, out_dir: str) -> None:
         mismatch = str(err)
     after, _ = CompressedAllreduce(make_compressor("dragonn", 1.0), backend, ErrorFeedback(True)).reduce(
         torch.ones(1000), "ok", 2)
-    torch.save({"results": results, "scheme_mismatch": mismatch, "after_mismatch": after.clone()},
-               Path(out_dir) / f"scheme_rank{rank}.pt")
+    torch.save({"results": results, "scheme_mismatch": mismatch, "after_mismatch": after.clone(),
+                "fp16_limit": fp16_limit}, Path(out_dir) / f"scheme_rank{rank}.pt")
     torch.distributed.destroy_process_group()
 
 

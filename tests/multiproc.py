@@ -8,10 +8,23 @@ hangs is killed at the timeout and reported.
 The rendezvous port comes from :func:`free_port`, which only knows the port was free a moment ago:
 another process can bind it before rank 0's TCPStore does (EADDRINUSE). That case, and only that
 case, is retried with a fresh port (:data:`PORT_ATTEMPTS` tries in all).
+
+Every rank runs with Python's faulthandler on, so a rank killed by a signal (SIGABRT, SIGSEGV) leaves the
+Python stack of every thread in its log. ``DS_DRAGONN_RANK_DEBUG`` (opt-in) catches native crashes too:
+
+- ``core``: core dumps on (``RLIMIT_CORE`` unlimited), each rank in its own working directory
+  ``<out_dir>/rank<r>.cwd`` (``kernel.core_pattern`` is usually a relative ``core``); a rank that dies on a
+  signal gets ``gdb -batch -ex "thread apply all bt"`` run on its core, appended to its log.
+- ``gdb``: every rank runs under ``gdb -batch``, which prints every thread's backtrace when the rank stops
+  on a signal (slower start; it changes timing more than ``core`` does).
+
+A rank that died on a signal fails the call in every mode: the debug modes only keep the evidence.
 """
 from __future__ import annotations
 
 import os
+import resource
+import shutil
 import socket
 import subprocess
 import sys
@@ -20,6 +33,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PORT_ATTEMPTS = 3
+#: opt-in native crash capture (see the module docstring): "", "core" or "gdb"
+DEBUG = os.environ.get("DS_DRAGONN_RANK_DEBUG", "").strip().lower()
+if DEBUG not in ("", "core", "gdb"):
+    raise ValueError(f"DS_DRAGONN_RANK_DEBUG={DEBUG!r}: expected 'core' or 'gdb' (or unset)")
+GDB_BT = ["-ex", "set pagination off", "-ex", "thread apply all bt"]
 
 
 #: every port :func:`free_port` handed out in this process (tests/conftest.py removes DeepSpeed's
@@ -63,8 +81,9 @@ def _run_once(target: str, world_size: int, out_dir: Path, timeout: float, env: 
                  PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(env or {}))
         code = f"import {module} as m; m.{fn}({rank}, {world_size}, {str(out_dir)!r})"
         log = open(out_dir / f"rank{rank}.log", "w")
-        procs.append((subprocess.Popen([sys.executable, "-c", code], env=e, cwd=REPO, stdout=log,
-                                       stderr=subprocess.STDOUT), log))
+        procs.append((subprocess.Popen(_command(code), env=e, cwd=_rank_cwd(out_dir, rank), stdout=log,
+                                       stderr=subprocess.STDOUT, preexec_fn=_core_on if DEBUG == "core" else None),
+                      log))
 
     def log_text(rank: int) -> str:
         return (out_dir / f"rank{rank}.log").read_text(errors="replace")
@@ -87,12 +106,48 @@ def _run_once(target: str, world_size: int, out_dir: Path, timeout: float, env: 
     failures = []
     for rank, (p, _) in enumerate(procs):
         rc = p.returncode
+        if DEBUG == "core" and rc is not None and rc < 0 and rc != -9:
+            _append_core_backtrace(out_dir, rank)
         if hung and rc == -9:
             rc = "timeout (killed: hung)"
         if rc != 0:
-            failures.append(f"rank {rank}: exit {rc}\n" + log_text(rank)[-3000:])
+            tail = 20000 if isinstance(rc, int) and rc < 0 and rc != -9 else 3000  # a signal: keep the stacks
+            failures.append(f"rank {rank}: exit {rc} (full log: {out_dir / f'rank{rank}.log'})\n"
+                            + log_text(rank)[-tail:])
     port_taken = port_taken or any(p.returncode != 0 and port_was_taken(log_text(r), port)
                                    for r, (p, _) in enumerate(procs))
     if port_taken:
         failures.insert(0, f"(rendezvous port {port} was taken by another process)")
     return failures, port_taken
+
+
+def _command(code: str) -> list:
+    argv = [sys.executable, "-X", "faulthandler", "-c", code]
+    if DEBUG == "gdb":
+        return ["gdb", "-q", "-batch", "-return-child-result", "-ex", "set pagination off",
+                "-ex", "handle SIGPIPE nostop noprint", "-ex", "run", *GDB_BT[2:], "--args", *argv]
+    return argv
+
+
+def _rank_cwd(out_dir: Path, rank: int) -> Path:
+    if DEBUG != "core":
+        return REPO
+    cwd = out_dir / f"rank{rank}.cwd"
+    cwd.mkdir(exist_ok=True)
+    return cwd
+
+
+def _core_on() -> None:
+    resource.setrlimit(resource.RLIMIT_CORE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+
+
+def _append_core_backtrace(out_dir: Path, rank: int) -> None:
+    """Append every thread's native backtrace from the rank's core file to its log (core mode)."""
+    cores = sorted((out_dir / f"rank{rank}.cwd").glob("core*"))
+    with open(out_dir / f"rank{rank}.log", "a") as log:
+        if not cores or shutil.which("gdb") is None:
+            log.write(f"\n[run_ranks] no core file or no gdb in {out_dir / f'rank{rank}.cwd'}\n")
+            return
+        bt = subprocess.run(["gdb", "-q", "-batch", *GDB_BT, sys.executable, str(cores[-1])],
+                            capture_output=True, text=True, timeout=300)
+        log.write(f"\n[run_ranks] native backtrace of every thread, from {cores[-1]}:\n{bt.stdout}{bt.stderr}")

@@ -29,9 +29,7 @@ def test_sparse_decoder_equals_reference_over_steps(dtype, n, world, postscale):
         density = [0.01, 0.5, 1.0, 0.03][step]
         idx, val = _pairs(n, world, density, dtype, gen, torch.int64 if step % 2 else torch.int32)
         out = dec.decode("b", n, idx, val, dtype, torch.device("cpu"), postscale)
-        ref = decode_sum(n, idx, val, dtype, torch.device("cpu"))
-        if postscale != 1.0:
-            ref.mul_(postscale)
+        ref = decode_sum(n, idx, val, dtype, torch.device("cpu"), postscale)
         assert torch.equal(out, ref), f"step {step}"
 
 
@@ -128,3 +126,18 @@ def test_out_of_range_indices_are_refused_before_any_write(bad):
     with pytest.raises(ValueError, match="outside the bucket"):
         SparseDecoder.decode_into(tensors, idx, [torch.tensor([1.0]), torch.tensor([1.0, 1.0])])
     assert all(bool((t == 0).all()) for t in tensors)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_fp16_sums_are_formed_in_float32(world):
+    """P ranks of fp16 30000.0 (sum > 65504, mean < 65504): the decoded mean is 30000, not Inf, in the reference
+    and in the persistent decoder, over steps whose positions change."""
+    dec = SparseDecoder()
+    for step, n in enumerate([1000, 1000, 1000]):
+        idx = [torch.arange(step, n, 2 + step) for _ in range(world)]
+        val = [torch.full((i.numel(),), 30000.0, dtype=torch.float16) for i in idx]
+        want = torch.zeros(n, dtype=torch.float16)
+        want[idx[0]] = 30000.0
+        assert torch.equal(decode_sum(n, idx, val, torch.float16, torch.device("cpu"), 1.0 / world), want), step
+        out = dec.decode("b", n, idx, val, torch.float16, torch.device("cpu"), 1.0 / world)
+        assert torch.equal(out, want), step

@@ -159,26 +159,40 @@ def _mpi_available() -> str | None:
     return None
 
 
-def test_mpi_rank_exits_mpiexec_fails(tmp_path):
+def _run_mpi_fault(tmp_path, mode: str):
     why = _mpi_available()
     if why:
         pytest.skip(why)
     from tests.mpi.harness import run_mpiexec
     before = set(Path("/dev/shm").glob("mpich_shm_*")) if Path("/dev/shm").is_dir() else set()
     try:
-        run = run_mpiexec(["tests/mpi/fault_rank.py", str(tmp_path), "exit", str(BAD_RANK)], WORLD, tmp_path,
+        run = run_mpiexec(["tests/mpi/fault_rank.py", str(tmp_path), mode, str(BAD_RANK)], WORLD, tmp_path,
                           timeout=HARNESS_TIMEOUT)
     finally:  # MPICH's shared-memory segment of a job torn down by a dead rank is never unlinked (3 MB a run)
         if Path("/dev/shm").is_dir():
             for leftover in set(Path("/dev/shm").glob("mpich_shm_*")) - before:
                 leftover.unlink(missing_ok=True)
     report = f"mpiexec exit {run.returncode}, timed out: {run.timed_out}\n{run.output[-5000:]}"
-    assert not run.timed_out, f"the MPI job hung after rank {BAD_RANK} died\n{report}"
+    assert not run.timed_out, f"the MPI job hung after rank {BAD_RANK} failed ({mode})\n{report}"
     assert run.returncode != 0, report
     # the fault hit the compressed MPI exchange: every rank had finished the steps before it, none finished
     for r in range(WORLD):
         assert f"step{STEPS_BEFORE_FAULT}" in run.ranks[r].results, f"rank {r}\n{report}"
         assert not run.ranks[r].done, f"rank {r} completed the run without rank {BAD_RANK}\n{report}"
-    assert "FAULT exit" in run.output, report
+    assert f"FAULT {mode}" in run.output, report
+    return run, report
+
+
+def test_mpi_rank_exits_mpiexec_fails(tmp_path):
+    _run_mpi_fault(tmp_path, "exit")
     # (no check on the launcher's message: MPICH's hydra tears the job down on the first bad exit and returns
     # either that rank's code (3) quietly or 9 with "BAD TERMINATION ... Killed (signal 9)", by a race)
+
+
+def test_mpi_hung_rank_fails_others_at_the_configured_timeout(tmp_path):
+    """Rank 1 stays alive but never enters the exchange; with ``"comm_timeout_s": 10`` the survivors' mpi4py
+    collectives (polled, non-blocking) raise CommError naming their rank, and mpiexec ends the job."""
+    run, report = _run_mpi_fault(tmp_path, "hang")
+    survivors = [r for r in range(WORLD) if r != BAD_RANK]
+    assert any(f"CommError: [rank {r}] mpi " in run.output and "timed out after 10 s" in run.output
+               for r in survivors), report

@@ -278,3 +278,21 @@ def test_hook_state_of_another_rank_is_not_loaded(caplog):
     same = hook(0, 2)
     same.load_state_dict(state)
     assert torch.equal(same.error_feedback.residuals["b"], torch.ones(5))
+
+
+def test_fp16_sums_beyond_the_fp16_range_stay_finite(schemes):
+    """fp16 gradients whose sum over ranks exceeds 65504 while their mean does not (4 ranks of 30000.0):
+    both exchanges give the mean (float64 reference, within fp16 rounding), finite, bit-identical to each
+    other and on every rank. (Summed in fp16 the allgather decode gave Inf; the partitioned owner clamped its
+    sum to 65504 and gave 65504/P.)"""
+    from tests.dist_cases import fp16_limit_input
+    world, _, saved = schemes
+    for case in (0, 1):
+        mean = sum(fp16_limit_input(case, r).double() for r in range(world)) / world
+        outs = {x: [s["fp16_limit"][x][case] for s in saved] for x in ("allgather", "partitioned")}
+        for x, per_rank in outs.items():
+            got = per_rank[0]
+            assert got.dtype == torch.float16 and bool(torch.isfinite(got).all()), (x, case)
+            torch.testing.assert_close(got.double(), mean, rtol=1e-3, atol=0, msg=f"{x} case {case}")
+            assert all(torch.equal(o, got) for o in per_rank[1:]), (x, case)
+        assert torch.equal(outs["allgather"][0], outs["partitioned"][0]), case

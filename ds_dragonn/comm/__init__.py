@@ -10,7 +10,7 @@ def build_backend(cfg, group=None) -> CommBackend:
         return TorchCommBackend(group)
     if name == "mpi":
         from .mpi_backend import MPICommBackend
-        return MPICommBackend(cuda_aware=cfg.cuda_aware, group=group)
+        return MPICommBackend(cuda_aware=cfg.cuda_aware, group=group, timeout_s=cfg.comm_timeout_s)
     raise ValueError(f"unknown comm_backend {name!r}; choose 'torch' or 'mpi'")
 
 

@@ -15,12 +15,21 @@ Buffers go to MPI through the buffer protocol / DLPack (mpi4py accepts torch ten
   synchronised (MPI is not stream-aware). The MPI library must be CUDA-aware (e.g. Open MPI or MPICH
   built with CUDA/UCX); the ``mpich`` wheel on PyPI is not.
 
+Timeout: mpi4py's blocking collectives wait for ever, so a rank that hangs alive would block the others
+for ever. With ``timeout_s`` (``"comm_timeout_s"``) every collective is started non-blocking
+(``Iallgather``/``Ialltoallv``/``Iallreduce``) and polled against that deadline; past it the rank raises
+:class:`~ds_dragonn.comm.base.CommError`, as gloo's own timeout does for the torch transport. MPI cannot
+cancel a started collective, so the run cannot go on after that error: it is for ending the job. And
+``MPI_Finalize`` at interpreter exit would wait for that collective for ever, so a process in which one timed
+out calls ``MPI_Abort`` at exit instead (:func:`_abort_at_exit`), which makes the launcher end every rank.
+
 The collectives run on a duplicate of ``MPI_COMM_WORLD`` (the user's own MPI traffic cannot interleave
 with ours). Every MPI failure is raised as :class:`~ds_dragonn.comm.base.CommError` whose message starts
 with ``[rank r]``.
 """
 from __future__ import annotations
 
+import time
 from typing import Any, List, Optional, Sequence
 
 import numpy as np
@@ -53,6 +62,7 @@ class MPICommBackend(CommBackend):
         group: the ``torch.distributed`` process group this transport stands in for (None = the default
             group). When ``torch.distributed`` is initialised, its size and this process's rank in it must
             equal the MPI ones.
+        timeout_s: seconds a collective may wait for the other ranks before :class:`CommError` (None: for ever).
     Raises:
         ImportError: mpi4py is not installed.
         MPIWorldMismatchError: MPI and ``torch.distributed`` disagree on the world size or on this
@@ -62,12 +72,16 @@ class MPICommBackend(CommBackend):
 
     name = "mpi"
 
-    def __init__(self, cuda_aware: bool = False, comm: Optional[Any] = None, group: Optional[Any] = None):
+    def __init__(self, cuda_aware: bool = False, comm: Optional[Any] = None, group: Optional[Any] = None,
+                 timeout_s: Optional[float] = None):
         if MPI is None:
             raise ImportError("'comm_backend': 'mpi' needs mpi4py and an MPI library: "
                               "pip install 'ds_dragonn[mpi]' (mpi4py + mpich)") from _IMPORT_ERROR
         base = MPI.COMM_WORLD if comm is None else comm
         self.cuda_aware = bool(cuda_aware)
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive seconds or None, got {timeout_s!r}")
+        self.timeout_s = timeout_s
         self._rank = base.Get_rank()
         self._world_size = base.Get_size()
         _check_same_world(self._rank, self._world_size, group)
@@ -93,7 +107,7 @@ class MPICommBackend(CommBackend):
         """
         local = np.asarray(list(values), dtype=np.int64)
         out = np.empty((self._world_size, local.size), dtype=np.int64)
-        self._call("Allgather(ints)", self.comm.Allgather, local, out)
+        self._call("Allgather(ints)", self.comm.Iallgather, local, out)
         return out.tolist()
 
     def all_gather_bytes(self, payload: torch.Tensor) -> torch.Tensor:
@@ -119,7 +133,7 @@ class MPICommBackend(CommBackend):
         send, staged = self._to_mpi(payload.contiguous())
         out = torch.empty((self._world_size, payload.numel()), dtype=torch.uint8,
                           device=send.device)
-        self._call("Allgather(bytes)", self.comm.Allgather, send, out)
+        self._call("Allgather(bytes)", self.comm.Iallgather, send, out)
         return out.to(payload.device) if staged else out
 
     def all_to_all_bytes(self, payload: torch.Tensor, send_sizes: Sequence[int],
@@ -143,7 +157,7 @@ class MPICommBackend(CommBackend):
         send, staged = self._to_mpi(payload.contiguous())
         out = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=send.device)
         s_disp, r_disp = np.cumsum([0] + send_sizes[:-1]), np.cumsum([0] + recv_sizes[:-1])
-        self._call("Alltoallv(bytes)", self.comm.Alltoallv,
+        self._call("Alltoallv(bytes)", self.comm.Ialltoallv,
                    [send, (send_sizes, s_disp.tolist()), MPI.BYTE], [out, (recv_sizes, r_disp.tolist()), MPI.BYTE])
         return out.to(payload.device) if staged else out
 
@@ -161,7 +175,7 @@ class MPICommBackend(CommBackend):
             raise ValueError(f"[rank {self._rank}] all_reduce_sum_ needs a contiguous tensor")
         work = tensor.to(_UPCAST[tensor.dtype]) if tensor.dtype in _UPCAST else tensor
         buf, staged = self._to_mpi(work)
-        self._call("Allreduce(sum)", self.comm.Allreduce, MPI.IN_PLACE, buf, MPI.SUM)
+        self._call("Allreduce(sum)", self.comm.Iallreduce, MPI.IN_PLACE, buf, MPI.SUM)
         if staged or buf is not tensor:
             tensor.copy_(buf)
 
@@ -176,9 +190,28 @@ class MPICommBackend(CommBackend):
             return t, False
         return t.to("cpu"), True  # synchronous copy: complete when MPI reads it
 
-    def _call(self, op: str, fn, *args) -> None:
+    def _call(self, op: str, start, *args) -> None:
+        """Start the non-blocking collective ``start(*args)`` and wait for it (up to :attr:`timeout_s`).
+
+        Raises:
+            CommError: MPI failed, or the collective did not complete within ``timeout_s`` seconds.
+        """
         try:
-            fn(*args)
+            request = start(*args)
+            if self.timeout_s is None:
+                request.Wait()
+                return
+            deadline, polls = time.monotonic() + self.timeout_s, 0
+            while not request.Test():
+                polls += 1
+                if polls > 100:  # past the first microseconds: yield the core to the process we wait for
+                    if time.monotonic() > deadline:
+                        _abort_at_exit(self.comm)
+                        raise CommError(
+                            f"[rank {self._rank}] mpi {op} timed out after {self.timeout_s:g} s ('comm_timeout_s'): "
+                            f"at least one of the {self._world_size} ranks never entered it (it stopped or hangs). "
+                            f"MPI cannot cancel a started collective: this run must end")
+                    time.sleep(min(1e-3, 1e-6 * polls))
         except MPI.Exception as err:
             raise self._fail(op, MPIErrorText(err)) from err
 
@@ -186,6 +219,27 @@ class MPICommBackend(CommBackend):
         """Release the duplicated communicator (collective; optional, MPI frees it at finalisation)."""
         if self.comm != MPI.COMM_NULL:
             self.comm.Free()
+
+
+_ABORT_REGISTERED = False
+
+
+def _abort_at_exit(comm: Any) -> None:
+    """At interpreter exit, ``MPI_Abort`` instead of mpi4py's ``MPI_Finalize``, which would wait for the
+    collective that timed out for ever. Python's ``atexit`` handlers run before mpi4py's finalisation
+    (registered with ``Py_AtExit``, which runs later)."""
+    global _ABORT_REGISTERED
+    if _ABORT_REGISTERED:
+        return
+    _ABORT_REGISTERED = True
+    import atexit
+    import sys
+
+    def abort() -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        comm.Abort(1)
+    atexit.register(abort)
 
 
 class MPIErrorText(Exception):

@@ -281,7 +281,13 @@ class HookBase:
     def _where(self) -> tuple:
         """(rank, world size) of this hook's data-parallel group."""
         backend = next(iter(self._pipelines.values())).backend if self._pipelines else None
-        return (backend.rank, backend.world_size) if backend is not None else (0, 1)
+        if backend is not None:
+            return backend.rank, backend.world_size
+        import torch.distributed as dist  # before the first reduction (a save at step 0): DeepSpeed's group
+        if dist.is_available() and dist.is_initialized():
+            group = getattr(self.engine, "data_parallel_group", None)
+            return dist.get_rank(group=group), dist.get_world_size(group=group)
+        return 0, 1
 
     def state_dict(self) -> dict:
         """This rank's DRAGONN state: residuals (the partitioned exchange's server residuals too), the

@@ -26,7 +26,13 @@ differs, none is silent):
   in the same units whatever those settings, so they are **kept**.
 
 After every load the ranks compare their global step (:func:`check_same_step`): ranks that resumed
-different tags fail at once instead of hanging later. Loading with ``load_optimizer_states=False`` or ``load_module_only=True`` (a warm start) leaves the
+different tags fail at once instead of hanging later.
+
+Save and load are collective, like the config agreement: a rank that cannot write or read its state file
+makes every rank raise :class:`CheckpointError`, naming each failing rank and its file (:func:`agree`). A
+failed save leaves no trace: every rank writes ``dragonn_rank<R>.pt.tmp`` first, and the files are renamed
+to their final names only once every rank has written its own; otherwise the temporary files are removed,
+DeepSpeed's save is not run (``latest`` stays where it was), and a tag folder left empty is removed. Loading with ``load_optimizer_states=False`` or ``load_module_only=True`` (a warm start) leaves the
 residuals empty, like DeepSpeed's optimizer state.
 """
 from __future__ import annotations
@@ -34,7 +40,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import os
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -51,6 +57,34 @@ _KEPT_FIELDS = ("density", "compressor", "kernel", "sample_ratio", "min_sample",
 
 class CheckpointMismatchError(ValueError):
     """Ranks resumed from different checkpoints (different global steps): raised on every rank."""
+
+
+class CheckpointError(ValueError):
+    """A rank could not write or read its DRAGONN state file: raised on every rank, naming the failing ranks
+    and their files."""
+
+
+def agree(hook: Any, error: Optional[BaseException], what: str) -> None:
+    """One ``all_gather_object`` over the data-parallel group: every rank learns which ranks failed ``what``.
+
+    Raises:
+        CheckpointError: on every rank when any rank passed an ``error`` (chained to it on that rank),
+            naming each failing rank and its message. Without a process group, ``error`` is raised as it is.
+    """
+    import torch.distributed as dist
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    if dist.is_available() and dist.is_initialized():
+        group = getattr(hook.engine, "data_parallel_group", None)
+        everyone: list = [None] * dist.get_world_size(group=group)
+        dist.all_gather_object(everyone, mine, group=group)
+        rank = dist.get_rank(group=group)
+    else:
+        everyone, rank = [mine], 0
+    failed = [(r, m) for r, m in enumerate(everyone) if m is not None]
+    if failed:
+        detail = "; ".join(f"rank {r}: {m}" for r, m in failed)
+        raise CheckpointError(f"[rank {rank}] DRAGONN {what} failed on {len(failed)} of {len(everyone)} ranks, so "
+                              f"every rank stops ({detail})") from error
 
 
 def check_same_step(hook: Any, tag: str = "") -> None:
@@ -222,46 +256,78 @@ def install(hook: Any) -> None:
         """This rank's DRAGONN state in the tag folder, then DeepSpeed's ``save_checkpoint``.
 
         Written first: DeepSpeed's save starts with a barrier and ends by pointing ``latest`` at the tag, so
-        ``latest`` never names a tag whose DRAGONN files are still being written."""
+        ``latest`` never names a tag whose DRAGONN files are still being written. Collective: if any rank
+        cannot write its file, every rank raises :class:`CheckpointError` and nothing is left behind."""
         a = _bound(save, args, kwargs)
         tag = a.get("tag")
         tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"  # DeepSpeed's default
         if a.get("save_dir"):  # (DeepSpeed itself refuses an empty save_dir)
-            folder = os.path.join(a["save_dir"], tag)
-            os.makedirs(folder, exist_ok=True)
-            state = hook.state_dict()
-            path = state_path(folder, state["description"]["rank"])
-            torch.save(state, path + ".tmp")
-            os.replace(path + ".tmp", path)  # never a half-written file under the final name
+            _save_state(hook, os.path.join(a["save_dir"], tag))
         return save(*args, **kwargs)
 
     def load_checkpoint(*args, **kwargs):
-        """DeepSpeed's ``load_checkpoint``, then this rank's DRAGONN state from the loaded tag folder."""
+        """DeepSpeed's ``load_checkpoint``, then this rank's DRAGONN state from the loaded tag folder.
+        Collective: if any rank cannot read or apply its file, every rank raises :class:`CheckpointError`."""
         a = _bound(load, args, kwargs)
         out = load(*args, **kwargs)
         load_path = out[0] if isinstance(out, tuple) and out else None
         check_same_step(hook, os.path.basename(os.path.dirname(str(load_path))) if load_path else "")
         if load_path is None:
             return out  # DeepSpeed loaded nothing
-        if hook.variance_freeze is not None:  # the optimizer's state tensors were replaced: snapshot them anew
-            hook.variance_freeze.reset()
-        rank, _ = hook._where()
-        if not a.get("load_optimizer_states", True) or a.get("load_module_only", False):
-            hook.reset_state(f"load_checkpoint(load_optimizer_states={a.get('load_optimizer_states')}, "
-                             f"load_module_only={a.get('load_module_only')}): a warm start")
-            return out
-        path = state_path(os.path.dirname(str(load_path)), rank)
-        if not os.path.isfile(path):
-            hook.reset_state(f"{path} not found (a checkpoint saved without ds_dragonn, or by fewer ranks)")
-            return out
+        error = None
         try:
-            state = torch.load(path, map_location="cpu", weights_only=False)
-        except Exception as err:  # noqa: BLE001 - re-raised with the file named
-            raise ValueError(f"[rank {rank}] DRAGONN: cannot read the state file {path}: {err}") from err
-        hook.load_state_dict(state, source=path)
+            _load_state(hook, a, str(load_path))
+        except Exception as err:  # noqa: BLE001 - every rank raises it, named, in agree()
+            error = err
+        agree(hook, error, f"load_checkpoint from {os.path.dirname(str(load_path))}")
         return out
 
     save_checkpoint.__wrapped__ = save
     load_checkpoint.__wrapped__ = load
     engine.save_checkpoint = save_checkpoint
     engine.load_checkpoint = load_checkpoint
+
+
+def _save_state(hook: Any, folder: str) -> None:
+    """Write this rank's state to ``<folder>/dragonn_rank<R>.pt`` on every rank, or on none (module docstring)."""
+    rank, _ = hook._where()
+    path = state_path(folder, rank)
+    tmp, error = path + ".tmp", None
+    try:
+        os.makedirs(folder, exist_ok=True)
+        torch.save(hook.state_dict(), tmp)
+    except Exception as err:  # noqa: BLE001 - every rank raises it, named, in agree()
+        error = OSError(f"cannot write the state file {tmp}: {err}")
+    try:
+        agree(hook, error, f"save_checkpoint to {folder}")
+    except CheckpointError:
+        if os.path.isfile(tmp):
+            os.remove(tmp)
+        agree(hook, None, "the clean-up of a failed save")  # every rank's files are gone: now the folder
+        if rank == 0:
+            try:
+                os.rmdir(folder)  # only if empty: a tag folder that held nothing before
+            except OSError:
+                pass
+        raise
+    os.replace(tmp, path)  # never a half-written file under the final name
+
+
+def _load_state(hook: Any, a: Dict[str, Any], load_path: str) -> None:
+    """This rank's part of a load, after DeepSpeed's: reset, or read and apply its state file."""
+    if hook.variance_freeze is not None:  # the optimizer's state tensors were replaced: snapshot them anew
+        hook.variance_freeze.reset()
+    rank, _ = hook._where()
+    if not a.get("load_optimizer_states", True) or a.get("load_module_only", False):
+        hook.reset_state(f"load_checkpoint(load_optimizer_states={a.get('load_optimizer_states')}, "
+                         f"load_module_only={a.get('load_module_only')}): a warm start")
+        return
+    path = state_path(os.path.dirname(load_path), rank)
+    if not os.path.isfile(path):
+        hook.reset_state(f"{path} not found (a checkpoint saved without ds_dragonn, or by fewer ranks)")
+        return
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:  # noqa: BLE001 - re-raised with the file named
+        raise ValueError(f"[rank {rank}] DRAGONN: cannot read the state file {path}: {err}") from err
+    hook.load_state_dict(state, source=path)

@@ -46,6 +46,9 @@ class Gathered(NamedTuple):
         bytes_received: bytes this rank took off the wire, by the same rules.
         owner_pairs: ``partitioned`` only: pairs each owner received in the reduce-scatter (self
             included); ``max / mean`` is the owner imbalance.
+        scale: the values were already multiplied by this (``partitioned`` with fp16 values: the owners
+            send their sum ÷ P, which fits fp16 where the sum may not); the decode multiplies by
+            ``postscale / scale``.
     """
     indices: List[torch.Tensor]
     values: List[torch.Tensor]
@@ -53,6 +56,7 @@ class Gathered(NamedTuple):
     bytes_sent: int
     bytes_received: int = 0
     owner_pairs: Sequence[int] = ()
+    scale: float = 1.0
 
 
 class BufferMismatchError(ValueError):

@@ -192,18 +192,21 @@ class PartitionedExchange(Exchange):
             self._save(key, part, slots)
             scatter.add_(part, slots, vals)
         sel = self.compressor.compress(part, owner_seed(seed, rank))
-        wire = to_wire(sel.values, wire_dtype)
+        # fp16: the owner's float32 sum of P ranks can exceed 65504 where the average does not; send the
+        # average (the decode's postscale is divided by the same factor) and keep its rounding as residual
+        scale = 1.0 / backend.world_size if wire_dtype == torch.float16 else 1.0
+        wire = to_wire(sel.values * scale if scale != 1.0 else sel.values, wire_dtype)
 
         counts = exchange_header(sel.count, numel, wire_dtype, backend, device)
         idx, val, moved = self._gather(own, sel.indices, wire, counts, numel, wire_dtype)
         self._save(key, part, sel.indices)
-        self.server.commit(key, sel.indices, sel.values, wire)
+        self.server.commit(key, sel.indices, sel.values, wire if scale == 1.0 else wire.float() / scale)
         if self.server.enabled and (not getattr(self.compressor, "sends_non_finite", False)
                                     or not bool(torch.isfinite(sel.values).all())):
             self.server.clear_non_finite(key)
         header = (backend.world_size - 1) * HEADER_INTS * 8
         return Gathered(idx, val, counts, scattered.bytes_sent + header + moved,
-                        scattered.bytes_received + header + moved, scattered.owner_pairs)
+                        scattered.bytes_received + header + moved, scattered.owner_pairs, scale)
 
     def max_bytes(self, numel: int, pairs: int, wire_dtype: torch.dtype, world_size: int) -> int:
         """Phase 1 (:func:`max_scatter_bytes`) plus the owners' allgather of at most ``max_pairs`` of

@@ -1,6 +1,7 @@
 """One rank of an MPI job dies mid-training (driven by tests/test_faults.py under ``mpiexec -n 3``).
 
-Usage: python tests/mpi/fault_rank.py OUT_DIR MODE BAD_RANK   (MODE: exit | raise | hang, see tests/fault_cases.py)
+Usage: python tests/mpi/fault_rank.py OUT_DIR MODE BAD_RANK   (MODE: exit | raise | hang, see tests/fault_cases.py;
+``hang`` runs with ``"comm_timeout_s": HANG_TIMEOUT_S``)
 
 Every rank maps the launcher's variables, starts torch.distributed (gloo, loopback) and trains through
 ``ds_dragonn.initialize`` with ``"comm_backend": "mpi"`` (the compressed exchange runs over mpi4py); BAD_RANK
@@ -26,9 +27,10 @@ import deepspeed  # noqa: E402
 
 deepspeed.init_distributed(dist_backend="gloo", verbose=False)
 
-from tests.fault_cases import train_with_fault  # noqa: E402
+from tests.fault_cases import HANG_TIMEOUT_S, train_with_fault  # noqa: E402
 
 LOG.stage("train")
+extra = {"comm_timeout_s": HANG_TIMEOUT_S} if mode == "hang" else {}
 train_with_fault(LOG.rank, mode, comm_backend="mpi", bad_rank=bad,
-                 on_step=lambda step: LOG.result(f"step{step}", True))
+                 on_step=lambda step: LOG.result(f"step{step}", True), **extra)
 LOG.done()

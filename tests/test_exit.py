@@ -1,0 +1,53 @@
+"""User-style scripts exit 0 on every rank, and one rank's checkpoint failure is every rank's failure.
+
+Each script runs in fresh processes under ``tests.multiproc.run_ranks``, which fails on any rank whose exit
+code is not 0: an abort at interpreter exit (``terminate called without an active exception``, rc -6) fails
+these tests. The scripts end without ``destroy_process_group``, as users' scripts do.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.multiproc import run_ranks
+
+
+@pytest.fixture(scope="module")
+def exits(tmp_path_factory):
+    out = tmp_path_factory.mktemp("exit")
+    run_ranks("tests.exit_cases:train_save_exit", 2, out, timeout=400)
+    run_ranks("tests.exit_cases:mismatch_exit", 2, out, timeout=400)
+    return {"dir": out, "run": [torch.load(out / f"exit_rank{r}.pt", weights_only=False) for r in range(2)],
+            "mismatch": [torch.load(out / f"mismatch_rank{r}.pt", weights_only=False) for r in range(2)]}
+
+
+def test_a_caught_config_mismatch_then_exit_is_exit_0(exits):
+    for r in range(2):
+        assert exits["mismatch"][r]["error"].startswith("DragonnConfigMismatchError"), exits["mismatch"][r]
+
+
+def test_a_save_that_fails_on_one_rank_fails_on_every_rank_and_leaves_nothing(exits):
+    for r in range(2):
+        got = exits["run"][r]
+        assert got["save_fails"].startswith("CheckpointError"), got["save_fails"]
+        assert "rank 1:" in got["save_fails"] and "No space left on device" in got["save_fails"]
+        assert "dragonn_rank1.pt.tmp" in got["save_fails"] and "rank 0:" not in got["save_fails"]
+        assert got["latest_after_failures"] == got["latest_after_good"] == "good"
+        assert got["bad_state_exists"] is False  # the empty tag folder was removed
+        assert got["good2_files"] == ["dragonn_rank0.pt", "dragonn_rank1.pt"]
+
+
+def test_a_save_error_names_the_file(exits):
+    for r in range(2):
+        got = exits["run"][r]["save_fails_dir"]
+        assert got.startswith("CheckpointError") and "rank 1:" in got, got
+        assert "bad_dir/dragonn_rank1.pt.tmp" in got, got
+        # only the directory the test made is left: no rank's state file, none of DeepSpeed's files
+        assert exits["run"][r]["bad_dir_files"] == ["dragonn_rank1.pt.tmp"]
+
+
+def test_a_load_that_fails_on_one_rank_fails_on_every_rank(exits):
+    for r in range(2):
+        got = exits["run"][r]["load_fails"]
+        assert got is not None and got.startswith("CheckpointError"), got
+        assert "rank 1:" in got and "good/dragonn_rank1.pt" in got and "rank 0:" not in got, got
