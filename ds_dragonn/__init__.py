@@ -1,7 +1,9 @@
 """ds_dragonn — DRAGONN hash-sampled gradient sparsification for DeepSpeed's gradient allreduce.
 
 Use :func:`initialize` exactly like ``deepspeed.initialize``; a ``"dragonn"`` block in the DeepSpeed
-config switches compression on (see ``ds_dragonn.config.DragonnConfig``).
+config switches compression on (see ``ds_dragonn.config.DragonnConfig``). Under a framework that calls
+``deepspeed.initialize`` itself (Hugging Face ``Trainer``, Accelerate, Lightning), call :func:`enable` once
+before it does: without it DeepSpeed ignores the block (it does not validate unknown top-level keys).
 """
 from __future__ import annotations
 
@@ -31,6 +33,64 @@ def _resolve_ds_config(bound: inspect.BoundArguments) -> Any:
     return bound.arguments.get("config_params")
 
 
+#: ``deepspeed.initialize`` as it was before :func:`enable` replaced it (None while not enabled)
+_DEEPSPEED_INITIALIZE: Optional[Any] = None
+
+
+def enable() -> None:
+    """Make ``deepspeed.initialize`` itself honour the ``"dragonn"`` block, for every caller in this process.
+
+    For frameworks that call ``deepspeed.initialize`` themselves: Hugging Face ``Trainer``
+    (``TrainingArguments(deepspeed=...)``), Accelerate (``DeepSpeedPlugin``) and Lightning
+    (``DeepSpeedStrategy``). Call it once, before the framework builds its engine (e.g. right after the
+    imports); ``deepspeed.initialize`` is then :func:`initialize`, with the same signature and return values.
+    Configs without an enabled ``"dragonn"`` block get DeepSpeed's engine untouched. Idempotent; undone by
+    :func:`disable`. It replaces the attribute of the ``deepspeed`` module: code that did
+    ``from deepspeed import initialize`` before this call keeps the original.
+    """
+    global _DEEPSPEED_INITIALIZE
+    import functools
+
+    import deepspeed
+    if _DEEPSPEED_INITIALIZE is not None:
+        return
+    original = deepspeed.initialize
+
+    @functools.wraps(original)
+    def initialize_with_dragonn(*args: Any, **kwargs: Any):
+        return initialize(*args, **kwargs)
+
+    initialize_with_dragonn.__signature__ = inspect.signature(original)
+    initialize_with_dragonn.__ds_dragonn__ = True
+    _DEEPSPEED_INITIALIZE = original
+    deepspeed.initialize = initialize_with_dragonn
+    from deepspeed.utils import logger
+    logger.info("DRAGONN: enabled; deepspeed.initialize now honours the 'dragonn' config block")
+
+
+def disable() -> None:
+    """Undo :func:`enable`: ``deepspeed.initialize`` is DeepSpeed's own again (engines built meanwhile keep
+    their compression). No-op when not enabled."""
+    global _DEEPSPEED_INITIALIZE
+    import deepspeed
+    if _DEEPSPEED_INITIALIZE is None:
+        return
+    if getattr(deepspeed.initialize, "__ds_dragonn__", False):
+        deepspeed.initialize = _DEEPSPEED_INITIALIZE
+    _DEEPSPEED_INITIALIZE = None
+
+
+def is_enabled() -> bool:
+    """Whether :func:`enable` is in effect."""
+    return _DEEPSPEED_INITIALIZE is not None
+
+
+def _deepspeed_initialize() -> Any:
+    """DeepSpeed's own ``initialize`` (the original, also while :func:`enable` is in effect)."""
+    import deepspeed
+    return _DEEPSPEED_INITIALIZE if _DEEPSPEED_INITIALIZE is not None else deepspeed.initialize
+
+
 def initialize(*args: Any, **kwargs: Any):
     """``deepspeed.initialize`` with DRAGONN gradient compression when the config enables it.
 
@@ -49,7 +109,8 @@ def initialize(*args: Any, **kwargs: Any):
     import deepspeed
     from .engine import DragonnHook, ZeroHook, check_hook_point, check_zero_hook_point
 
-    bound = inspect.signature(deepspeed.initialize).bind(*args, **kwargs)
+    ds_initialize = _deepspeed_initialize()
+    bound = inspect.signature(ds_initialize).bind(*args, **kwargs)
     ds_config = load_ds_config(_resolve_ds_config(bound))
     cfg, stage, refusal = None, 0, None
     try:  # a refusal is raised only after the ranks compared notes: one rank must not leave the others hung
@@ -78,7 +139,7 @@ def initialize(*args: Any, **kwargs: Any):
     if cfg.enabled:
         check_hook_point() if stage == 0 else check_zero_hook_point()
 
-    result = deepspeed.initialize(*args, **kwargs)
+    result = ds_initialize(*args, **kwargs)
     if cfg.enabled:
         engine = result[0]
         stage = engine.zero_optimization_stage()
@@ -215,5 +276,5 @@ def check_ranks_agree(cfg: Optional[DragonnConfig], zero_stage: int, group: Any 
                                          f"them run different collectives and hang: " + "; ".join(diffs))
 
 
-__all__ = ["initialize", "check_ranks_agree", "CheckpointMismatchError", "DragonnConfig", "DragonnConfigError", "DragonnConfigMismatchError",
+__all__ = ["initialize", "enable", "disable", "is_enabled", "check_ranks_agree", "CheckpointMismatchError", "DragonnConfig", "DragonnConfigError", "DragonnConfigMismatchError",
            "DragonnUnsupportedError", "__version__"]

@@ -1,0 +1,61 @@
+"""Rank functions for tests/test_enable.py: engines built by plain ``deepspeed.initialize`` (what Hugging Face
+Trainer, Accelerate and Lightning call) after ``ds_dragonn.enable()``."""
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import torch
+
+from tests.dist_cases import _engine_config, _init, _zero_config
+
+LAYERS = (32, 64, 4)
+STEPS = 3
+RUNS = {
+    "s0_d1": _engine_config({"enabled": True, "density": 1.0, "min_compress_numel": 1}),
+    "s0_dense": _engine_config(None),
+    "s0_d001": _engine_config({"enabled": True, "density": 0.01, "min_compress_numel": 1}),
+    "s2_d1": _zero_config(2, {"enabled": True, "density": 1.0}),
+    "s2_dense": _zero_config(2, None),
+    "s2_d001": _zero_config(2, {"enabled": True, "density": 0.01}),
+    "s0_disabled_block": _engine_config({"enabled": False, "density": 0.01}),
+}
+
+
+def _train_plain(cfg: dict, rank: int):
+    """The seeded MLP of tests.dist_cases.train_mlp, built by plain ``deepspeed.initialize``."""
+    import deepspeed
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(LAYERS[0], LAYERS[1]), torch.nn.Tanh(),
+                                torch.nn.Linear(LAYERS[1], LAYERS[2]))
+    result = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    engine = result[0]
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(STEPS):
+        x = torch.randn(8, LAYERS[0], generator=g)
+        y = torch.randint(0, LAYERS[2], (8,), generator=g)
+        engine.backward(torch.nn.functional.cross_entropy(engine(x), y))
+        engine.step()
+    hook = getattr(engine, "dragonn", None)
+    return {"n_results": len(result), "engine_type": type(engine).__name__,
+            "params": [p.detach().clone() for p in engine.module.parameters()],
+            "compressed": None if hook is None else hook.telemetry.compressed_reductions}
+
+
+def enabled_runs(rank: int, world: int, out_dir: str) -> None:
+    _init()
+    import deepspeed
+
+    import ds_dragonn
+    original = deepspeed.initialize
+    out = {"before": _train_plain(RUNS["s0_d001"], rank)}  # not enabled yet: the block is ignored
+    ds_dragonn.enable()
+    ds_dragonn.enable()  # idempotent
+    out["wrapped_once"] = deepspeed.initialize is not original and ds_dragonn._deepspeed_initialize() is original
+    out["same_signature"] = inspect.signature(deepspeed.initialize) == inspect.signature(original)
+    for name, cfg in RUNS.items():
+        out[name] = _train_plain(cfg, rank)
+    ds_dragonn.disable()
+    out["restored"] = deepspeed.initialize is original
+    torch.save(out, Path(out_dir) / f"enable_rank{rank}.pt")
+    torch.distributed.destroy_process_group()

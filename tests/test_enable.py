@@ -1,0 +1,51 @@
+"""``ds_dragonn.enable()``: plain ``deepspeed.initialize`` (the call frameworks make) honours the "dragonn" block.
+
+2 ranks (gloo), ZeRO 0 and 2: compressed reductions happen, density 1.0 equals the dense run bit for bit,
+configs without an enabled block get DeepSpeed's engine untouched, and before ``enable()`` the block is
+ignored (the silent failure this exists to fix)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.enable_cases import STEPS
+from tests.multiproc import run_ranks
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("enable")
+    run_ranks("tests.enable_cases:enabled_runs", 2, out, timeout=400)
+    return [torch.load(out / f"enable_rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def test_without_enable_the_block_is_ignored(runs):
+    for r in range(2):
+        assert runs[r]["before"]["compressed"] is None  # no hook: DeepSpeed's dense engine
+
+
+def test_enable_is_idempotent_keeps_the_signature_and_is_undone_by_disable(runs):
+    for r in range(2):
+        assert runs[r]["wrapped_once"] and runs[r]["same_signature"] and runs[r]["restored"]
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_plain_initialize_compresses_after_enable(runs, stage):
+    for r in range(2):
+        got = runs[r][f"s{stage}_d001"]
+        assert got["n_results"] == 4 and got["engine_type"] == "DeepSpeedEngine"
+        assert got["compressed"] and got["compressed"] >= STEPS
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_density_1_equals_the_dense_run(runs, stage):
+    for r in range(2):
+        d1, dense = runs[r][f"s{stage}_d1"], runs[r][f"s{stage}_dense"]
+        assert d1["compressed"] >= STEPS and dense["compressed"] is None
+        assert all(torch.equal(a, b) for a, b in zip(d1["params"], dense["params"]))
+
+
+def test_configs_without_an_enabled_block_are_untouched(runs):
+    for r in range(2):
+        assert runs[r]["s0_disabled_block"]["compressed"] is None
+        assert all(torch.equal(a, b) for a, b in zip(runs[r]["s0_disabled_block"]["params"], runs[r]["s0_dense"]["params"]))
