@@ -108,6 +108,8 @@ def initialize(*args: Any, **kwargs: Any):
     """
     import deepspeed
     from .engine import DragonnHook, ZeroHook, check_hook_point, check_zero_hook_point
+    from .engine import teardown
+    teardown.register()  # an orderly exit for every rank (engine/teardown.py: an upstream abort at exit)
 
     ds_initialize = _deepspeed_initialize()
     bound = inspect.signature(ds_initialize).bind(*args, **kwargs)

@@ -51,3 +51,32 @@ def test_a_load_that_fails_on_one_rank_fails_on_every_rank(exits):
         got = exits["run"][r]["load_fails"]
         assert got is not None and got.startswith("CheckpointError"), got
         assert "rank 1:" in got and "good/dragonn_rank1.pt" in got and "rank 0:" not in got, got
+
+
+def test_teardown_is_registered_once_and_never_raises(monkeypatch):
+    """The exit handler (ds_dragonn/engine/teardown.py) without a process group: no error, no wait."""
+    import atexit
+
+    from ds_dragonn.engine import teardown
+    calls = []
+    monkeypatch.setattr(teardown, "_registered", False)
+    monkeypatch.setattr(atexit, "register", lambda fn: calls.append(fn))
+    teardown.register()
+    teardown.register()
+    assert calls == [teardown.teardown]
+    teardown.teardown()  # no process group in this process: nothing to destroy
+    assert teardown.settle_workers(0.0) is True  # no gloo worker threads here
+
+
+def test_worker_states_reads_the_scheduler_state(monkeypatch):
+    """Thread names and states come from /proc/self/task; a name with spaces or parentheses is parsed."""
+    import builtins
+    import io
+
+    from ds_dragonn.engine import teardown
+    files = {"/proc/self/task/1/comm": "pt_gloo_runloop\n", "/proc/self/task/1/stat": "1 (pt_gloo_runloop) R 0 0",
+             "/proc/self/task/2/comm": "python\n", "/proc/self/task/3/comm": "pt_gloo_runloop\n",
+             "/proc/self/task/3/stat": "3 (a (b) c) S 0 0"}
+    monkeypatch.setattr(teardown.os, "listdir", lambda path: ["1", "2", "3"])
+    monkeypatch.setattr(builtins, "open", lambda path, *a, **k: io.StringIO(files[path]))
+    assert teardown.worker_states() == ["R", "S"]
