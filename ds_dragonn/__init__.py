@@ -15,7 +15,7 @@ from typing import Any, Optional
 __version__ = "0.1.0"
 
 from .config import DragonnConfig, DragonnConfigError, load_ds_config  # noqa: E402
-from .engine.checkpoint import CheckpointMismatchError  # noqa: E402
+from .engine.checkpoint import CheckpointError, CheckpointMismatchError  # noqa: E402
 
 
 class DragonnUnsupportedError(ValueError):
@@ -278,5 +278,5 @@ def check_ranks_agree(cfg: Optional[DragonnConfig], zero_stage: int, group: Any 
                                          f"them run different collectives and hang: " + "; ".join(diffs))
 
 
-__all__ = ["initialize", "enable", "disable", "is_enabled", "check_ranks_agree", "CheckpointMismatchError", "DragonnConfig", "DragonnConfigError", "DragonnConfigMismatchError",
+__all__ = ["initialize", "enable", "disable", "is_enabled", "check_ranks_agree", "CheckpointError", "CheckpointMismatchError", "DragonnConfig", "DragonnConfigError", "DragonnConfigMismatchError",
            "DragonnUnsupportedError", "__version__"]

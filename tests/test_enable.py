@@ -49,3 +49,14 @@ def test_configs_without_an_enabled_block_are_untouched(runs):
     for r in range(2):
         assert runs[r]["s0_disabled_block"]["compressed"] is None
         assert all(torch.equal(a, b) for a, b in zip(runs[r]["s0_disabled_block"]["params"], runs[r]["s0_dense"]["params"]))
+
+
+def test_python_m_ds_dragonn_prints_the_environment_report():
+    import subprocess
+    import sys
+
+    from tests.multiproc import REPO
+    proc = subprocess.run([sys.executable, "-m", "ds_dragonn"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rows = {line.split()[0] for line in proc.stdout.splitlines() if line.strip()}
+    assert {"python", "ds_dragonn", "torch", "deepspeed", "cpu", "triton", "mpi", "transformers"} <= rows, proc.stdout

@@ -1,0 +1,76 @@
+"""Rank functions for tests/test_frameworks.py: Hugging Face ``Trainer`` (transformers + accelerate) with a
+``"dragonn"`` block in its DeepSpeed config, activated by ``ds_dragonn.enable()``.
+
+A tiny GPT-2 built from a config (nothing is downloaded) learns the bytes of the standard library's
+``os.py``; dropout is off so that runs differ only by their gradient reduction."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+STEPS = 4
+_DRAGONN = {"enabled": True, "min_compress_numel": 1, "policy": "always", "warmup_steps": 0,
+            "density_warmup_steps": 0}
+RUNS = {f"s{stage}_{name}": (stage, block) for stage in (0, 2)
+        for name, block in (("dense", None), ("d1", {**_DRAGONN, "density": 1.0}),
+                            ("d001", {**_DRAGONN, "density": 0.01}))}
+
+
+class StdlibBytes(torch.utils.data.Dataset):
+    """(n, L) windows of ``os.py``'s bytes as causal-LM examples (labels = inputs; the model shifts)."""
+
+    def __init__(self, n: int = 128, length: int = 32):
+        data = torch.tensor(list(Path(os.__file__).read_bytes()[: n * length]), dtype=torch.long)
+        self.x = data.view(n, length)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+def ds_config(stage: int, block: dict | None) -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+           "zero_allow_untested_optimizer": True, "zero_optimization": {"stage": stage}, "steps_per_print": 10**6}
+    if block is not None:
+        cfg["dragonn"] = dict(block)
+    return cfg
+
+
+def train(cfg: dict, out: str, max_steps: int = STEPS, save_steps: int | None = None, resume: str | None = None):
+    """One ``Trainer`` run; returns (trainer, final parameters)."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=32, n_embd=64, n_layer=2, n_head=2,
+                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                       bos_token_id=0, eos_token_id=0))
+    args = TrainingArguments(output_dir=out, max_steps=max_steps, per_device_train_batch_size=4, learning_rate=1e-3,
+                             deepspeed=cfg, use_cpu=True, report_to=[], logging_steps=10**6, seed=0,
+                             save_strategy="steps" if save_steps else "no", save_steps=save_steps or 10**6,
+                             dataloader_num_workers=0, disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=StdlibBytes())
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer, [p.detach().float().clone() for p in trainer.model_wrapped.module.parameters()]
+
+
+def trainer_runs(rank: int, world: int, out_dir: str) -> None:
+    import ds_dragonn
+    ds_dragonn.enable()
+    out = {}
+    for name, (stage, block) in RUNS.items():
+        trainer, params = train(ds_config(stage, block), str(Path(out_dir) / name))
+        hook = getattr(trainer.model_wrapped, "dragonn", None)
+        out[name] = {"params": params, "compressed": None if hook is None else hook.telemetry.compressed_reductions,
+                     "engine": type(trainer.model_wrapped).__name__}
+    # Trainer's own checkpointing (save_steps, resume_from_checkpoint) carries the residuals
+    cfg = ds_config(0, {**_DRAGONN, "density": 0.01})
+    ckpt = Path(out_dir) / "resume"
+    _, whole = train(cfg, str(ckpt), save_steps=STEPS // 2)
+    tags = sorted(p.relative_to(ckpt).as_posix() for p in ckpt.glob("checkpoint-*/*/dragonn_rank*.pt"))
+    trainer, resumed = train(cfg, str(ckpt), resume=str(ckpt / f"checkpoint-{STEPS // 2}"))
+    hook = trainer.model_wrapped.dragonn
+    out["resume"] = {"whole": whole, "resumed": resumed, "state_files": tags, "notes": list(hook.notes)}
+    torch.save(out, Path(out_dir) / f"trainer_rank{rank}.pt")
