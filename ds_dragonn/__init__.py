@@ -19,7 +19,8 @@ from .engine.checkpoint import CheckpointError, CheckpointMismatchError  # noqa:
 
 
 class DragonnUnsupportedError(ValueError):
-    """DRAGONN was enabled with a DeepSpeed setting it does not support (e.g. ZeRO stage >= 1)."""
+    """DRAGONN was enabled with a DeepSpeed setting it does not support (ZeRO stage 3, ZeRO offload, a pipeline
+    engine, ...: the list is in :func:`initialize`)."""
 
 
 def _resolve_ds_config(bound: inspect.BoundArguments) -> Any:

@@ -229,4 +229,4 @@ def _imbalance(owner_pairs) -> float:
     return max(owner_pairs) * len(owner_pairs) / total if total else 0.0
 
 
-__all__ = ["CompressedAllreduce", "PhaseClock", "ReduceStats", "Reduced", "dense_allreduce_bytes", "residual_dtype", "to_wire"]
+__all__ = ["CompressedAllreduce", "PhaseClock", "ReduceStats", "Reduced"]

@@ -13,7 +13,8 @@ from typing import List, Optional, Tuple
 
 from deepspeed.utils.logging import print_dist
 
-from .pipeline import ReduceStats, dense_allreduce_bytes
+from .exchange.base import dense_allreduce_bytes
+from .pipeline import ReduceStats
 
 PHASES = ("compensate", "select", "exchange", "residual", "decode")
 

@@ -11,7 +11,7 @@ dragonn_0.01          DRAGONN at density 0.01 with the defaults (global selectio
 dragonn_0.001         the same at density 0.001
 per_tensor_0.01       the defaults with per-tensor selection (small and 1-D tensors whole)
 freeze_0.01           the defaults with Adam's variance frozen after the dense warm-up (1-bit Adam)
-legacy_0.01           DRAGONN 0.01 as before issue 8: global selection, no warm-ups, no variance freeze
+legacy_0.01           DRAGONN 0.01 with the earlier defaults: global selection, no warm-ups, no variance freeze
 no_ef_0.01            the defaults without error feedback
 topk_0.01             exact top-k at 0.01 (same defaults)
 randomk_0.01          random-k at 0.01 (same defaults)
@@ -158,7 +158,7 @@ def launch(task: str, run: str, seed: int, steps: int, args, folder: Path) -> di
 
 
 def record(task: str, run: str, seed: int, steps: int, s: dict) -> dict:
-    """The sweep's record of one run (the fields of issue 8) plus its history."""
+    """The sweep's record of one run (the fields listed in the module docstring) plus its history."""
     over = RUNS[run]
     cfg = json.loads((REPO / TASKS[task][2]).read_text())["dragonn"] if over is not None else {}
     from ds_dragonn.config import DragonnConfig  # the defaults the run used

@@ -1,5 +1,5 @@
 """Second main-job task: a small byte-level GPT on the Python standard library's sources, data-parallel with
-DeepSpeed (+ DRAGONN). The model family the DRAGONN paper targets (issue 8).
+DeepSpeed (+ DRAGONN). The model family whose convergence under compression the sweep measures.
 
 Launch (2 ranks, CPU or GPU):
     deepspeed --num_gpus 2 launch/train_lm.py --deepspeed_config configs/lm_dragonn.json --summary out.json

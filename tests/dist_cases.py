@@ -121,7 +121,7 @@ ENGINE_RUNS = {
                                     "auto_probe_steps": 1, "auto_recheck_interval": 2}),
     "dragonn_bf16": _engine_config({"enabled": True, "density": 0.05, "min_compress_numel": 1}, bf16=True),
     # bf16 pairs cost 6 bytes against 2 dense: at density 1.0 the auto policy sends the bucket dense,
-    # "always" compresses it anyway (issue 10: bounded bytes)
+    # "always" compresses it anyway (bounded bytes)
     "dragonn_bf16_d1_auto": _engine_config({"enabled": True, "density": 1.0, "min_compress_numel": 1,
                                             "policy": "auto"}, bf16=True),
     "dragonn_bf16_d1_always": _engine_config({"enabled": True, "density": 1.0, "min_compress_numel": 1}, bf16=True),
@@ -198,7 +198,7 @@ SCHEME_CASES = [dict(exchange=x, numel=n, dtype=d, density=dens, compressor=c)
                 for d, dens, c in ((torch.float64, 0.01, "dragonn"), (torch.float64, 0.3, "topk"),
                                    (torch.float32, 0.01, "dragonn"), (torch.bfloat16, 0.05, "dragonn"),
                                    (torch.float64, 1.0, "dragonn"))]
-# ties everywhere (all ±1): the selection is cut to max_pairs(k) (issue 10: bounded bytes)
+# ties everywhere (all ±1): the selection is cut to max_pairs(k) (bounded bytes)
 SCHEME_CASES += [dict(exchange=x, numel=n, dtype=torch.float64, density=0.01, compressor="dragonn", ties=True)
                  for x in ("allgather", "partitioned", "reduce_scatter") for n in (1000, 20_011)]
 SCHEME_STEPS = 4

@@ -239,7 +239,7 @@ def awkward(kind: str, n: int, dtype: torch.dtype) -> torch.Tensor:
                                   lambda d: DragonnCompressor(d, kernel="reference"),
                                   TopKCompressor, RandomKCompressor], ids=["dragonn_cpu", "dragonn_ref", "topk", "randomk"])
 def test_no_selection_exceeds_max_pairs(kind, dtype, n, density, make):
-    """Issue 10: ~1.1 k pairs at most, whatever the distribution (ties used to send table_factor × k)."""
+    """Bounded bytes: ~1.1 k pairs at most, whatever the distribution (ties used to send table_factor × k)."""
     if n > 100_000 and make is not TopKCompressor and kind not in ("signs", "quantised"):
         pytest.skip("large size: the tie cases are the ones that matter")
     comp = make(density)

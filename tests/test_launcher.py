@@ -66,7 +66,7 @@ def test_compare_flags_missed_targets(tmp_path):
 
 @pytest.mark.timeout(480)
 def test_lm_task_runs_under_the_launcher(tmp_path):
-    """launch/train_lm.py (issue 8's second task), a tiny GPT (85k parameters: one compressed bucket above
+    """launch/train_lm.py (the second task), a tiny GPT (85k parameters: one compressed bucket above
     min_compress_numel) for 4 steps: held-out loss in the summary. The product's config without its warm-ups
     (4 steps would all be dense), so that every step is compressed at the target density."""
     import math
@@ -116,7 +116,7 @@ def test_lm_corpus_split_is_fixed_and_disjoint():
 
 @pytest.mark.timeout(600)
 def test_convergence_quick_sweep(tmp_path):
-    """``launch/convergence.sh --quick`` (issue 8): both tasks through the deepspeed launcher, records with the
+    """``launch/convergence.sh --quick``: both tasks through the deepspeed launcher, records with the
     issue's fields, a table and a figure; well under 5 minutes on 2 cores."""
     out = tmp_path / "conv"
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")

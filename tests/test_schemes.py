@@ -201,7 +201,7 @@ def test_partitioned_bytes_bounded_and_below_allgather(schemes, dtype):
 
 @pytest.mark.parametrize("ci", range(len(SCHEME_CASES)), ids=[scheme_case_id(c) for c in SCHEME_CASES])
 def test_bytes_within_the_exchange_bound(schemes, ci):
-    """Issue 10: no rank sends more than ``max_pairs(k) ≈ 1.1 k`` pairs, ties included, so the bytes stay
+    """Bounded bytes: no rank sends more than ``max_pairs(k) ≈ 1.1 k`` pairs, ties included, so the bytes stay
     within the exchange's ``max_bytes`` (the bound the engine compares with dense)."""
     world, ranks, _ = schemes
     case = SCHEME_CASES[ci]

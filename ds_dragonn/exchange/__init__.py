@@ -1,7 +1,10 @@
-"""Exchange: move each rank's selected pairs to the ranks that decode them (one interface, two schemes)."""
+"""Exchange: move each rank's selected pairs to the ranks that decode them (one interface, three schemes).
+
+``allgather`` and ``partitioned`` serve ZeRO stage 0 (``build_exchange``); ``reduce_scatter``
+(``exchange/reduce_scatter.py``) serves ZeRO stages 1 and 2, whose owners are ZeRO's partitions."""
 from .allgather import AllgatherExchange, allgather_exchange
 from .base import BufferMismatchError, Exchange, Gathered, check_buffer_agreement, to_wire
-from .ownership import ContiguousOwnership, HashedOwnership, Ownership
+from .ownership import HashedOwnership, Ownership
 from .partitioned import PartitionedExchange, Scattered, sparse_reduce_scatter
 
 
@@ -16,6 +19,6 @@ def build_exchange(cfg, backend, compressor, transactional: bool = False) -> Exc
     raise ValueError(f"unknown exchange {name!r}; choose 'allgather' or 'partitioned'")
 
 
-__all__ = ["AllgatherExchange", "BufferMismatchError", "ContiguousOwnership", "Exchange", "Gathered",
+__all__ = ["AllgatherExchange", "BufferMismatchError", "Exchange", "Gathered",
            "HashedOwnership", "Ownership", "PartitionedExchange", "Scattered", "allgather_exchange",
            "build_exchange", "check_buffer_agreement", "sparse_reduce_scatter", "to_wire"]

@@ -2,7 +2,7 @@
 
 An exchange scheme moves the pairs each rank selected (``compress``) to where they are decoded; the
 pipeline (``ds_dragonn.pipeline``) calls :meth:`Exchange.exchange` between the selection and the residual
-commit and does not know which scheme runs. Both schemes hand back a :class:`Gathered`: lists of
+commit and does not know which scheme runs. Every scheme hands back a :class:`Gathered`: lists of
 (indices, values) whose sum over the lists is the bucket's reduced sparse gradient, the same on every rank.
 
 * ``allgather`` (``exchange/allgather.py``): every rank receives every rank's pairs, P·k in all.

@@ -4,9 +4,9 @@ An :class:`Ownership` splits a bucket of n elements into ``world_size`` disjoint
 part as a compact (n_r,) buffer addressed by *slots* 0..n_r-1; the map index → (owner, slot) and its
 inverse are O(1) per index and computed, never stored.
 
-* :class:`ContiguousOwnership`: rank r owns the index range ``[bounds[r], bounds[r+1])`` (DeepSpeed's
-  former compressed backends and ZeRO's gradient partitions). Cheap, but a gradient whose large entries
-  sit together loads one owner: Ok-Topk measured max/mean 1.4–5.1 on contiguous regions.
+* Contiguous ranges ``[bounds[r], bounds[r+1])`` as they are (DeepSpeed's former compressed backends)
+  are cheap, but a gradient whose large entries sit together loads one owner: Ok-Topk measured max/mean
+  1.4–5.1 on contiguous regions. ZeRO's own partitions are :class:`~ds_dragonn.exchange.reduce_scatter.RangeOwnership`.
 * :class:`HashedOwnership` (the ``partitioned`` exchange): contiguous ranges of a *permuted* index,
   ``p(i) = a·i mod n`` with ``a ≈ n/φ`` (φ the golden ratio) and ``gcd(a, n) = 1``. This is a bijection
   with an exact inverse ``i = a⁻¹·p mod n``, every owner holds ⌊n/P⌋ or ⌈n/P⌉ indices, and — unlike a
@@ -81,10 +81,6 @@ class Ownership:
         return self.unpermute(slots.long() + self.bounds[rank])
 
 
-class ContiguousOwnership(Ownership):
-    """Rank r owns the index range ``[bounds[r], bounds[r+1])`` as it is (ZeRO partitions)."""
-
-
 class HashedOwnership(Ownership):
     """Owner ranges over the permutation ``p(i) = a·i mod n`` (see the module docstring); balanced sizes.
 
@@ -115,4 +111,4 @@ class HashedOwnership(Ownership):
         return _mulmod(positions.long(), self.inverse, max(self.numel, 1))
 
 
-__all__ = ["ContiguousOwnership", "HashedOwnership", "Ownership"]
+__all__ = ["HashedOwnership", "Ownership"]

@@ -78,7 +78,7 @@ def sparse_reduce_scatter(selection: Selection, numel: int, wire_dtype: torch.dt
                           backend: CommBackend) -> Scattered:
     """Send each selected pair to the rank that owns its index (phase 1 of the partitioned exchange).
 
-    Also the primitive ZeRO-1/2 needs: with a :class:`~ds_dragonn.exchange.ownership.ContiguousOwnership`
+    Also the primitive ZeRO-1/2 needs: with a :class:`~ds_dragonn.exchange.reduce_scatter.RangeOwnership`
     of the gradient partitions, each rank receives exactly the pairs of the partition it owns.
 
     Args:

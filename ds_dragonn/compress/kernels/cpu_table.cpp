@@ -3,7 +3,7 @@
 // dynamic linker binds this library to that same runtime), else std::thread. Built and loaded by
 // cpu_table.py (ctypes); plain C ABI, no torch headers, so it compiles in about a second.
 //
-// Semantics are those of ds_dragonn/compress/dragonn.py, bit for bit:
+// Semantics are those of ds_dragonn/compress/reference.py, bit for bit:
 //   selected(i)  <=>  mag(i) >= thr and mag(i) > 0,  mag = float32(|x|) with NaN -> +Inf
 //   key(i)       =   (float_bits(mag(i)) >> (ibits - 32)) << ibits | i
 //   slot(i)      =   i if m >= n else murmur3_x86_32(i as 8-byte LE key, seed) % m

@@ -4,7 +4,7 @@ One pass over the buffer tests blocks of elements with a vectorised integer comp
 patterns against the threshold's), and only the ~density fraction that passes is hashed; candidates are
 bucketed per thread by table range and each range is then filled from cache with a plain max (a thread
 whose bucket overflows stores the rest straight into the table with an atomic max). The threshold sample and the table compaction run in the same library. Results equal
-the pure-PyTorch reference in ``dragonn.py`` bit for bit (tests/test_kernels.py).
+the pure-PyTorch reference in ``reference.py`` bit for bit (tests/test_kernels.py).
 
 Threads: where torch runs on GNU OpenMP and the process already holds its ``libgomp.so.1`` (the pip wheels),
 the library is built with ``-fopenmp`` and its parallel regions run on torch's own thread pool; otherwise
