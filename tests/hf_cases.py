@@ -74,3 +74,39 @@ def trainer_runs(rank: int, world: int, out_dir: str) -> None:
     hook = trainer.model_wrapped.dragonn
     out["resume"] = {"whole": whole, "resumed": resumed, "state_files": tags, "notes": list(hook.notes)}
     torch.save(out, Path(out_dir) / f"trainer_rank{rank}.pt")
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+
+
+def accelerate_runs(rank: int, world: int, out_dir: str) -> None:
+    """An Accelerate training loop with ``DeepSpeedPlugin(hf_ds_config=...)`` (``accelerate launch
+    --use_deepspeed`` sets ``ACCELERATE_USE_DEEPSPEED=true``, as the test does), each run of :data:`RUNS`."""
+    import ds_dragonn
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DeepSpeedPlugin
+    ds_dragonn.enable()
+    out = {}
+    for name, (stage, block) in RUNS.items():
+        AcceleratorState._reset_state(True)  # one Accelerator per run, as one per script
+        acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds_config(stage, block)))
+        model = _mlp()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        g = torch.Generator().manual_seed(1)
+        data = torch.utils.data.TensorDataset(torch.randn(64, 32, generator=g), torch.randint(0, 4, (64,), generator=g))
+        model, opt, loader = acc.prepare(model, opt, torch.utils.data.DataLoader(data, batch_size=4))
+        for step, (x, y) in enumerate(loader):
+            acc.backward(torch.nn.functional.cross_entropy(model(x), y))
+            opt.step()
+            opt.zero_grad()
+            if step + 1 == STEPS:
+                break
+        hook = getattr(model, "dragonn", None)
+        out[name] = {"params": [p.detach().float().clone() for p in model.module.parameters()],
+                     "compressed": None if hook is None else hook.telemetry.compressed_reductions,
+                     "engine": type(model).__name__, "accelerate_processes": acc.num_processes,
+                     "deepspeed_world": model.dp_world_size}
+    torch.save(out, Path(out_dir) / f"accelerate_rank{rank}.pt")
