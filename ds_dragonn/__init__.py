@@ -47,23 +47,26 @@ def enable() -> None:
     imports); ``deepspeed.initialize`` is then :func:`initialize`, with the same signature and return values.
     Configs without an enabled ``"dragonn"`` block get DeepSpeed's engine untouched. Idempotent; undone by
     :func:`disable`. It replaces the attribute of the ``deepspeed`` module: code that did
-    ``from deepspeed import initialize`` before this call keeps the original.
+    ``from deepspeed import initialize`` before this call keeps the original. Another wrapper around
+    ``deepspeed.initialize`` (before or after this call) keeps working: each wrapper calls the function it
+    wrapped, and an engine is hooked once.
     """
     global _DEEPSPEED_INITIALIZE
     import functools
 
     import deepspeed
-    if _DEEPSPEED_INITIALIZE is not None:
+    current = deepspeed.initialize
+    if getattr(current, "__ds_dragonn__", False):  # ours already (also after a reload of this module)
+        _DEEPSPEED_INITIALIZE = current.__ds_dragonn_original__
         return
-    original = deepspeed.initialize
-
-    @functools.wraps(original)
+    @functools.wraps(current)
     def initialize_with_dragonn(*args: Any, **kwargs: Any):
-        return initialize(*args, **kwargs)
+        return _initialize(current, *args, **kwargs)
 
-    initialize_with_dragonn.__signature__ = inspect.signature(original)
+    initialize_with_dragonn.__signature__ = inspect.signature(current)
     initialize_with_dragonn.__ds_dragonn__ = True
-    _DEEPSPEED_INITIALIZE = original
+    initialize_with_dragonn.__ds_dragonn_original__ = current
+    _DEEPSPEED_INITIALIZE = current
     deepspeed.initialize = initialize_with_dragonn
     from deepspeed.utils import logger
     logger.info("DRAGONN: enabled; deepspeed.initialize now honours the 'dragonn' config block")
@@ -71,13 +74,14 @@ def enable() -> None:
 
 def disable() -> None:
     """Undo :func:`enable`: ``deepspeed.initialize`` is DeepSpeed's own again (engines built meanwhile keep
-    their compression). No-op when not enabled."""
+    their compression). If another wrapper has gone on top of ours since, it is left in place (and keeps
+    calling ours, which keeps working). No-op when not enabled."""
     global _DEEPSPEED_INITIALIZE
     import deepspeed
     if _DEEPSPEED_INITIALIZE is None:
         return
     if getattr(deepspeed.initialize, "__ds_dragonn__", False):
-        deepspeed.initialize = _DEEPSPEED_INITIALIZE
+        deepspeed.initialize = deepspeed.initialize.__ds_dragonn_original__
     _DEEPSPEED_INITIALIZE = None
 
 
@@ -87,9 +91,15 @@ def is_enabled() -> bool:
 
 
 def _deepspeed_initialize() -> Any:
-    """DeepSpeed's own ``initialize`` (the original, also while :func:`enable` is in effect)."""
+    """The ``initialize`` that :func:`initialize` wraps: the one :func:`enable` replaced, else
+    ``deepspeed.initialize`` (never a wrapper of ours: that would recurse)."""
     import deepspeed
-    return _DEEPSPEED_INITIALIZE if _DEEPSPEED_INITIALIZE is not None else deepspeed.initialize
+    if _DEEPSPEED_INITIALIZE is not None:
+        return _DEEPSPEED_INITIALIZE
+    fn = deepspeed.initialize
+    while getattr(fn, "__ds_dragonn__", False):
+        fn = fn.__ds_dragonn_original__
+    return fn
 
 
 def initialize(*args: Any, **kwargs: Any):
@@ -107,12 +117,15 @@ def initialize(*args: Any, **kwargs: Any):
         DragonnUnsupportedError: DRAGONN is enabled together with ZeRO stage 3, ZeRO offload,
             ``"reduce_scatter": false``, ``"contiguous_gradients": false`` or a pipeline engine.
     """
-    import deepspeed
+    return _initialize(_deepspeed_initialize(), *args, **kwargs)
+
+
+def _initialize(ds_initialize: Any, *args: Any, **kwargs: Any):
+    """:func:`initialize` around ``ds_initialize`` (DeepSpeed's, or a wrapper that :func:`enable` found)."""
     from .engine import DragonnHook, ZeroHook, check_hook_point, check_zero_hook_point
     from .engine import teardown
     teardown.register()  # an orderly exit for every rank (engine/teardown.py: an upstream abort at exit)
 
-    ds_initialize = _deepspeed_initialize()
     bound = inspect.signature(ds_initialize).bind(*args, **kwargs)
     ds_config = load_ds_config(_resolve_ds_config(bound))
     cfg, stage, refusal = None, 0, None
@@ -143,7 +156,7 @@ def initialize(*args: Any, **kwargs: Any):
         check_hook_point() if stage == 0 else check_zero_hook_point()
 
     result = ds_initialize(*args, **kwargs)
-    if cfg.enabled:
+    if cfg.enabled and getattr(result[0], "dragonn", None) is None:  # (a wrapped wrapper hooked it already)
         engine = result[0]
         stage = engine.zero_optimization_stage()
         if stage == 0:

@@ -57,5 +57,14 @@ def enabled_runs(rank: int, world: int, out_dir: str) -> None:
         out[name] = _train_plain(cfg, rank)
     ds_dragonn.disable()
     out["restored"] = deepspeed.initialize is original
+    # another wrapper goes on top of ours, then disable(): the chain still works, no recursion, hooked once
+    ds_dragonn.enable()
+    ours = deepspeed.initialize
+    deepspeed.initialize = lambda *a, **k: ours(*a, **k)
+    ds_dragonn.disable()
+    out["foreign_wrapper"] = _train_plain(RUNS["s0_d001"], rank)
+    out["foreign_wrapper_via_ds_dragonn"] = ds_dragonn.initialize(
+        model=torch.nn.Linear(4, 4), config=RUNS["s0_d001"])[0].dragonn is not None
+    deepspeed.initialize = original
     torch.save(out, Path(out_dir) / f"enable_rank{rank}.pt")
     torch.distributed.destroy_process_group()

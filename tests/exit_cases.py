@@ -53,6 +53,20 @@ def train_save_exit(rank: int, world: int, out_dir: str) -> None:
     engine.save_checkpoint(str(ckpt), tag="good2")
     out["good2_files"] = sorted(p.name for p in (ckpt / "good2").iterdir() if p.name.startswith("dragonn"))
 
+    # rank 1's final file name is taken by a directory (the rename would fail there only): refused before
+    # anything is renamed, on every rank
+    if rank == 1:
+        (ckpt / "bad_final" / "dragonn_rank1.pt").mkdir(parents=True)
+    torch.distributed.barrier()
+    out["save_fails_final"] = _caught(lambda: engine.save_checkpoint(str(ckpt), tag="bad_final"))
+    out["latest_after_final"] = (ckpt / "latest").read_text()
+    # rank 1's state file of "good2" is gone while rank 0's is there: an incomplete checkpoint fails everywhere
+    torch.distributed.barrier()
+    if rank == 1:
+        (ckpt / "good2" / "dragonn_rank1.pt").unlink()
+    torch.distributed.barrier()
+    out["load_incomplete"] = _caught(lambda: _engine(RESUME_RUNS["s0_fp32"]).load_checkpoint(str(ckpt), tag="good2"))
+
     # rank 1's state file of "good" is truncated: the load fails on every rank, naming rank 1's file
     torch.distributed.barrier()
     if rank == 1:

@@ -29,6 +29,13 @@ def test_enable_is_idempotent_keeps_the_signature_and_is_undone_by_disable(runs)
         assert runs[r]["wrapped_once"] and runs[r]["same_signature"] and runs[r]["restored"]
 
 
+def test_another_wrapper_on_top_keeps_working_after_disable(runs):
+    """A framework's own wrapper around ours, then ``disable()``: no recursion, the engine hooked once."""
+    for r in range(2):
+        assert runs[r]["foreign_wrapper"]["compressed"] >= STEPS
+        assert runs[r]["foreign_wrapper_via_ds_dragonn"]
+
+
 @pytest.mark.parametrize("stage", [0, 2])
 def test_plain_initialize_compresses_after_enable(runs, stage):
     for r in range(2):

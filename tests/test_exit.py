@@ -46,6 +46,23 @@ def test_a_save_error_names_the_file(exits):
         assert exits["run"][r]["bad_dir_files"] == ["dragonn_rank1.pt.tmp"]
 
 
+def test_a_final_file_name_taken_on_one_rank_fails_the_save_on_every_rank(exits):
+    for r in range(2):
+        got = exits["run"][r]["save_fails_final"]
+        assert got is not None and got.startswith("CheckpointError") and "rank 1:" in got, got
+        assert "bad_final/dragonn_rank1.pt exists and is not a file" in got, got
+        assert exits["run"][r]["latest_after_final"] == "good2"
+
+
+def test_one_rank_missing_its_state_file_fails_the_load_on_every_rank(exits):
+    """A checkpoint of this world size whose rank-1 file is gone is incomplete: not the documented reset of a
+    plain DeepSpeed checkpoint (no rank has a file) or of one saved by another world size."""
+    for r in range(2):
+        got = exits["run"][r]["load_incomplete"]
+        assert got is not None and got.startswith("CheckpointError") and "rank 1:" in got, got
+        assert "good2/dragonn_rank1.pt is missing" in got and "rank 0:" not in got, got
+
+
 def test_a_load_that_fails_on_one_rank_fails_on_every_rank(exits):
     for r in range(2):
         got = exits["run"][r]["load_fails"]

@@ -69,22 +69,26 @@ def agree(hook: Any, error: Optional[BaseException], what: str) -> None:
 
     Raises:
         CheckpointError: on every rank when any rank passed an ``error`` (chained to it on that rank),
-            naming each failing rank and its message. Without a process group, ``error`` is raised as it is.
+            naming each failing rank and its message (in a single process, for its own error).
     """
-    import torch.distributed as dist
-    mine = None if error is None else f"{type(error).__name__}: {error}"
-    if dist.is_available() and dist.is_initialized():
-        group = getattr(hook.engine, "data_parallel_group", None)
-        everyone: list = [None] * dist.get_world_size(group=group)
-        dist.all_gather_object(everyone, mine, group=group)
-        rank = dist.get_rank(group=group)
-    else:
-        everyone, rank = [mine], 0
+    everyone, rank = gather(hook, None if error is None else f"{type(error).__name__}: {error}")
     failed = [(r, m) for r, m in enumerate(everyone) if m is not None]
     if failed:
         detail = "; ".join(f"rank {r}: {m}" for r, m in failed)
         raise CheckpointError(f"[rank {rank}] DRAGONN {what} failed on {len(failed)} of {len(everyone)} ranks, so "
                               f"every rank stops ({detail})") from error
+
+
+def gather(hook: Any, value: Any) -> Tuple[list, int]:
+    """``(every rank's value, this rank)`` over the engine's data-parallel group (``all_gather_object``;
+    ``([value], 0)`` without a process group)."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        return [value], 0
+    group = getattr(hook.engine, "data_parallel_group", None)
+    everyone: list = [None] * dist.get_world_size(group=group)
+    dist.all_gather_object(everyone, value, group=group)
+    return everyone, dist.get_rank(group=group)
 
 
 def check_same_step(hook: Any, tag: str = "") -> None:
@@ -274,12 +278,19 @@ def install(hook: Any) -> None:
         check_same_step(hook, os.path.basename(os.path.dirname(str(load_path))) if load_path else "")
         if load_path is None:
             return out  # DeepSpeed loaded nothing
-        error = None
+        folder, error, read = os.path.dirname(str(load_path)), None, ("error", None, None)
         try:
-            _load_state(hook, a, str(load_path))
+            read = _read_state(hook, a, folder)
         except Exception as err:  # noqa: BLE001 - every rank raises it, named, in agree()
             error = err
-        agree(hook, error, f"load_checkpoint from {os.path.dirname(str(load_path))}")
+        agree(hook, error, f"load_checkpoint from {folder}")
+        error = _check_complete(hook, read, folder)
+        agree(hook, error, f"load_checkpoint from {folder}")
+        try:
+            _apply_state(hook, read)
+        except Exception as err:  # noqa: BLE001 - every rank raises it, named, in agree()
+            error = err
+        agree(hook, error, f"load_checkpoint from {folder}")
         return out
 
     save_checkpoint.__wrapped__ = save
@@ -295,6 +306,8 @@ def _save_state(hook: Any, folder: str) -> None:
     tmp, error = path + ".tmp", None
     try:
         os.makedirs(folder, exist_ok=True)
+        if os.path.lexists(path) and not os.path.isfile(path):
+            raise IsADirectoryError(f"{path} exists and is not a file")
         torch.save(hook.state_dict(), tmp)
     except Exception as err:  # noqa: BLE001 - every rank raises it, named, in agree()
         error = OSError(f"cannot write the state file {tmp}: {err}")
@@ -310,24 +323,53 @@ def _save_state(hook: Any, folder: str) -> None:
             except OSError:
                 pass
         raise
-    os.replace(tmp, path)  # never a half-written file under the final name
+    error = None
+    try:
+        os.replace(tmp, path)  # never a half-written file under the final name
+    except OSError as err:
+        error = OSError(f"cannot rename {tmp} to {path}: {err}")
+    agree(hook, error, f"save_checkpoint to {folder}")  # DeepSpeed's save runs only if every rank renamed
 
 
-def _load_state(hook: Any, a: Dict[str, Any], load_path: str) -> None:
-    """This rank's part of a load, after DeepSpeed's: reset, or read and apply its state file."""
-    if hook.variance_freeze is not None:  # the optimizer's state tensors were replaced: snapshot them anew
-        hook.variance_freeze.reset()
-    rank, _ = hook._where()
+def _read_state(hook: Any, a: Dict[str, Any], folder: str) -> Tuple[str, Any, str]:
+    """This rank's part of a load, after DeepSpeed's: ``("warm", None, why)`` for a warm start,
+    ``("missing", None, path)``, or ``("read", state, path)``. Raises ValueError naming an unreadable file."""
     if not a.get("load_optimizer_states", True) or a.get("load_module_only", False):
-        hook.reset_state(f"load_checkpoint(load_optimizer_states={a.get('load_optimizer_states')}, "
-                         f"load_module_only={a.get('load_module_only')}): a warm start")
-        return
-    path = state_path(os.path.dirname(load_path), rank)
+        return "warm", None, (f"load_checkpoint(load_optimizer_states={a.get('load_optimizer_states')}, "
+                              f"load_module_only={a.get('load_module_only')}): a warm start")
+    rank, _ = hook._where()
+    path = state_path(folder, rank)
     if not os.path.isfile(path):
-        hook.reset_state(f"{path} not found (a checkpoint saved without ds_dragonn, or by fewer ranks)")
-        return
+        return "missing", None, path
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as err:  # noqa: BLE001 - re-raised with the file named
         raise ValueError(f"[rank {rank}] DRAGONN: cannot read the state file {path}: {err}") from err
-    hook.load_state_dict(state, source=path)
+    return "read", state, path
+
+
+def _check_complete(hook: Any, read: Tuple[str, Any, str], folder: str) -> Optional[BaseException]:
+    """The error of a rank whose state file is missing while another rank read one saved by the same world
+    size (an incomplete checkpoint, not a plain DeepSpeed one or one saved by another world size)."""
+    kind, state, path = read
+    saved_world = state.get("world_size") if kind == "read" and isinstance(state, dict) else None
+    everyone, _ = gather(hook, (kind, saved_world))
+    world = hook._where()[1]
+    complete_elsewhere = any(k == "read" and w == world for k, w in everyone)
+    if kind == "missing" and complete_elsewhere:
+        return FileNotFoundError(f"{path} is missing while the other ranks' files of this {world}-rank "
+                                 f"checkpoint are there (an incomplete or damaged checkpoint)")
+    return None
+
+
+def _apply_state(hook: Any, read: Tuple[str, Any, str]) -> None:
+    """Apply what :func:`_read_state` found: reset for a warm start or a missing file, else load."""
+    kind, state, path = read
+    if hook.variance_freeze is not None:  # the optimizer's state tensors were replaced: snapshot them anew
+        hook.variance_freeze.reset()
+    if kind == "warm":
+        hook.reset_state(path)
+    elif kind == "missing":
+        hook.reset_state(f"{path} not found (a checkpoint saved without ds_dragonn, or by fewer ranks)")
+    else:
+        hook.load_state_dict(state, source=path)
