@@ -13,6 +13,8 @@ setup(
     long_description=Path("README.md").read_text() if Path("README.md").exists() else "",
     long_description_content_type="text/markdown",
     packages=find_packages(include=["ds_dragonn", "ds_dragonn.*"]),
+    # the CPU selection kernel's source: compiled on first use (cached), so it must ship in the wheel
+    package_data={"ds_dragonn.compress.kernels": ["*.cpp"]},
     python_requires=">=3.9",
     # torch is not pinned: a machine that has torch keeps it (launch/setup_env.sh pins the CPU build
     # only where no torch is installed and no GPU is present).
