@@ -32,7 +32,11 @@ Save and load are collective, like the config agreement: a rank that cannot writ
 makes every rank raise :class:`CheckpointError`, naming each failing rank and its file (:func:`agree`). A
 failed save leaves no trace: every rank writes ``dragonn_rank<R>.pt.tmp`` first, and the files are renamed
 to their final names only once every rank has written its own; otherwise the temporary files are removed,
-DeepSpeed's save is not run (``latest`` stays where it was), and a tag folder left empty is removed. Loading with ``load_optimizer_states=False`` or ``load_module_only=True`` (a warm start) leaves the
+DeepSpeed's save is not run (``latest`` stays where it was), and a tag folder left empty is removed. A
+load where one rank's file is missing while the other ranks hold theirs, saved at this world size, is an
+incomplete checkpoint and fails the same way.
+
+Loading with ``load_optimizer_states=False`` or ``load_module_only=True`` (a warm start) leaves the
 residuals empty, like DeepSpeed's optimizer state.
 """
 from __future__ import annotations
