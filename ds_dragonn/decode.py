@@ -96,46 +96,33 @@ class SparseDecoder:
         else:
             for idx in self._touched.get(key, ()):
                 scatter.zero_(out, idx)
-        if accumulation_dtype(dtype) != dtype:
-            return self._decode_widened(key, out, indices, values, postscale)
+        # fp16: the sums go into a float32 buffer (zero outside the last decode's positions) and only the
+        # scaled result is rounded into ``out``; other dtypes sum in ``out`` itself
+        acc = out if accumulation_dtype(dtype) == dtype else self._widened(key, out)
         touched = []
         for idx, val in zip(indices, values):
             if idx.numel():
                 idx = idx.to(device=device)
-                scatter.add_(out, idx, val)
+                scatter.add_(acc, idx, val)
                 touched.append(idx)
-        if postscale != 1.0 and touched:
+        if touched and (postscale != 1.0 or acc is not out):
             # read every decoded sum before writing any: an index sent by several ranks is then
             # written several times with the same value
             pos = touched[0] if len(touched) == 1 else torch.cat(touched)
-            scatter.set_(out, pos, scatter.gather_scaled(out, pos, postscale))
+            scatter.set_(out, pos, scatter.gather_scaled(acc, pos, postscale))
         self._touched[key] = touched
         self._version[key] = out._version
         return out
 
-    def _decode_widened(self, key: Hashable, out: torch.Tensor, indices: Sequence[torch.Tensor],
-                        values: Sequence[torch.Tensor], postscale: float) -> torch.Tensor:
-        """fp16 ``out`` (its previous positions already cleared): the sums and the scaling in float32, then
-        ``out[pos] = fp16(postscale × sum)``. The float32 buffer is zero outside the last decode's positions."""
-        acc_dtype = accumulation_dtype(out.dtype)
+    def _widened(self, key: Hashable, out: torch.Tensor) -> torch.Tensor:
+        """The float32 buffer an fp16 bucket's sums are formed in, its last decode's positions cleared."""
         acc = self._acc.get(key)
         if acc is None or acc.numel() != out.numel() or acc.device != out.device:
-            acc = self._acc[key] = persistent_zeros(out.numel(), acc_dtype, out.device)
+            acc = self._acc[key] = persistent_zeros(out.numel(), accumulation_dtype(out.dtype), out.device)
         else:
             for idx in self._touched.get(key, ()):
                 scatter.zero_(acc, idx)
-        touched = []
-        for idx, val in zip(indices, values):
-            if idx.numel():
-                idx = idx.to(device=out.device)
-                scatter.add_(acc, idx, val.to(acc_dtype))
-                touched.append(idx)
-        if touched:
-            pos = touched[0] if len(touched) == 1 else torch.cat(touched)
-            scatter.set_(out, pos, scatter.gather_scaled(acc, pos, postscale))  # set_ rounds to fp16
-        self._touched[key] = touched
-        self._version[key] = out._version
-        return out
+        return acc
 
     @staticmethod
     def decode_into(tensors: Sequence[torch.Tensor], indices: Sequence[torch.Tensor],
