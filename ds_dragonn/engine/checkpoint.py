@@ -75,11 +75,20 @@ def agree(hook: Any, error: Optional[BaseException], what: str) -> None:
         CheckpointError: on every rank when any rank passed an ``error`` (chained to it on that rank),
             naming each failing rank and its message (in a single process, for its own error).
     """
-    everyone, rank = gather(hook, None if error is None else f"{type(error).__name__}: {error}")
-    failed = [(r, m) for r, m in enumerate(everyone) if m is not None]
+    everyone, rank = gather(hook, _message(error))
+    _raise_failures(everyone, rank, what, error)
+
+
+def _message(error: Optional[BaseException]) -> Optional[str]:
+    return None if error is None else f"{type(error).__name__}: {error}"
+
+
+def _raise_failures(messages: List[Optional[str]], rank: int, what: str, error: Optional[BaseException]) -> None:
+    """Raise :class:`CheckpointError` naming every rank whose message is not None (see :func:`agree`)."""
+    failed = [(r, m) for r, m in enumerate(messages) if m is not None]
     if failed:
         detail = "; ".join(f"rank {r}: {m}" for r, m in failed)
-        raise CheckpointError(f"[rank {rank}] DRAGONN {what} failed on {len(failed)} of {len(everyone)} ranks, so "
+        raise CheckpointError(f"[rank {rank}] DRAGONN {what} failed on {len(failed)} of {len(messages)} ranks, so "
                               f"every rank stops ({detail})") from error
 
 
@@ -283,18 +292,21 @@ def install(hook: Any) -> None:
         if load_path is None:
             return out  # DeepSpeed loaded nothing
         folder, error, read = os.path.dirname(str(load_path)), None, ("error", None, None)
+        what = f"load_checkpoint from {folder}"
         try:
             read = _read_state(hook, a, folder)
-        except Exception as err:  # noqa: BLE001 - every rank raises it, named, in agree()
+        except Exception as err:  # noqa: BLE001 - every rank raises it, named, below
             error = err
-        agree(hook, error, f"load_checkpoint from {folder}")
-        error = _check_complete(hook, read, folder)
-        agree(hook, error, f"load_checkpoint from {folder}")
+        # one allgather: whether each rank read its file, and which world size saved it
+        saved_world = read[1].get("world_size") if read[0] == "read" and isinstance(read[1], dict) else None
+        everyone, rank = gather(hook, (_message(error), read[0], saved_world))
+        _raise_failures([m for m, _, _ in everyone], rank, what, error)
+        _raise_failures(_incomplete([(k, w) for _, k, w in everyone], folder, hook._where()[1]), rank, what, None)
         try:
             _apply_state(hook, read)
         except Exception as err:  # noqa: BLE001 - every rank raises it, named, in agree()
             error = err
-        agree(hook, error, f"load_checkpoint from {folder}")
+        agree(hook, error, what)
         return out
 
     save_checkpoint.__wrapped__ = save
@@ -352,18 +364,15 @@ def _read_state(hook: Any, a: Dict[str, Any], folder: str) -> Tuple[str, Any, st
     return "read", state, path
 
 
-def _check_complete(hook: Any, read: Tuple[str, Any, str], folder: str) -> Optional[BaseException]:
-    """The error of a rank whose state file is missing while another rank read one saved by the same world
-    size (an incomplete checkpoint, not a plain DeepSpeed one or one saved by another world size)."""
-    kind, state, path = read
-    saved_world = state.get("world_size") if kind == "read" and isinstance(state, dict) else None
-    everyone, _ = gather(hook, (kind, saved_world))
-    world = hook._where()[1]
-    complete_elsewhere = any(k == "read" and w == world for k, w in everyone)
-    if kind == "missing" and complete_elsewhere:
-        return FileNotFoundError(f"{path} is missing while the other ranks' files of this {world}-rank "
-                                 f"checkpoint are there (an incomplete or damaged checkpoint)")
-    return None
+def _incomplete(found: List[Tuple[str, Any]], folder: str, world: int) -> List[Optional[str]]:
+    """Per rank, the error of a rank whose state file is missing while another rank read one saved by this
+    world size (an incomplete checkpoint; not a plain DeepSpeed one, nor one saved by another world size).
+    ``found``: every rank's ``(kind, saved world size)`` from :func:`_read_state`."""
+    if not any(k == "read" and w == world for k, w in found):
+        return [None] * len(found)
+    return [_message(FileNotFoundError(f"{state_path(folder, r)} is missing while the other ranks' files of this "
+                                       f"{world}-rank checkpoint are there (an incomplete or damaged checkpoint)"))
+            if k == "missing" else None for r, (k, _) in enumerate(found)]
 
 
 def _apply_state(hook: Any, read: Tuple[str, Any, str]) -> None:
