@@ -151,3 +151,9 @@ def _append_core_backtrace(out_dir: Path, rank: int) -> None:
         bt = subprocess.run(["gdb", "-q", "-batch", *GDB_BT, sys.executable, str(cores[-1])],
                             capture_output=True, text=True, timeout=300)
         log.write(f"\n[run_ranks] native backtrace of every thread, from {cores[-1]}:\n{bt.stdout}{bt.stderr}")
+
+
+def load_rank_files(out_dir: Path, stem: str, world_size: int) -> list:
+    """Every rank's ``<out_dir>/<stem>_rank<r>.pt`` (what a rank function saved), in rank order."""
+    import torch
+    return [torch.load(Path(out_dir) / f"{stem}_rank{r}.pt", weights_only=False) for r in range(world_size)]

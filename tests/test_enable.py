@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from tests.enable_cases import STEPS
-from tests.multiproc import run_ranks
+from tests.multiproc import load_rank_files, run_ranks
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("enable")
     run_ranks("tests.enable_cases:enabled_runs", 2, out, timeout=400)
-    return [torch.load(out / f"enable_rank{r}.pt", weights_only=False) for r in range(2)]
+    return load_rank_files(out, "enable", 2)
 
 
 def test_without_enable_the_block_is_ignored(runs):

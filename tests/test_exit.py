@@ -7,9 +7,8 @@ these tests. The scripts end without ``destroy_process_group``, as users' script
 from __future__ import annotations
 
 import pytest
-import torch
 
-from tests.multiproc import run_ranks
+from tests.multiproc import load_rank_files, run_ranks
 
 
 @pytest.fixture(scope="module")
@@ -17,8 +16,7 @@ def exits(tmp_path_factory):
     out = tmp_path_factory.mktemp("exit")
     run_ranks("tests.exit_cases:train_save_exit", 2, out, timeout=400)
     run_ranks("tests.exit_cases:mismatch_exit", 2, out, timeout=400)
-    return {"dir": out, "run": [torch.load(out / f"exit_rank{r}.pt", weights_only=False) for r in range(2)],
-            "mismatch": [torch.load(out / f"mismatch_rank{r}.pt", weights_only=False) for r in range(2)]}
+    return {"dir": out, "run": load_rank_files(out, "exit", 2), "mismatch": load_rank_files(out, "mismatch", 2)}
 
 
 def test_a_caught_config_mismatch_then_exit_is_exit_0(exits):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.multiproc import run_ranks
+from tests.multiproc import load_rank_files, run_ranks
 
 pytest.importorskip("transformers", reason="pip install 'ds_dragonn[hf]' (transformers, accelerate)")
 pytest.importorskip("accelerate", reason="pip install 'ds_dragonn[hf]' (transformers, accelerate)")
@@ -21,7 +21,7 @@ from tests.hf_cases import STEPS  # noqa: E402
 def trainer(tmp_path_factory):
     out = tmp_path_factory.mktemp("hf_trainer")
     run_ranks("tests.hf_cases:trainer_runs", 2, out, timeout=600)
-    return [torch.load(out / f"trainer_rank{r}.pt", weights_only=False) for r in range(2)]
+    return load_rank_files(out, "trainer", 2)
 
 
 @pytest.mark.parametrize("stage", [0, 2])
@@ -55,7 +55,7 @@ def test_trainer_checkpoint_resume_carries_the_residuals(trainer):
 def accelerate_loop(tmp_path_factory):
     out = tmp_path_factory.mktemp("accelerate")
     run_ranks("tests.hf_cases:accelerate_runs", 2, out, timeout=600, env={"ACCELERATE_USE_DEEPSPEED": "true"})
-    return [torch.load(out / f"accelerate_rank{r}.pt", weights_only=False) for r in range(2)]
+    return load_rank_files(out, "accelerate", 2)
 
 
 @pytest.mark.parametrize("stage", [0, 2])

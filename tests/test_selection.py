@@ -12,7 +12,7 @@ from ds_dragonn.compress.kernels import cpu_table
 from ds_dragonn.compress.segments import Segments, plan_segments
 from ds_dragonn.config import DragonnConfig, DragonnConfigError
 from ds_dragonn.schedule import DensitySchedule
-from tests.multiproc import run_ranks
+from tests.multiproc import load_rank_files, run_ranks
 
 needs_cpu_kernel = pytest.mark.skipif(not cpu_table.available(), reason="no C++ compiler")
 
@@ -192,7 +192,7 @@ def test_config_validates_the_new_keys():
 def engines(tmp_path_factory):
     out = tmp_path_factory.mktemp("selection")
     run_ranks("tests.selection_cases:selection_runs", 2, out, timeout=400)
-    return [torch.load(out / f"selection_rank{r}.pt", weights_only=False) for r in range(2)]
+    return load_rank_files(out, "selection", 2)
 
 
 def test_global_selection_starves_the_quiet_tensors(engines):
