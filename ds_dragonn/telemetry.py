@@ -13,7 +13,7 @@ from typing import List, Optional, Tuple
 
 from deepspeed.utils.logging import print_dist
 
-from .exchange.base import dense_allreduce_bytes
+from .exchange.wire import dense_allreduce_bytes
 from .pipeline import ReduceStats
 
 PHASES = ("compensate", "select", "exchange", "residual", "decode")

@@ -33,8 +33,8 @@ import torch
 
 from ..comm.base import CommBackend
 from ..exchange import Exchange
-from ..exchange.base import dense_allreduce_bytes
-from ..exchange.reduce_scatter import RangeOwnership, ReduceScatterExchange, dense_reduce_scatter_bytes
+from ..exchange.reduce_scatter import RangeOwnership, ReduceScatterExchange
+from ..exchange.wire import dense_allreduce_bytes, dense_reduce_scatter_bytes
 from ..pipeline import PhaseClock
 from .base import HookBase, bucket_seed
 from .checkpoint import install as install_checkpointing

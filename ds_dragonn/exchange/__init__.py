@@ -3,7 +3,8 @@
 ``allgather`` and ``partitioned`` serve ZeRO stage 0 (``build_exchange``); ``reduce_scatter``
 (``exchange/reduce_scatter.py``) serves ZeRO stages 1 and 2, whose owners are ZeRO's partitions."""
 from .allgather import AllgatherExchange, allgather_exchange
-from .base import BufferMismatchError, Exchange, Gathered, check_buffer_agreement, to_wire
+from .base import BufferMismatchError, Exchange, Gathered, check_buffer_agreement
+from .wire import to_wire
 from .ownership import HashedOwnership, Ownership
 from .partitioned import PartitionedExchange, Scattered, sparse_reduce_scatter
 

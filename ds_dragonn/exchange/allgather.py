@@ -23,7 +23,8 @@ import torch
 
 from ..comm.base import CommBackend
 from ..compress.base import Selection, index_dtype
-from .base import Exchange, BufferMismatchError, Gathered, align, check_agreement, dtype_code
+from .base import Exchange, BufferMismatchError, Gathered, check_agreement
+from .wire import align, dtype_code
 
 HEADER_INTS = 4  # [count, numel, dtype code, whole]
 

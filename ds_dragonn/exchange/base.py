@@ -15,7 +15,6 @@ the same buffer: a mismatch raises :class:`BufferMismatchError` on every rank in
 """
 from __future__ import annotations
 
-import hashlib
 from abc import ABC, abstractmethod
 from typing import Hashable, List, NamedTuple, Sequence
 
@@ -23,14 +22,7 @@ import torch
 
 from ..comm.base import CommBackend
 from ..compress.base import Selection
-
-DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
-ALIGN = 8  # every block of a payload starts on 8 bytes: zero-copy views of any dtype
-
-
-def align(nbytes: int) -> int:
-    """``nbytes`` rounded up to a multiple of :data:`ALIGN`."""
-    return -(-nbytes // ALIGN) * ALIGN
+from .wire import DTYPE_CODES, SCHEME_CODES, bucket_code, dense_allreduce_bytes, dtype_code
 
 
 class Gathered(NamedTuple):
@@ -63,31 +55,6 @@ class BufferMismatchError(ValueError):
     """Ranks tried to reduce buffers of different sizes or dtypes."""
 
 
-def to_wire(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``values`` in the wire dtype; finite values beyond its range are clamped to its largest finite value.
-
-    A residual accumulated in float32 can exceed fp16's 65504 although no gradient does: sent as Inf it
-    would poison the result (fp32 training has no loss scaler to catch it) and the residual would drop
-    it. Clamped, the excess stays in the residual. Non-finite values are sent as they are.
-    """
-    if dtype not in (torch.float16, torch.bfloat16) or values.dtype == dtype:
-        return values.to(dtype)
-    big = torch.finfo(dtype).max
-    return torch.where(torch.isfinite(values), values.clamp(-big, big), values).to(dtype)
-
-
-def dense_allreduce_bytes(numel: int, itemsize: int, world_size: int) -> int:
-    """Bytes each rank sends in a ring allreduce of ``numel`` elements: ``2(P-1)/P × numel × itemsize``."""
-    return int(2 * (world_size - 1) * numel * itemsize // max(world_size, 1))
-
-
-def dtype_code(dtype: torch.dtype) -> int:
-    """Wire code of a value dtype. Raises TypeError for dtypes the exchanges do not carry."""
-    if dtype not in DTYPE_CODES:
-        raise TypeError(f"unsupported gradient dtype {dtype}; supported: {list(DTYPE_CODES)}")
-    return DTYPE_CODES[dtype]
-
-
 def check_agreement(numels: Sequence[int], codes: Sequence[int], rank: int) -> None:
     """Raise :class:`BufferMismatchError` (same text on every rank) unless all ranks gave one numel and dtype."""
     if len(set(numels)) > 1 or len(set(codes)) > 1:
@@ -95,16 +62,6 @@ def check_agreement(numels: Sequence[int], codes: Sequence[int], rank: int) -> N
         per_rank = ", ".join(f"rank {r}: {n} x {names.get(c, c)}" for r, (n, c) in enumerate(zip(numels, codes)))
         raise BufferMismatchError(f"[rank {rank}] ranks disagree on the gradient buffer to reduce "
                                   f"({per_rank}); every rank must reduce the same model's gradients")
-
-
-#: wire codes of the exchange schemes, for the agreement check
-SCHEME_CODES = {"allgather": 0, "partitioned": 1, "reduce_scatter": 2}
-
-
-def bucket_code(key: Hashable) -> int:
-    """A 56-bit digest of a bucket key (its position, dtype, length and parameter names), equal on every rank
-    whose bucket holds the same parameters (``repr`` + blake2b: not Python's per-process ``hash``)."""
-    return int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=7).digest(), "little")
 
 
 def check_buffer_agreement(numel: int, dtype: torch.dtype, backend: CommBackend, device: torch.device,
@@ -133,6 +90,7 @@ def check_buffer_agreement(numel: int, dtype: torch.dtype, backend: CommBackend,
         raise BufferMismatchError(f"[rank {backend.rank}] ranks disagree on the bucket layout (digest of position, "
                                   f"dtype, length and parameter names: {per_rank}); every rank must train the same "
                                   f"parameters (the same ones frozen)")
+
 
 
 class Exchange(ABC):

@@ -37,7 +37,8 @@ from ..comm.base import CommBackend
 from ..compress.base import Compressor, Selection, index_dtype, max_pairs, target_k
 from ..feedback import ErrorFeedback
 from .allgather import HEADER_INTS, exchange_header, gather_pairs
-from .base import ALIGN, Exchange, Gathered, align, check_agreement, dtype_code, to_wire
+from .base import Exchange, Gathered, check_agreement
+from .wire import ALIGN, align, block_bytes, counts_header_bytes, dtype_code, to_wire
 from .ownership import HashedOwnership, Ownership
 
 _BIT_WEIGHTS = [1 << b for b in range(8)]
@@ -63,15 +64,6 @@ class Scattered(NamedTuple):
     def owner_pairs(self) -> List[int]:
         """Pairs each owner received (self included)."""
         return [sum(row[d] for row in self.matrix) for d in range(len(self.matrix))]
-
-
-def _counts_header_bytes(world: int) -> int:
-    """Bytes each rank sends in the counts-header allgather of a sparse reduce-scatter (ring model)."""
-    return (world - 1) * (world + 2) * 8
-
-
-def _block_bytes(count: int, idx_dtype: torch.dtype, wire_dtype: torch.dtype) -> int:
-    return align(count * idx_dtype.itemsize) + align(count * wire_dtype.itemsize)
 
 
 def sparse_reduce_scatter(selection: Selection, numel: int, wire_dtype: torch.dtype, ownership: Ownership,
@@ -107,9 +99,9 @@ def sparse_reduce_scatter(selection: Selection, numel: int, wire_dtype: torch.dt
     matrix = [h[:world] for h in header]
 
     sdt = index_dtype(numel)  # slots < numel
-    send_sizes = [_block_bytes(c, sdt, wire_dtype) for c in counts]
+    send_sizes = [block_bytes(c, sdt, wire_dtype) for c in counts]
     recv_counts = [matrix[src][rank] for src in range(world)]
-    recv_sizes = [_block_bytes(c, sdt, wire_dtype) for c in recv_counts]
+    recv_sizes = [block_bytes(c, sdt, wire_dtype) for c in recv_counts]
     payload = torch.zeros(sum(send_sizes), dtype=torch.uint8, device=device)
     slot, values = slot[order], selection.values[order]
     off = first = 0
@@ -127,7 +119,7 @@ def sparse_reduce_scatter(selection: Selection, numel: int, wire_dtype: torch.dt
         slots.append(recv[off:off + c * sdt.itemsize].view(sdt))
         vals.append(recv[off + ib:off + ib + c * wire_dtype.itemsize].view(wire_dtype))
         off += recv_sizes[src]
-    header_bytes = _counts_header_bytes(world)
+    header_bytes = counts_header_bytes(world)
     sent = header_bytes + sum(s for d, s in enumerate(send_sizes) if d != rank)
     received = header_bytes + sum(s for d, s in enumerate(recv_sizes) if d != rank)
     return Scattered(slots, vals, matrix, sent, received)
@@ -139,7 +131,7 @@ def max_scatter_bytes(numel: int, pairs: int, wire_dtype: torch.dtype, world_siz
     if world_size <= 1:
         return 0
     padding = 2 * ALIGN * (world_size - 1)  # each destination's block is aligned
-    return _counts_header_bytes(world_size) + _block_bytes(pairs, index_dtype(numel), wire_dtype) + padding
+    return counts_header_bytes(world_size) + block_bytes(pairs, index_dtype(numel), wire_dtype) + padding
 
 
 def owner_seed(seed: int, owner: int) -> int:

@@ -21,11 +21,7 @@ from ..compress.base import Selection
 from .base import Exchange, Gathered
 from .ownership import Ownership
 from .partitioned import max_scatter_bytes, sparse_reduce_scatter
-
-
-def dense_reduce_scatter_bytes(numel: int, itemsize: int, world_size: int) -> int:
-    """Bytes each rank sends in a ring reduce-scatter of ``numel`` elements: ``(P-1)/P × numel × itemsize``."""
-    return int((world_size - 1) * numel * itemsize // max(world_size, 1))
+from .wire import dense_reduce_scatter_bytes
 
 
 class RangeOwnership(Ownership):
