@@ -122,7 +122,7 @@ def initialize(*args: Any, **kwargs: Any):
 
 def _initialize(ds_initialize: Any, *args: Any, **kwargs: Any):
     """:func:`initialize` around ``ds_initialize`` (DeepSpeed's, or a wrapper that :func:`enable` found)."""
-    from .engine import DragonnHook, ZeroHook, check_hook_point, check_zero_hook_point
+    from .engine import Stage0Hook, Stage12Hook, check_hook_point, check_zero_hook_point
     from .engine import teardown
     teardown.register()  # an orderly exit for every rank (engine/teardown.py: an upstream abort at exit)
 
@@ -160,11 +160,11 @@ def _initialize(ds_initialize: Any, *args: Any, **kwargs: Any):
         engine = result[0]
         stage = engine.zero_optimization_stage()
         if stage == 0:
-            DragonnHook(engine, cfg).install()
+            Stage0Hook(engine, cfg).install()
         elif stage in (1, 2) and hasattr(engine.optimizer, "average_tensor"):
             if not engine.optimizer.reduce_scatter:
                 raise DragonnUnsupportedError(_NO_REDUCE_SCATTER)
-            ZeroHook(engine, cfg).install()
+            Stage12Hook(engine, cfg).install()
         else:
             raise DragonnUnsupportedError(f"'dragonn' supports ZeRO stages 0, 1 and 2; the engine runs stage {stage} "
                                           f"with {type(engine.optimizer).__name__}")

@@ -30,8 +30,7 @@ from .compress.base import Compressor, Selection
 from .compress.kernels import cpu_table
 from .decode import SparseDecoder
 from .exchange import AllgatherExchange, Exchange, check_buffer_agreement, to_wire
-from .exchange.wire import dense_allreduce_bytes
-from .feedback import ErrorFeedback, residual_dtype
+from .feedback import ErrorFeedback
 
 
 class ReduceStats(NamedTuple):

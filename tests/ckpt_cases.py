@@ -118,7 +118,7 @@ def resume_runs(rank: int, world: int, out_dir: str) -> None:
     flush = {"after_load": _residual_mass(engine)}
     _train(engine, rank, K, K + 1, overflow_at=K)
     flush["after_skipped"] = _residual_mass(engine)
-    flush["pending_after_skipped"] = len(engine.dragonn._pending)
+    flush["pending_after_skipped"] = len(engine.dragonn.pending)
     _train(engine, rank, K + 1, K + 2)
     flush["after_next"] = _residual_mass(engine)
     flush["skipped"] = int(engine.skipped_steps)

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-from typing import Any, Hashable, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 from ..pipeline import PhaseClock
-from .base import HookBase, bucket_seed
+from .base import HookBase
+from .bucket import ALLREDUCE, BucketKey, bucket_seed
 from .checkpoint import install as install_checkpointing
 
 
@@ -39,7 +40,7 @@ def reduction_scales(engine: Any, dp_world_size: float) -> Scales:
     return Scales(1.0 / dp_world_size, 1.0)
 
 
-class DragonnHook(HookBase):
+class Stage0Hook(HookBase):
     """ZeRO stage 0: compresses ``DeepSpeedEngine.allreduce_bucket`` / ``allreduce_and_copy``."""
 
     hook_name = "ZeRO stage 0 allreduce"
@@ -48,7 +49,7 @@ class DragonnHook(HookBase):
         super().__init__(engine, cfg)
         self._dense_allreduce_bucket = engine.allreduce_bucket  # DeepSpeed's bound method
 
-    def install(self) -> "DragonnHook":
+    def install(self) -> "Stage0Hook":
         # build the transport for the engine's data-parallel group now, so a wrong launch (e.g. an MPI
         # world that is not the data-parallel group) fails at initialize, not after the warm-up steps
         from deepspeed.utils import groups
@@ -57,7 +58,7 @@ class DragonnHook(HookBase):
         self.engine.allreduce_and_copy = self.allreduce_and_copy
         self.engine.dragonn = self
         install_checkpointing(self)  # engine.save_checkpoint / load_checkpoint carry the residuals
-        self._log_start(self.cfg.exchange.value)
+        self.reporter.start(self.hook_name, self.compressor.name, self.cfg.exchange.value)
         return self
 
     # -- the hook -----------------------------------------------------------------------------------
@@ -89,12 +90,12 @@ class DragonnHook(HookBase):
         world = pipeline.backend.world_size
         if dp_world_size is None:
             dp_world_size = world
-        key: Hashable = (ordinal, str(comm_dtype), numel, self._layout(bucket))
-        segments = self._bucket_segments(key, numel, lambda: [t.shape for t in bucket])
-        dense, fixed = self._goes_dense(key, numel, step, pipeline, comm_dtype)
+        key = BucketKey(ALLREDUCE, ordinal, str(comm_dtype), numel, self._layout(bucket))
+        segments = self.decision.segments(key, numel, lambda: [t.shape for t in bucket])
+        dense, fixed = self.decision.choose(key, numel, step, pipeline, comm_dtype)
         if dense:
             clock = PhaseClock(bucket[0].device)
-            if key in self._pending:  # compressed before: flush its residual now
+            if key in self.pending:  # compressed before: flush its residual now
                 out = pipeline.reduce_dense(bucket, key, *reduction_scales(engine, dp_world_size), comm_dtype)
                 self._flushed(key)
             else:
@@ -102,8 +103,8 @@ class DragonnHook(HookBase):
             self._record_dense(key, numel, comm_dtype.itemsize, world, clock.lap(), fixed)
             return out
 
-        self._announce(step)
-        self._set_density(step)
+        self.reporter.announce(step)
+        self.decision.set_density(self.compressor, step)
         scales = reduction_scales(engine, dp_world_size)
         # no flatten: the pipeline compensates the bucket's gradients straight into the persistent
         # residual; it decodes into the gradients themselves (from allreduce_and_copy, where it can), or

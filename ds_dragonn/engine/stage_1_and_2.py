@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-from typing import Any, Hashable, List, NamedTuple, Optional
+from typing import Any, List, NamedTuple, Optional
 
 import torch
 
@@ -36,7 +36,8 @@ from ..exchange import Exchange
 from ..exchange.reduce_scatter import RangeOwnership, ReduceScatterExchange
 from ..exchange.wire import dense_allreduce_bytes, dense_reduce_scatter_bytes
 from ..pipeline import PhaseClock
-from .base import HookBase, bucket_seed
+from .base import HookBase
+from .bucket import REDUCE_SCATTER, BucketKey, bucket_seed
 from .checkpoint import install as install_checkpointing
 
 _RECORDED = ("allreduce_no_retain", "allreduce_and_scatter")
@@ -49,7 +50,7 @@ class _Call(NamedTuple):
     kwargs: dict
 
 
-class ZeroHook(HookBase):
+class Stage12Hook(HookBase):
     """ZeRO stage 1/2: compresses ``DeepSpeedZeroOptimizer.average_tensor`` with a sparse reduce-scatter."""
 
     hook_name = "ZeRO stage 1/2 reduce-scatter"
@@ -66,12 +67,12 @@ class ZeroHook(HookBase):
     def _build_exchange(self, backend: CommBackend) -> Exchange:
         return ReduceScatterExchange(backend)  # ZeRO's partitions are the owners, whatever "exchange" says
 
-    def install(self) -> "ZeroHook":
+    def install(self) -> "Stage12Hook":
         self.pipeline(self.optimizer.dp_process_group)  # a wrong launch fails at initialize
         self.optimizer.average_tensor = self.average_tensor
         self.engine.dragonn = self
         install_checkpointing(self)  # engine.save_checkpoint / load_checkpoint carry the residuals
-        self._log_start("reduce_scatter (ZeRO partitions)")
+        self.reporter.start(self.hook_name, self.compressor.name, "reduce_scatter (ZeRO partitions)")
         return self
 
     # -- the hook -----------------------------------------------------------------------------------
@@ -88,10 +89,10 @@ class ZeroHook(HookBase):
         pipeline = self.pipeline(opt.dp_process_group)
         world = pipeline.backend.world_size
         dt = communication_data_type
-        key: Hashable = ("zero", ordinal, str(dt), numel, self._layout(dt))
-        segments = self._bucket_segments(key, numel, lambda: self._shapes(dt))
-        dense, fixed = self._goes_dense(key, numel, step, pipeline, dt, self._dense_bytes(numel, dt.itemsize, world))
-        flush = dense and key in self._pending
+        key = BucketKey(REDUCE_SCATTER, ordinal, str(dt), numel, self._layout(dt))
+        segments = self.decision.segments(key, numel, lambda: self._shapes(dt))
+        dense, fixed = self.decision.choose(key, numel, step, pipeline, dt, self._dense_bytes(numel, dt.itemsize, world))
+        flush = dense and key in self.pending
         clock = PhaseClock(tensor.device)
 
         def done_dense() -> None:
@@ -114,8 +115,8 @@ class ZeroHook(HookBase):
             self._write_owned(tensor, out, mine)
             return done_dense()
 
-        self._announce(step)
-        self._set_density(step)
+        self.reporter.announce(step)
+        self.decision.set_density(self.compressor, step)
         pipeline.exchange.ownership = RangeOwnership(numel, ranges, world)
         out, stats = pipeline.reduce(tensor, key, bucket_seed(self.cfg.seed, step, ordinal), 1.0, 1.0, dt,
                                      segments=segments)
@@ -205,7 +206,7 @@ class ZeroHook(HookBase):
 
 
 def check_zero_hook_point(optimizer_cls: Optional[type] = None) -> None:
-    """Fail loudly if a DeepSpeed upgrade changes what :class:`ZeroHook` relies on in ZeRO stage 1/2.
+    """Fail loudly if a DeepSpeed upgrade changes what :class:`Stage12Hook` relies on in ZeRO stage 1/2.
 
     Checks that ``reduce_ipg_grads`` reduces through ``average_tensor``; that ``average_tensor`` averages by
     dividing the bucket and reduces slices to their owners through ``allreduce_no_retain`` /
@@ -230,4 +231,4 @@ def check_zero_hook_point(optimizer_cls: Optional[type] = None) -> None:
                                f"ds_dragonn's ZeRO-1/2 hook would be bypassed or wrong (tested with 0.19.8)")
 
 
-__all__ = ["ZeroHook", "check_zero_hook_point"]
+__all__ = ["Stage12Hook", "check_zero_hook_point"]

@@ -1,0 +1,62 @@
+"""The identity of a gradient bucket across steps: the key of its residual, its seeds and its decisions.
+
+DeepSpeed hands the hooks flat gradient buckets, not names. A bucket is known by where it comes in the
+step's reduction round (its ordinal), its communication dtype, its length and a digest of its
+parameters, so that one tensor's residual is never applied to another of the same size. The key is
+saved with the residuals (``engine/state.py``), which read its fields by name.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import torch
+
+#: the hook point a key comes from
+ALLREDUCE = "allreduce"  # ZeRO stage 0: DeepSpeedEngine.allreduce_bucket
+REDUCE_SCATTER = "zero"  # ZeRO stage 1/2: DeepSpeedZeroOptimizer.average_tensor
+
+_DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
+
+
+class BucketKey(NamedTuple):
+    """A bucket's key (a tuple: hashable, picklable, ``repr``-stable across processes).
+
+    Attributes:
+        hook: :data:`ALLREDUCE` (ZeRO stage 0) or :data:`REDUCE_SCATTER` (ZeRO stage 1/2).
+        ordinal: the bucket's position within its reduction round (0-based).
+        dtype: the communication dtype, as ``str(torch.dtype)`` (e.g. ``"torch.bfloat16"``).
+        numel: the bucket's length in elements.
+        layout: 16 hex digits, a digest of the bucket's parameters (names or ids, and shapes).
+    """
+    hook: str
+    ordinal: int
+    dtype: str
+    numel: int
+    layout: str
+
+    @property
+    def torch_dtype(self) -> Optional[torch.dtype]:
+        """The communication dtype, or None if it is not one the exchanges carry."""
+        return _DTYPES.get(self.dtype)
+
+    @classmethod
+    def parse(cls, key: Any) -> Optional["BucketKey"]:
+        """``key`` as a :class:`BucketKey`, or None if it is not one. Also reads the plain tuples written by
+        earlier versions: ``(ordinal, dtype, numel, layout)`` (stage 0) and ``("zero", ordinal, dtype,
+        numel, layout)`` (stage 1/2)."""
+        if not isinstance(key, tuple):
+            return None
+        if len(key) == 4 and not isinstance(key[0], str):
+            key = (ALLREDUCE,) + tuple(key)
+        if (len(key) == 5 and key[0] in (ALLREDUCE, REDUCE_SCATTER) and isinstance(key[1], int)
+                and isinstance(key[2], str) and isinstance(key[3], int) and isinstance(key[4], str)):
+            return cls(*key)
+        return None
+
+
+def bucket_seed(seed: int, step: int, ordinal: int) -> int:
+    """Seed for (step, bucket): the same on every rank, different every step (paper: per-step hash seed)."""
+    return (seed * 1_000_003 + step * 7919 + ordinal) & 0xFFFF_FFFF_FFFF
+
+
+__all__ = ["ALLREDUCE", "BucketKey", "REDUCE_SCATTER", "bucket_seed"]

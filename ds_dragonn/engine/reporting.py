@@ -1,0 +1,91 @@
+"""What a hook tells the user: the start-up line, the switch to compression, the auto policy's decisions,
+periodic reduction logs (rank 0, DeepSpeed's ``print_dist``) and DeepSpeed monitor events
+(TensorBoard / W&B / CSV, ``engine.monitor``), from the running :class:`~ds_dragonn.telemetry.Telemetry`.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from deepspeed.utils.logging import print_dist
+
+from ..config import DragonnConfig, Policy, SelectionScope
+from ..pipeline import ReduceStats
+from ..schedule import DensitySchedule
+from ..telemetry import Telemetry, log_reduction, monitor_events
+
+
+class Reporter:
+    """Logs and monitor events of one hook.
+
+    Args:
+        engine: the DeepSpeed engine (its ``monitor``, ``global_samples`` and ``train_batch_size()``).
+        cfg: the validated ``"dragonn"`` block.
+        schedule: the hook's density schedule (described in the logs).
+    """
+
+    def __init__(self, engine: Any, cfg: DragonnConfig, schedule: DensitySchedule):
+        self.engine = engine
+        self.cfg = cfg
+        self.schedule = schedule
+        self.telemetry = Telemetry()
+        self._announced = False  # the switch to compression was logged
+
+    def start(self, hook_name: str, compressor_name: str, exchange: str) -> None:
+        """The start-up line: every setting that shapes the run."""
+        cfg = self.cfg
+        per_tensor = (f" (tensor_min_compress_numel={cfg.tensor_min_compress_numel} compress_1d={cfg.compress_1d})"
+                      if cfg.selection == SelectionScope.per_tensor else "")
+        probe = (f" (probe {cfg.auto_probe_steps} steps, re-check every {cfg.auto_recheck_interval})"
+                 if cfg.policy == Policy.auto else "")
+        print_dist(f"DRAGONN enabled ({hook_name}): compressor={compressor_name} density={cfg.density} "
+                   f"kernel={getattr(cfg.kernel, 'value', cfg.kernel)} "
+                   f"sample_ratio={cfg.sample_ratio} table_factor={cfg.table_factor} "
+                   f"min_compress_numel={cfg.min_compress_numel} selection={cfg.selection.value}{per_tensor} "
+                   f"schedule: {self.schedule.describe()}; "
+                   f"error_feedback={cfg.error_feedback} comm_backend={cfg.comm_backend.value} "
+                   f"exchange={exchange} policy={cfg.policy.value}{probe}", ranks=[0])
+
+    def announce(self, step: int) -> None:
+        """The first compressed reduction (once)."""
+        if self._announced:
+            return
+        self._announced = True
+        if self.cfg.policy == Policy.auto:
+            print_dist(f"DRAGONN auto: compressing from step {step + 1} (schedule: {self.schedule.describe()}); "
+                       f"the compressed path is timed at the target density and the decision follows after "
+                       f"{self.cfg.auto_probe_steps} such steps", ranks=[0])
+        else:
+            print_dist(f"DRAGONN: compressing from step {step + 1}; schedule: {self.schedule.describe()}",
+                       ranks=[0])
+
+    def dense(self, numel: int, itemsize: int, world: int, ms: float, dense_bytes: Optional[int] = None) -> None:
+        """A dense reduction of ``numel`` elements of ``itemsize`` bytes took ``ms``."""
+        self.telemetry.record_dense(numel, itemsize, world, ms, dense_bytes)
+        self._monitor(None, ms)
+
+    def compressed(self, stats: ReduceStats, step: int) -> None:
+        """A compressed reduction (logged every ``log_interval`` compressed reductions)."""
+        self.telemetry.record_compressed(stats)
+        if self.cfg.log_interval and self.telemetry.compressed_reductions % self.cfg.log_interval == 0:
+            # 1-based like DeepSpeed's own step logs (global_steps is incremented after engine.step())
+            log_reduction(step + 1, stats)
+        self._monitor(stats)
+
+    def decided(self, ordinal: int, numel: int, decision: tuple) -> None:
+        """The auto policy's agreed ``(compress?, dense ms, compressed ms)`` for bucket ``ordinal``."""
+        compress, dense_ms, comp_ms = decision
+        recheck = (f" (re-check in {self.cfg.auto_recheck_interval} steps)" if self.cfg.auto_recheck_interval
+                   else "")
+        print_dist(f"DRAGONN auto: bucket {ordinal} ({numel} elements) dense {dense_ms:.2f} ms, compressed "
+                   f"{comp_ms:.2f} ms -> {'compress' if compress else 'dense'}{recheck}", ranks=[0])
+
+    def _monitor(self, stats: Optional[ReduceStats], dense_ms: Optional[float] = None) -> None:
+        monitor = getattr(self.engine, "monitor", None)
+        if monitor is None or not getattr(monitor, "enabled", False):
+            return
+        # DeepSpeed's x-axis: the global samples its Train/Samples/* events of this step will carry
+        samples = int(getattr(self.engine, "global_samples", 0)) + int(self.engine.train_batch_size())
+        monitor.write_events(monitor_events(self.telemetry, samples, stats, dense_ms))
+
+
+__all__ = ["Reporter"]

@@ -1,0 +1,264 @@
+"""What a hook's state is: its contents, the description of the run it belongs to, and the rules for
+loading it into another run (reset, fold or keep), with its validation. Files and collectives are
+``engine/checkpoint.py``'s.
+
+A state holds this rank's residuals (the partitioned exchange's server residuals too), the buckets that
+may hold unsent gradient, the telemetry totals, and a description of the run: world size, rank, global
+step, the ``"dragonn"`` block, DeepSpeed's bucketing settings and the trainable parameters' names and
+shapes.
+
+Rules when the run differs from the saved one (:func:`compare`; every case logs a warning that names what
+differs, none is silent):
+
+* another world size or rank, other trainable parameters (names or shapes), another ZeRO stage, bucket
+  size or communication dtype: the residuals belong to other buckets or other ranks' gradients; another
+  ``gradient_predivide_factor`` or ``prescale_gradients``: they are in other units. They are **reset**
+  (start empty);
+* another exchange scheme: the partitioned exchange's server residuals are **folded** into this rank's
+  worker residuals at the indices it owned (exact: the same unsent sum goes out with the next
+  compressed reduction);
+* another density, compressor, kernel, sample size, warm-up or policy: the residuals are unsent gradients
+  in the same units whatever those settings, so they are **kept**.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any, Dict, List, Tuple
+
+import torch
+from deepspeed.utils import logger
+
+from ..exchange.ownership import HashedOwnership
+from ..feedback import residual_dtype
+from .bucket import BucketKey
+
+#: Version of the state file layout (refused when newer than this code).
+FORMAT = 1
+
+#: Settings of the "dragonn" block whose difference keeps the residuals (they are unsent gradients in the same
+#: units whatever these say); the difference is logged.
+_KEPT_FIELDS = ("density", "compressor", "kernel", "sample_ratio", "min_sample", "table_factor", "warmup_steps",
+                "policy", "auto_probe_steps", "auto_recheck_interval", "min_compress_numel", "seed",
+                "density_warmup_steps", "density_warmup_start", "selection", "tensor_min_compress_numel",
+                "compress_1d", "freeze_adam_variance")
+
+
+def describe(hook: Any) -> Dict[str, Any]:
+    """What the hook's residuals belong to: rank, world size, step, settings, bucketing, parameters."""
+    engine = hook.engine
+    rank, world = hook.where()
+    params = [(name, tuple(p.shape)) for name, p in engine.module.named_parameters() if p.requires_grad]
+    zero = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else 0
+    comm = getattr(engine, "communication_data_type", None)
+    bucketing = {"zero_optimization.stage": int(zero),
+                 "communication_data_type": str(comm).replace("torch.", "") if comm is not None else None}
+    if hasattr(engine, "zero_reduce_bucket_size"):
+        bucketing["zero_optimization.reduce_bucket_size"] = int(engine.zero_reduce_bucket_size())
+    # the residuals are in units of the prescaled gradients: DeepSpeed's averaging settings fix that scale
+    for name in ("gradient_predivide_factor", "postscale_gradients"):
+        if hasattr(engine, name):
+            bucketing[name] = getattr(engine, name)()
+    return {"format": FORMAT, "rank": rank, "world_size": world, "global_steps": int(engine.global_steps),
+            "dragonn": hook.cfg.model_dump(mode="json"), "exchange": hook.exchange_name, "bucketing": bucketing,
+            "parameters": params}
+
+
+def compare(saved: Dict[str, Any], current: Dict[str, Any]) -> Tuple[List[str], List[str], List[str]]:
+    """(reset reasons, fold reasons, kept differences) between a saved description and this run's.
+
+    Any reset reason means the residuals cannot apply here; fold reasons mean the server residuals go into
+    the worker residuals; kept differences are logged only.
+    """
+    reset, fold, kept = [], [], []
+    for field in ("world_size", "rank"):
+        if saved.get(field) != current[field]:
+            reset.append(f"{field.replace('_', ' ')} {saved.get(field)} (now {current[field]})")
+    sb, cb = saved.get("bucketing", {}), current["bucketing"]
+    for field in sorted(set(sb) | set(cb)):
+        if sb.get(field) != cb.get(field):
+            reset.append(f"{field} {sb.get(field)} (now {cb.get(field)})")
+    sp = [(n, tuple(s)) for n, s in saved.get("parameters", [])]
+    cp = current["parameters"]
+    if sp != cp:
+        names_s, names_c = dict(sp), dict(cp)
+        diff = [f"{n}: {names_s.get(n, 'absent')} (now {names_c.get(n, 'absent')})"
+                for n in list(names_s) + [n for n in names_c if n not in names_s] if names_s.get(n) != names_c.get(n)]
+        reset.append("trainable parameters " + ("; ".join(diff[:3]) + (" ..." if len(diff) > 3 else "")
+                                                if diff else "in another order"))
+    sd, cd = saved.get("dragonn", {}), current["dragonn"]
+    if sd.get("error_feedback", True) != cd["error_feedback"] and not cd["error_feedback"]:
+        reset.append("error_feedback off now")
+    ran, runs = saved.get("exchange", sd.get("exchange")), current["exchange"]  # the scheme the hook ran
+    if ran != runs and ran == "partitioned":  # only the partitioned exchange holds server residuals
+        fold.append(f"exchange partitioned (now {runs})")
+    elif sd.get("exchange") != cd["exchange"]:
+        kept.append(f"dragonn.exchange {sd.get('exchange')} (now {cd['exchange']})")
+    for field in _KEPT_FIELDS:
+        if field in sd and sd.get(field) != cd.get(field):
+            kept.append(f"dragonn.{field} {sd.get(field)} (now {cd.get(field)})")
+    return reset, fold, kept
+
+
+def validate(state: Any, where: str) -> None:
+    """Check the structure of a DRAGONN state before anything of it is used.
+
+    Raises:
+        ValueError: naming ``where`` (rank and source) and what is wrong: not a dict; no or a malformed
+            ``error_feedback``; a newer ``format``; a malformed description, exchange list or pending list;
+            a residual that is not a 1-D floating-point tensor, holds NaN/Inf (a residual never does), or
+            does not have its bucket's length or residual dtype.
+    """
+    def bad(what: str) -> ValueError:
+        return ValueError(f"{where} is not a valid DRAGONN state: {what}")
+
+    if not isinstance(state, dict):
+        raise bad(f"a {type(state).__name__}, not a dict")
+    ef = state.get("error_feedback")
+    if not isinstance(ef, dict) or not isinstance(ef.get("residuals", {}), dict):
+        raise bad("no 'error_feedback' dict with a 'residuals' dict")
+    desc = state.get("description")
+    if desc is not None:
+        if not isinstance(desc, dict):
+            raise bad("'description' is not a dict")
+        fmt = desc.get("format", FORMAT)
+        if not isinstance(fmt, int):
+            raise bad(f"'description.format' is {fmt!r}, not an int")
+        if fmt > FORMAT:
+            raise ValueError(f"{where} has format {fmt}, newer than this ds_dragonn's {FORMAT}")
+        if not isinstance(desc.get("parameters", []), list) or not isinstance(desc.get("bucketing", {}), dict) \
+                or not isinstance(desc.get("dragonn", {}), dict):
+            raise bad("'description' has malformed 'parameters', 'bucketing' or 'dragonn'")
+    for part in ("exchange", "pending"):
+        if not isinstance(state.get(part, []), (list, tuple)):
+            raise bad(f"'{part}' is not a list")
+    if not all(isinstance(x, dict) for x in state.get("exchange", [])):
+        raise bad("'exchange' holds something other than dicts")
+    if not isinstance(state.get("telemetry", {}), dict):
+        raise bad("'telemetry' is not a dict")
+    for key, buf in ef.get("residuals", {}).items():
+        if not isinstance(buf, torch.Tensor) or buf.dim() != 1 or not buf.is_floating_point():
+            raise bad(f"residual {key} is not a 1-D float tensor")
+        bucket = BucketKey.parse(key)
+        numel = bucket.numel if bucket is not None else None
+        dtype = residual_dtype(bucket.torch_dtype) if bucket is not None and bucket.torch_dtype is not None else None
+        if numel is not None and buf.numel() != numel:
+            raise bad(f"residual {key} has {buf.numel()} elements for a bucket of {numel}")
+        if dtype is not None and buf.dtype != dtype:
+            raise bad(f"residual {key} is {buf.dtype}, the bucket's residual dtype is {dtype}")
+        if buf.numel() and not bool(torch.isfinite(buf).all()):
+            raise bad(f"residual {key} holds NaN or Inf")
+
+
+def state_dict(hook: Any) -> dict:
+    """This rank's DRAGONN state (module docstring): what ``engine.save_checkpoint`` writes per rank."""
+    hook.settle()
+    desc = describe(hook)
+    return {"description": desc, "rank": desc["rank"], "world_size": desc["world_size"],
+            "error_feedback": hook.error_feedback.state_dict(),
+            "exchange": [p.exchange.state_dict() for p in hook.pipelines],
+            "pending": [tuple(k) if isinstance(k, tuple) else k for k in hook.pending],
+            "telemetry": asdict(hook.telemetry), "loss_scale_units": hook.steps.units}
+
+
+def reset_state(hook: Any, why: str) -> None:
+    """Empty residuals (and no pending flush), with a warning saying why."""
+    rank, _ = hook.where()
+    note(hook, f"[rank {rank}] DRAGONN: residuals start empty: {why}")
+    hook.error_feedback.reset()
+    for pipe in hook.pipelines:
+        pipe.exchange.reset()
+    hook.pending.clear()
+    hook.forget_round()
+
+
+def load_state_dict(hook: Any, state: dict, source: str = "the state") -> None:
+    """Restore :func:`state_dict` of this rank by the rules above (see ``HookBase.load_state_dict``).
+
+    Raises:
+        ValueError: ``state`` is not a valid DRAGONN state (:func:`validate`), naming ``source``.
+    """
+    rank, world = hook.where()
+    validate(state, f"[rank {rank}] DRAGONN: {source}")
+    saved = state.get("description") or {"rank": state.get("rank"), "world_size": state.get("world_size")}
+    if "description" in state:
+        reset, fold, kept = compare(saved, describe(hook))
+    else:  # a bare state (rank and world size only)
+        reset = [] if (saved["rank"], saved["world_size"]) == (rank, world) else \
+            [f"saved by rank {saved['rank']} of {saved['world_size']} not loaded into rank {rank} of {world}"]
+        fold, kept = [], []
+    if reset:
+        reset_state(hook, f"{source} does not apply here: " + "; ".join(reset))
+        return
+    hook.forget_round()
+    device = getattr(hook.engine, "device", None)
+    ef = dict(state["error_feedback"])
+    ef["residuals"] = {_key(k): v for k, v in ef.get("residuals", {}).items()}
+    hook.error_feedback.load_state_dict(ef, device)
+    exchanges = [_exchange_state(ex) for ex in state.get("exchange", [])]
+    pipes = hook.pipelines
+    for pipe in pipes:
+        pipe.exchange.reset()
+    if fold:
+        fold_server_residuals(hook, exchanges)
+        note(hook, f"[rank {rank}] DRAGONN: {'; '.join(fold)}: this rank's server residuals from {source} "
+                   f"were added into its worker residuals (exact: the same unsent sum)")
+    elif exchanges and len(exchanges) == len(pipes):
+        for pipe, ex_state in zip(pipes, exchanges):
+            pipe.exchange.load_state_dict(ex_state, device)
+    hook.pending.clear()
+    hook.pending.update({_key(k) for k in state.get("pending") or ()} | set(ef["residuals"]))
+    # the fp16 loss scale the residuals are in (rescaled at the next reduction if the scale differs)
+    hook.steps.units = state.get("loss_scale_units")
+    for field, value in (state.get("telemetry") or {}).items():
+        if hasattr(hook.telemetry, field) and isinstance(value, (int, float)):
+            setattr(hook.telemetry, field, value)
+    if kept:
+        note(hook, f"[rank {rank}] DRAGONN: {source} was saved with {'; '.join(kept)}; its residuals are "
+                   f"kept (unsent gradients, in the same units whatever these settings)")
+
+
+def fold_server_residuals(hook: Any, exchanges: list) -> None:
+    """Add saved partitioned-exchange server residuals into the worker residuals of the same buckets, at
+    the indices this rank owned (the owner map of the saved world size, which equals this one)."""
+    rank, world = hook.where()
+    residuals = hook.error_feedback.residuals
+    for ex_state in exchanges:
+        numels = ex_state.get("numel", {})
+        for key, part in ex_state.get("server", {}).get("residuals", {}).items():
+            if key not in numels or not part.numel():
+                continue
+            own = HashedOwnership(numels[key], world)
+            worker = residuals.get(key)
+            if worker is None:
+                device = getattr(hook.engine, "device", None) or part.device
+                worker = residuals[key] = torch.zeros(numels[key], dtype=part.dtype, device=device)
+            idx = own.to_index(rank, torch.arange(part.numel(), device=worker.device))
+            worker.index_add_(0, idx, part.to(worker))
+
+
+def note(hook: Any, message: str) -> None:
+    """Record ``message`` in ``hook.notes`` and log it as a warning."""
+    hook.notes.append(message)
+    logger.warning(message)
+
+
+def _key(key: Any) -> Any:
+    """A saved bucket key as this version's :class:`BucketKey` (earlier versions saved plain tuples)."""
+    parsed = BucketKey.parse(key)
+    return parsed if parsed is not None else key
+
+
+def _exchange_state(state: dict) -> dict:
+    """A saved exchange state with its bucket keys read by :func:`_key`."""
+    def rekey(d: Any) -> Any:
+        return {_key(k): v for k, v in d.items()} if isinstance(d, dict) else d
+    out = dict(state)
+    if "numel" in out:
+        out["numel"] = rekey(out["numel"])
+    if isinstance(out.get("server"), dict):
+        out["server"] = {**out["server"], "residuals": rekey(out["server"].get("residuals", {}))}
+    return out
+
+
+__all__ = ["FORMAT", "compare", "describe", "fold_server_residuals", "load_state_dict", "reset_state",
+           "state_dict", "validate"]
