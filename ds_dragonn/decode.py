@@ -1,6 +1,6 @@
 """Decode: sum every rank's (index, value) pairs into one dense buffer, then average.
 
-Fixes the prototype's overwrite-scatter: pairs from different ranks that hit the same index are
+Pairs from different ranks that hit the same index are
 *summed* (``index_add_``), and the sum is scaled afterwards exactly as DeepSpeed's dense path scales its
 allreduced sum. Ranks are added one after another: within a rank indices are distinct, so even the GPU's
 atomic ``index_add_`` is deterministic and every rank decodes bit-identical results.
@@ -20,9 +20,8 @@ from typing import Dict, Hashable, List, Sequence
 
 import torch
 
-from . import scatter
-from .compress.kernels import cpu_table
-from .memory import persistent_zeros
+from . import sparse_ops
+from .buffers import persistent_zeros
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -95,7 +94,7 @@ class SparseDecoder:
             out.zero_()  # written by somebody else since our last decode
         else:
             for idx in self._touched.get(key, ()):
-                scatter.zero_(out, idx)
+                sparse_ops.zero_(out, idx)
         # fp16: the sums go into a float32 buffer (zero outside the last decode's positions) and only the
         # scaled result is rounded into ``out``; other dtypes sum in ``out`` itself
         acc = out if accumulation_dtype(dtype) == dtype else self._widened(key, out)
@@ -103,13 +102,13 @@ class SparseDecoder:
         for idx, val in zip(indices, values):
             if idx.numel():
                 idx = idx.to(device=device)
-                scatter.add_(acc, idx, val)
+                sparse_ops.add_(acc, idx, val)
                 touched.append(idx)
         if touched and (postscale != 1.0 or acc is not out):
             # read every decoded sum before writing any: an index sent by several ranks is then
             # written several times with the same value
             pos = touched[0] if len(touched) == 1 else torch.cat(touched)
-            scatter.set_(out, pos, scatter.gather_scaled(acc, pos, postscale))
+            sparse_ops.set_(out, pos, sparse_ops.gather_scaled(acc, pos, postscale))
         self._touched[key] = touched
         self._version[key] = out._version
         return out
@@ -121,7 +120,7 @@ class SparseDecoder:
             acc = self._acc[key] = persistent_zeros(out.numel(), accumulation_dtype(out.dtype), out.device)
         else:
             for idx in self._touched.get(key, ()):
-                scatter.zero_(acc, idx)
+                sparse_ops.zero_(acc, idx)
         return acc
 
     @staticmethod
@@ -130,20 +129,11 @@ class SparseDecoder:
         """Decode straight into the bucket's own tensors, which must hold zeros (no buffer, no copy back).
 
         ``tensors`` concatenated end up equal, bit for bit, to ``decode`` of the same pairs. CPU tensors of
-        fp32 or bf16 only (``cpu_table.segments_supported``); values are cast to their dtype.
+        fp32 or bf16 only (``sparse_ops.can_decode_into``); values are cast to their dtype.
         """
         tensors = list(tensors)
         check_indices(indices, sum(t.numel() for t in tensors))
-        dtype = tensors[0].dtype
-        addrs = []
-        for idx, val in zip(indices, values):
-            if idx.numel():
-                a = cpu_table.segment_addresses(tensors, idx)
-                cpu_table.addr_update(dtype, a, "add", val.to(dtype))
-                addrs.append(a)
-        if postscale != 1.0 and addrs:
-            a = addrs[0] if len(addrs) == 1 else torch.cat(addrs)
-            cpu_table.addr_update(dtype, a, "set", cpu_table.addr_update(dtype, a, "gather_scaled", scale=postscale))
+        sparse_ops.decode_into(tensors, indices, values, postscale)
 
     def reset(self) -> None:
         self._out.clear()

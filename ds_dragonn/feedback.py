@@ -30,9 +30,8 @@ from typing import Dict, Hashable, List, Optional, Sequence
 
 import torch
 
-from . import scatter
-from .compress.kernels import cpu_table
-from .memory import persistent_zeros
+from . import sparse_ops
+from .buffers import persistent_zeros
 
 
 def residual_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -135,8 +134,7 @@ class ErrorFeedback:
             return self._compensate_working(key, buf, tensors, prescale, zero_inputs)
         if not tensors:
             return buf
-        if self.enabled and cpu_table.compensate_supported(buf, tensors):
-            cpu_table.compensate(buf, tensors, prescale, zero_inputs)
+        if self.enabled and sparse_ops.compensate_fast(buf, tensors, prescale, zero_inputs):
             return buf
         views = self._views_of(key, buf, tensors)
         if self.enabled:
@@ -166,8 +164,7 @@ class ErrorFeedback:
             if not opened:
                 work.copy_(base)
             return work
-        if cpu_table.compensate_supported(work, tensors):
-            cpu_table.compensate(work, tensors, prescale, zero_inputs, base=src)
+        if sparse_ops.compensate_fast(work, tensors, prescale, zero_inputs, base=src):
             return work
         for w, b, t in zip(self._views_of(key, work, tensors), self._views_of(key, src, tensors), tensors):
             torch.add(b, t, alpha=prescale, out=w) if prescale != 1.0 else torch.add(b, t, out=w)
@@ -203,10 +200,17 @@ class ErrorFeedback:
         buf = self.current(key)
         diff = kept.to(buf.dtype) - sent.to(buf.dtype)
         torch.nan_to_num_(diff, nan=0.0, posinf=0.0, neginf=0.0)
-        scatter.set_(buf, indices, diff)
+        sparse_ops.set_(buf, indices, diff)
 
-    def clear_non_finite(self, key: Hashable) -> None:
-        """Reset every non-finite residual entry to 0 (one full pass; needed only on overflow steps)."""
+    def clear_non_finite(self, key: Hashable, sent: Optional[torch.Tensor] = None,
+                         sends_non_finite: bool = False) -> None:
+        """Reset every non-finite residual entry to 0 (one full pass; needed only on overflow steps).
+
+        With ``sent`` (the values just sent from this buffer) of a compressor that ``sends_non_finite``
+        (NaN/Inf rank first, so a buffer holding any sends at least one), finite ``sent`` values prove the
+        buffer finite and the pass is skipped."""
+        if sent is not None and sends_non_finite and bool(torch.isfinite(sent).all()):
+            return
         buf = (self.current(key) if key in self._open else self.residuals.get(key)) if self.enabled else None
         if buf is not None:
             buf.masked_fill_(~torch.isfinite(buf), 0.0)

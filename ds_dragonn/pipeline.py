@@ -27,7 +27,7 @@ import torch
 
 from .comm.base import CommBackend
 from .compress.base import Compressor, Selection
-from .compress.kernels import cpu_table
+from . import sparse_ops
 from .decode import SparseDecoder
 from .exchange import AllgatherExchange, Exchange, check_buffer_agreement, to_wire
 from .feedback import ErrorFeedback
@@ -113,7 +113,7 @@ class CompressedAllreduce:
 
     def reduce(self, tensors: Union[torch.Tensor, Sequence[torch.Tensor]], key: Hashable, seed: int,
                prescale: float = 1.0, postscale: float = 1.0, dtype: torch.dtype | None = None,
-               into_inputs: bool = False, segments=None) -> Reduced:
+               into_inputs: bool = False, segments=None, ownership=None) -> Reduced:
         """Reduce the bucket ``tensors`` (their concatenation) across ranks.
 
         Args:
@@ -129,6 +129,8 @@ class CompressedAllreduce:
                 :meth:`can_reduce_into` true.
             segments: None (one selection over the bucket) or the bucket's
                 :class:`~ds_dragonn.compress.segments.Segments` (per-tensor selection).
+            ownership: the bucket's owner map for the ``reduce_scatter`` exchange (ZeRO's partitions:
+                :class:`~ds_dragonn.exchange.reduce_scatter.RangeOwnership`); other schemes ignore it.
         Returns:
             :class:`Reduced`; ``out`` is a persistent (n,) buffer of ``dtype`` holding
             ``postscale × Σ_ranks decoded pairs``, valid until this key's next reduction (None with
@@ -154,15 +156,14 @@ class CompressedAllreduce:
         select_ms = clock.lap()
 
         sent = Selection(sel.indices, wire_values, sel.threshold, sel.k, sel.capacity, sel.whole)
-        gathered = self.exchange.exchange(key, sent, n, dtype, seed)
+        gathered = self.exchange.exchange(key, sent, n, dtype, seed, ownership)
         exchange_ms = clock.lap()
 
         self.error_feedback.commit(key, sel.indices, sel.values, wire_values)
         # a buffer with a NaN/Inf sends at least one of them (they rank first), so finite sent values
         # prove a finite buffer without a full pass; otherwise clear what stayed in the residual
-        if self.error_feedback.enabled and (not getattr(self.compressor, "sends_non_finite", False)
-                                            or not bool(torch.isfinite(sel.values).all())):
-            self.error_feedback.clear_non_finite(key)
+        if self.error_feedback.enabled:
+            self.error_feedback.clear_non_finite(key, sel.values, getattr(self.compressor, "sends_non_finite", False))
         residual_ms = clock.lap()
 
         postscale = postscale / gathered.scale  # values the exchange already scaled
@@ -185,7 +186,7 @@ class CompressedAllreduce:
         """Whether :meth:`reduce` can decode into ``tensors`` (CPU fp32/bf16 contiguous, wire dtype equal to
         theirs, error feedback on: the zeroing rides on the compensation pass)."""
         return (self.error_feedback.enabled and bool(tensors) and tensors[0].dtype == dtype
-                and cpu_table.segments_supported(tensors))
+                and sparse_ops.can_decode_into(tensors))
 
     def reduce_dense(self, tensors: Sequence[torch.Tensor], key: Hashable, prescale: float = 1.0,
                      postscale: float = 1.0, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -267,7 +267,6 @@ def scheme_cases(rank: int, world: int, out_dir: str) -> None:
             ex = PartitionedExchange(backend, make_compressor(case["compressor"], case["density"]))
         elif case["exchange"] == "reduce_scatter":
             ex = ReduceScatterExchange(backend)
-            ex.ownership = RangeOwnership(case["numel"], zero_like_ranges(case["numel"], world), world)
         else:
             ex = AllgatherExchange(backend)
         ef = ErrorFeedback(True)
@@ -275,7 +274,9 @@ def scheme_cases(rank: int, world: int, out_dir: str) -> None:
         steps = []
         for step in range(SCHEME_STEPS):
             x = scheme_input(i, rank, step, case["numel"], case["dtype"])
-            out, stats = pipe.reduce(x, "b", seed=31 * step + 5, postscale=1.0 / world)
+            own = (RangeOwnership(case["numel"], zero_like_ranges(case["numel"], world), world)
+                   if case["exchange"] == "reduce_scatter" else None)
+            out, stats = pipe.reduce(x, "b", seed=31 * step + 5, postscale=1.0 / world, ownership=own)
             server = getattr(ex, "server", None)
             most = ex.max_bytes(case["numel"], max_pairs(target_k(case["numel"], case["density"])), case["dtype"],
                                 world)

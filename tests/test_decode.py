@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds_dragonn import scatter
+from ds_dragonn import sparse_ops
 from ds_dragonn.compress.kernels import cpu_table
 from ds_dragonn.decode import SparseDecoder, decode_sum
 
@@ -73,9 +73,9 @@ def test_scatter_fallback_on_fp16_matches_index_ops():
     idx = torch.tensor([3, 50, 99], dtype=torch.int32)
     v = torch.tensor([1.0, 2.0, 3.0]).half()
     ref = dst.clone().index_add_(0, idx.long(), v)
-    scatter.add_(dst, idx, v)
+    sparse_ops.add_(dst, idx, v)
     assert torch.equal(dst, ref)
-    scatter.zero_(dst, idx)
+    sparse_ops.zero_(dst, idx)
     assert bool((dst[idx.long()] == 0).all())
 
 

@@ -12,8 +12,8 @@ from typing import NamedTuple
 
 import torch
 
-#: Marker of an empty hash-table slot. Out of range for every buffer (the prototype used 0, which made
-#: element 0 unsendable).
+#: Marker of an empty hash-table slot: out of range for every buffer, so that every element, element 0
+#: included, can be selected.
 EMPTY_SLOT = -1
 
 #: Buffers at least this long carry int64 indices; shorter ones int32 (half the index bytes on the wire).

@@ -117,9 +117,8 @@ class Stage12Hook(HookBase):
 
         self.reporter.announce(step)
         self.decision.set_density(self.compressor, step)
-        pipeline.exchange.ownership = RangeOwnership(numel, ranges, world)
         out, stats = pipeline.reduce(tensor, key, bucket_seed(self.cfg.seed, step, ordinal), 1.0, 1.0, dt,
-                                     segments=segments)
+                                     segments=segments, ownership=RangeOwnership(numel, ranges, world))
         self._write_owned(tensor, out, mine)
         self._record_compressed(key, stats, pipeline, ordinal, step, tensor.device)
 

@@ -96,7 +96,7 @@ class AllgatherExchange(Exchange):
     name = "allgather"
 
     def exchange(self, key: Hashable, selection: Selection, numel: int, wire_dtype: torch.dtype,
-                 seed: int) -> Gathered:
+                 seed: int, ownership=None) -> Gathered:
         return allgather_exchange(selection, numel, wire_dtype, self.backend)
 
     def max_bytes(self, numel: int, pairs: int, wire_dtype: torch.dtype, world_size: int) -> int:

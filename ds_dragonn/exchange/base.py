@@ -16,12 +16,13 @@ the same buffer: a mismatch raises :class:`BufferMismatchError` on every rank in
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Hashable, List, NamedTuple, Sequence
+from typing import Hashable, List, NamedTuple, Optional, Sequence
 
 import torch
 
 from ..comm.base import CommBackend
 from ..compress.base import Selection
+from .ownership import Ownership
 from .wire import DTYPE_CODES, SCHEME_CODES, bucket_code, dense_allreduce_bytes, dtype_code
 
 
@@ -103,7 +104,7 @@ class Exchange(ABC):
 
     @abstractmethod
     def exchange(self, key: Hashable, selection: Selection, numel: int, wire_dtype: torch.dtype,
-                 seed: int) -> Gathered:
+                 seed: int, ownership: Optional[Ownership] = None) -> Gathered:
         """Exchange this rank's ``selection`` (values already in ``wire_dtype``) of the bucket ``key``.
 
         Args:
@@ -112,6 +113,8 @@ class Exchange(ABC):
             numel: the bucket's length (must agree across ranks).
             wire_dtype: dtype of values on the wire.
             seed: the step's seed, equal on every rank.
+            ownership: who reduces which index of this bucket, for a scheme whose owners the caller fixes
+                (``reduce_scatter``: ZeRO's partitions); schemes that choose their own owners ignore it.
         Raises:
             BufferMismatchError: on every rank, when ranks disagree on ``numel`` or ``wire_dtype``.
             CommError: a collective failed.

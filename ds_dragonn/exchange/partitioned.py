@@ -32,7 +32,7 @@ from typing import Dict, Hashable, List, NamedTuple, Tuple
 
 import torch
 
-from .. import scatter
+from .. import sparse_ops
 from ..comm.base import CommBackend
 from ..compress.base import Compressor, Selection, index_dtype, max_pairs, target_k
 from ..feedback import ErrorFeedback
@@ -45,7 +45,7 @@ _BIT_WEIGHTS = [1 << b for b in range(8)]
 
 
 class Scattered(NamedTuple):
-    """What this rank (an owner) received in a sparse reduce-scatter.
+    """What this rank (an owner) received in a sparse reduce-sparse_ops.
 
     Attributes:
         slots: per source rank r, (c_r,) int32/int64 distinct slots in this rank's part.
@@ -70,7 +70,7 @@ def sparse_reduce_scatter(selection: Selection, numel: int, wire_dtype: torch.dt
                           backend: CommBackend) -> Scattered:
     """Send each selected pair to the rank that owns its index (phase 1 of the partitioned exchange).
 
-    Also the primitive ZeRO-1/2 needs: with a :class:`~ds_dragonn.exchange.reduce_scatter.RangeOwnership`
+    Also the primitive ZeRO-1/2 needs: with a :class:`~ds_dragonn.exchange.reduce_sparse_ops.RangeOwnership`
     of the gradient partitions, each rank receives exactly the pairs of the partition it owns.
 
     Args:
@@ -172,7 +172,7 @@ class PartitionedExchange(Exchange):
         return own
 
     def exchange(self, key: Hashable, selection: Selection, numel: int, wire_dtype: torch.dtype,
-                 seed: int) -> Gathered:
+                 seed: int, ownership=None) -> Gathered:
         backend, rank, device = self.backend, self.backend.rank, selection.values.device
         own = self.ownership(numel)
         scattered = sparse_reduce_scatter(selection, numel, wire_dtype, own, backend)
@@ -182,7 +182,7 @@ class PartitionedExchange(Exchange):
         part = self.server.buffer(key, own.size(rank), wire_dtype, device)
         for slots, vals in zip(scattered.slots, scattered.values):
             self._save(key, part, slots)
-            scatter.add_(part, slots, vals)
+            sparse_ops.add_(part, slots, vals)
         sel = self.compressor.compress(part, owner_seed(seed, rank))
         # fp16: the owner's float32 sum of P ranks can exceed 65504 where the average does not; send the
         # average (the decode's postscale is divided by the same factor) and keep its rounding as residual
@@ -193,9 +193,8 @@ class PartitionedExchange(Exchange):
         idx, val, moved = self._gather(own, sel.indices, wire, counts, numel, wire_dtype)
         self._save(key, part, sel.indices)
         self.server.commit(key, sel.indices, sel.values, wire if scale == 1.0 else wire.float() / scale)
-        if self.server.enabled and (not getattr(self.compressor, "sends_non_finite", False)
-                                    or not bool(torch.isfinite(sel.values).all())):
-            self.server.clear_non_finite(key)
+        if self.server.enabled:
+            self.server.clear_non_finite(key, sel.values, getattr(self.compressor, "sends_non_finite", False))
         header = (backend.world_size - 1) * HEADER_INTS * 8
         return Gathered(idx, val, counts, scattered.bytes_sent + header + moved,
                         scattered.bytes_received + header + moved, scattered.owner_pairs, scale)
@@ -251,7 +250,7 @@ class PartitionedExchange(Exchange):
         if part is None or part.numel() == 0:
             return
         own = self.ownership(buf.numel())
-        scatter.add_(buf, own.to_index(self.backend.rank, torch.arange(part.numel(), device=part.device)), part)
+        sparse_ops.add_(buf, own.to_index(self.backend.rank, torch.arange(part.numel(), device=part.device)), part)
         self._save(key, part, None)
         part.zero_()
 

@@ -73,21 +73,19 @@ class ReduceScatterExchange(Exchange):
     """Sparse reduce-scatter behind the :class:`Exchange` interface: the returned lists hold only the pairs
     addressed to this rank (one list per source rank), in bucket coordinates.
 
-    Set :attr:`ownership` (a :class:`RangeOwnership` of the bucket about to be reduced) before each
-    reduction: ZeRO's partition ranges differ from bucket to bucket.
+    Each reduction passes its ``ownership`` (a :class:`RangeOwnership` of that bucket): ZeRO's partition
+    ranges differ from bucket to bucket.
     """
 
     name = "reduce_scatter"
 
-    def __init__(self, backend):
-        super().__init__(backend)
-        self.ownership: Optional[Ownership] = None
-
     def exchange(self, key: Hashable, selection: Selection, numel: int, wire_dtype: torch.dtype,
-                 seed: int) -> Gathered:
-        if self.ownership is None or self.ownership.numel != numel:
-            raise ValueError(f"[rank {self.backend.rank}] no owner ranges set for a bucket of {numel} elements")
-        s = sparse_reduce_scatter(selection, numel, wire_dtype, self.ownership, self.backend)
+                 seed: int, ownership: Optional[Ownership] = None) -> Gathered:
+        """See :meth:`Exchange.exchange`. Raises ValueError when ``ownership`` is missing or is not of a
+        bucket of ``numel`` elements."""
+        if ownership is None or ownership.numel != numel:
+            raise ValueError(f"[rank {self.backend.rank}] no owner ranges given for a bucket of {numel} elements")
+        s = sparse_reduce_scatter(selection, numel, wire_dtype, ownership, self.backend)
         return Gathered(s.slots, s.values, [v.numel() for v in s.values], s.bytes_sent, s.bytes_received,
                         s.owner_pairs)
 
