@@ -28,7 +28,7 @@ class DragonnConfigError(ValueError):
     """Raised when the ``"dragonn"`` block is invalid; the message names the key, value and what is allowed."""
 
 
-class CommBackend(str, Enum):
+class CommBackendName(str, Enum):
     torch = "torch"  # deepspeed.comm: NCCL on GPU, gloo on CPU
     mpi = "mpi"  # mpi4py
 
@@ -48,7 +48,7 @@ class Policy(str, Enum):
     always = "always"  # compress every bucket above min_compress_numel after the warm-up
 
 
-class Compressor(str, Enum):
+class CompressorName(str, Enum):
     dragonn = "dragonn"  # sampled threshold + hashed index table (DRAGONN paper)
     topk = "topk"  # exact top-k of |g| (baseline)
     randomk = "randomk"  # uniform random k elements (baseline)
@@ -136,14 +136,14 @@ class DragonnConfig(DeepSpeedConfigModel):
     error_feedback: bool = Field(True, strict=True)
     """Keep what was not sent in a residual and add it back next step (nothing lost, only delayed)."""
 
-    compressor: Compressor = Compressor.dragonn
+    compressor: CompressorName = CompressorName.dragonn
     """Selection method: ``dragonn`` (product), ``topk`` or ``randomk`` (baselines for comparison)."""
 
     kernel: Kernel = Kernel.auto
     """DRAGONN selection implementation: ``auto`` (``triton`` for CUDA buffers, ``cpu`` for CPU buffers, falling
     back to ``reference``), ``reference``, ``cpu`` or ``triton``. All give identical selections for the same seed."""
 
-    comm_backend: CommBackend = CommBackend.torch
+    comm_backend: CommBackendName = CommBackendName.torch
     """Collectives: ``torch`` (deepspeed.comm; NCCL on GPU, gloo on CPU) or ``mpi`` (mpi4py)."""
 
     cuda_aware: bool = Field(False, strict=True)
@@ -175,7 +175,7 @@ class DragonnConfig(DeepSpeedConfigModel):
                              "re-select their part with one global threshold, so neither the per-tensor budgets nor "
                              "the tensors sent whole would reach the other ranks); use 'exchange': 'allgather' or "
                              "'selection': 'global'")
-        if self.cuda_aware and self.comm_backend != CommBackend.mpi:
+        if self.cuda_aware and self.comm_backend != CommBackendName.mpi:
             raise ValueError(f"'cuda_aware': true only applies to 'comm_backend': 'mpi' "
                              f"(got 'comm_backend': '{self.comm_backend.value}')")
         return self

@@ -6,13 +6,13 @@ import json
 import pytest
 
 import ds_dragonn
-from ds_dragonn.config import CommBackend, DragonnConfig, DragonnConfigError
+from ds_dragonn.config import CommBackendName, DragonnConfig, DragonnConfigError
 
 
 def test_defaults_when_absent():
     cfg = DragonnConfig.from_ds_config({"train_batch_size": 8})
     assert not cfg.enabled and cfg.density == 0.01 and cfg.table_factor == 4 and cfg.error_feedback
-    assert cfg.comm_backend == CommBackend.torch and cfg.exchange.value == "allgather"
+    assert cfg.comm_backend == CommBackendName.torch and cfg.exchange.value == "allgather"
 
 
 def test_reads_json_path(tmp_path):
