@@ -13,7 +13,6 @@ is allowed.
 from __future__ import annotations
 
 import difflib
-import json
 import os
 from enum import Enum
 from typing import Any, Mapping, Optional, Union

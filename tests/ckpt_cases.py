@@ -5,17 +5,17 @@ from pathlib import Path
 
 import torch
 
-from tests.dist_cases import _engine_config, _init, _zero_config
+from tests.engines import engine_config, init_distributed, zero_config
 
 K = 3  # save after K steps; compare at 2K
 _D = {"enabled": True, "density": 0.01, "min_compress_numel": 1}
 RESUME_RUNS = {
-    "s0_fp32": _engine_config(_D),
-    "s0_partitioned": _engine_config({**_D, "exchange": "partitioned"}),
-    "s0_bf16": _engine_config(_D, bf16=True),  # transactional residuals (bf16 steps may be skipped)
-    "s2_fp32": _zero_config(2, {"enabled": True, "density": 0.01}),
-    "s0_bf16_partitioned": _engine_config({**_D, "exchange": "partitioned"}, bf16=True),
-    "s0_dense": _engine_config(None),  # a checkpoint without DRAGONN state
+    "s0_fp32": engine_config(_D),
+    "s0_partitioned": engine_config({**_D, "exchange": "partitioned"}),
+    "s0_bf16": engine_config(_D, bf16=True),  # transactional residuals (bf16 steps may be skipped)
+    "s2_fp32": zero_config(2, {"enabled": True, "density": 0.01}),
+    "s0_bf16_partitioned": engine_config({**_D, "exchange": "partitioned"}, bf16=True),
+    "s0_dense": engine_config(None),  # a checkpoint without DRAGONN state
 }
 #: a second engine of these runs trains past K, then loads the step-K tag in the same process and trains to 2K:
 #: the result must be the uninterrupted run's. (steps past K, overflow step or -1): s0_fp32 stops one step
@@ -64,7 +64,7 @@ def _residual_mass(engine) -> float:
 
 def save_runs(rank: int, world: int, out_dir: str) -> None:
     """Uninterrupted runs of 2K steps, each saving a checkpoint at step K."""
-    _init()
+    init_distributed()
     out = {}
     for name, cfg in RESUME_RUNS.items():
         engine = _engine(cfg)
@@ -89,7 +89,7 @@ def save_runs(rank: int, world: int, out_dir: str) -> None:
 
 def resume_runs(rank: int, world: int, out_dir: str) -> None:
     """Fresh processes: load each step-K checkpoint and train to 2K; then the mismatch cases."""
-    _init()
+    init_distributed()
     ckpt = Path(out_dir) / "ckpt"
     out = {}
 
@@ -106,14 +106,14 @@ def resume_runs(rank: int, world: int, out_dir: str) -> None:
     for name, cfg in RESUME_RUNS.items():
         out[name] = resume(name, cfg, name)
     # documented rules, each with its warning
-    out["density_changed"] = resume("density_changed", _engine_config({**_D, "density": 0.001}), "s0_fp32")
-    out["exchange_changed"] = resume("exchange_changed", _engine_config(_D), "s0_partitioned")
-    out["model_changed"] = resume("model_changed", _engine_config(_D), "s0_fp32", frozen_first=True)
-    out["warm_start"] = resume("warm_start", _engine_config(_D), "s0_fp32", load_optimizer_states=False)
-    out["no_dragonn_state"] = resume("no_dragonn_state", _engine_config(_D), "s0_dense")
+    out["density_changed"] = resume("density_changed", engine_config({**_D, "density": 0.001}), "s0_fp32")
+    out["exchange_changed"] = resume("exchange_changed", engine_config(_D), "s0_partitioned")
+    out["model_changed"] = resume("model_changed", engine_config(_D), "s0_fp32", frozen_first=True)
+    out["warm_start"] = resume("warm_start", engine_config(_D), "s0_fp32", load_optimizer_states=False)
+    out["no_dragonn_state"] = resume("no_dragonn_state", engine_config(_D), "s0_dense")
     # a flush owed by a resumed residual (density 0.4 bf16 under auto: pairs cost more than dense, so the
     # bucket goes dense and flushes) on a step that overflows: still owed afterwards, sent the step after
-    engine = _engine(_engine_config({**_D, "density": 0.4, "policy": "auto"}, bf16=True))
+    engine = _engine(engine_config({**_D, "density": 0.4, "policy": "auto"}, bf16=True))
     engine.load_checkpoint(str(ckpt / "s0_bf16"), tag="k")
     flush = {"after_load": _residual_mass(engine)}
     _train(engine, rank, K, K + 1, overflow_at=K)
@@ -124,14 +124,14 @@ def resume_runs(rank: int, world: int, out_dir: str) -> None:
     flush["skipped"] = int(engine.skipped_steps)
     out["flush_on_skipped_step"] = flush
     # DeepSpeed's averaging changed: the residuals are in other units
-    out["predivide_changed"] = resume("predivide_changed", _engine_config(_D, predivide=2.0), "s0_fp32")
+    out["predivide_changed"] = resume("predivide_changed", engine_config(_D, predivide=2.0), "s0_fp32")
     # ranks resuming different tags (at different steps, at the same step): an error on every rank, not a
     # hang in the next step
     import ds_dragonn
 
     def mismatch(tag: str):
         try:
-            _engine(_engine_config(_D)).load_checkpoint(str(ckpt / "s0_fp32"), tag=tag)
+            _engine(engine_config(_D)).load_checkpoint(str(ckpt / "s0_fp32"), tag=tag)
             return None
         except ds_dragonn.CheckpointMismatchError as err:
             return str(err)
@@ -144,7 +144,7 @@ def resume_runs(rank: int, world: int, out_dir: str) -> None:
 
 def resized_runs(rank: int, world: int, out_dir: str) -> None:
     """A 2-rank checkpoint loaded by 3 ranks: residuals reset on every rank, training goes on in step."""
-    _init()
+    init_distributed()
     engine = _engine(RESUME_RUNS["s0_fp32"])
     path, _ = engine.load_checkpoint(str(Path(out_dir) / "ckpt" / "s0_fp32"), tag="k")
     notes, mass = list(engine.dragonn.notes), _residual_mass(engine)

@@ -7,23 +7,23 @@ from pathlib import Path
 
 import torch
 
-from tests.dist_cases import _engine_config, _init, _zero_config
+from tests.engines import engine_config, init_distributed, zero_config
 
 LAYERS = (32, 64, 4)
 STEPS = 3
 RUNS = {
-    "s0_d1": _engine_config({"enabled": True, "density": 1.0, "min_compress_numel": 1}),
-    "s0_dense": _engine_config(None),
-    "s0_d001": _engine_config({"enabled": True, "density": 0.01, "min_compress_numel": 1}),
-    "s2_d1": _zero_config(2, {"enabled": True, "density": 1.0}),
-    "s2_dense": _zero_config(2, None),
-    "s2_d001": _zero_config(2, {"enabled": True, "density": 0.01}),
-    "s0_disabled_block": _engine_config({"enabled": False, "density": 0.01}),
+    "s0_d1": engine_config({"enabled": True, "density": 1.0, "min_compress_numel": 1}),
+    "s0_dense": engine_config(None),
+    "s0_d001": engine_config({"enabled": True, "density": 0.01, "min_compress_numel": 1}),
+    "s2_d1": zero_config(2, {"enabled": True, "density": 1.0}),
+    "s2_dense": zero_config(2, None),
+    "s2_d001": zero_config(2, {"enabled": True, "density": 0.01}),
+    "s0_disabled_block": engine_config({"enabled": False, "density": 0.01}),
 }
 
 
 def _train_plain(cfg: dict, rank: int):
-    """The seeded MLP of tests.dist_cases.train_mlp, built by plain ``deepspeed.initialize``."""
+    """The seeded MLP of tests.engines.train_mlp, built by plain ``deepspeed.initialize``."""
     import deepspeed
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(LAYERS[0], LAYERS[1]), torch.nn.Tanh(),
@@ -43,7 +43,7 @@ def _train_plain(cfg: dict, rank: int):
 
 
 def enabled_runs(rank: int, world: int, out_dir: str) -> None:
-    _init()
+    init_distributed()
     import deepspeed
 
     import ds_dragonn

@@ -6,7 +6,7 @@ min_compress_numel 1, so every bucket goes through the compressed path). Each ru
 seeded model and sees the same per-rank sample stream; what a test needs is saved to
 ``OUT_DIR/equiv_rank<r>.pt``.
 
-Self-contained on purpose (its own config builder and training loop): tests/dist_cases.py is shared with
+Self-contained on purpose (its own config builder and training loop): tests/engines.py is shared with
 other tests and may change under them.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from tests.dist_cases import PINNED
+from tests.engines import PINNED
 
 OPT_STEPS = 4            # optimizer steps per run (micro steps = OPT_STEPS * gradient_accumulation_steps)
 LAYERS = (32, 64, 4)     # in -> hidden (tanh) -> classes
@@ -49,7 +49,7 @@ def ds_config(case: dict, variant: str) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": case.get("gas", 1),
            "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}},
            "zero_optimization": {"stage": 0}, "steps_per_print": 10**6}
-    if case.get("zero"):  # as tests/dist_cases.py's ZeRO runs: Adam, buckets smaller than the model
+    if case.get("zero"):  # as tests/zero_cases.py's runs: Adam, buckets smaller than the model
         cfg["optimizer"] = {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}}
         cfg["zero_optimization"] = {"stage": case["zero"], "reduce_bucket_size": 1000}
     if "clip" in case:

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from tests.ckpt_cases import K, RESUME_RUNS, _engine, _train
-from tests.dist_cases import _engine_config
+from tests.engines import engine_config
 
 
 def _caught(fn) -> str | None:
@@ -81,7 +81,7 @@ def train_save_exit(rank: int, world: int, out_dir: str) -> None:
 def mismatch_exit(rank: int, world: int, out_dir: str) -> None:
     """The ranks' "dragonn" blocks differ: initialize raises on every rank, the script catches it and ends."""
     import ds_dragonn
-    cfg = _engine_config({"enabled": True, "density": 0.01 if rank == 0 else 0.02, "min_compress_numel": 1})
+    cfg = engine_config({"enabled": True, "density": 0.01 if rank == 0 else 0.02, "min_compress_numel": 1})
     model = torch.nn.Linear(8, 4)
     got = _caught(lambda: ds_dragonn.initialize(model=model, model_parameters=model.parameters(), config=cfg))
     torch.save({"error": got}, Path(out_dir) / f"mismatch_rank{rank}.pt")

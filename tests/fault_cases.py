@@ -24,7 +24,7 @@ from typing import Callable, Optional
 
 import torch
 
-from tests.dist_cases import PINNED
+from tests.engines import PINNED
 
 BAD_RANK = 1
 STEPS_BEFORE_FAULT = 3

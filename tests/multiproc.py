@@ -1,6 +1,6 @@
 """Run a function on N local ranks (one subprocess each, gloo over loopback) with a hard timeout.
 
-``run_ranks("tests.dist_cases:exchange_cases", world_size=2, out_dir=tmp)`` starts N interpreters that
+``run_ranks("tests.pipeline_cases:exchange_cases", world_size=2, out_dir=tmp)`` starts N interpreters that
 call that function as ``fn(rank, world_size, out_dir)`` after setting RANK/WORLD_SIZE/LOCAL_RANK/
 MASTER_ADDR=127.0.0.1/MASTER_PORT. A rank that fails fails the call with its output; a rank that
 hangs is killed at the timeout and reported.

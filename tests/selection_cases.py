@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from tests.dist_cases import _engine_config, _init, _zero_config
+from tests.engines import engine_config, init_distributed, zero_config
 
 STEPS = 6
 
@@ -32,16 +32,16 @@ class Quiet(torch.nn.Module):
 _D = {"enabled": True, "density": 0.01, "min_compress_numel": 1}
 RUNS = {
     # the product's defaults: 30 dense warm-up steps, then the density warm-up (from 0.25 over 100 steps)
-    "defaults": _engine_config(dict(_D)),  # dragonn block replaced below
-    "density_warmup": _engine_config(dict(_D)),  # dragonn block replaced below
-    "per_tensor": _engine_config({**_D, "density_warmup_steps": 0, "tensor_min_compress_numel": 1024,
+    "defaults": engine_config(dict(_D)),  # dragonn block replaced below
+    "density_warmup": engine_config(dict(_D)),  # dragonn block replaced below
+    "per_tensor": engine_config({**_D, "density_warmup_steps": 0, "tensor_min_compress_numel": 1024,
                                   "compress_1d": False, "selection": "per_tensor"}),
-    "global": _engine_config({**_D, "density_warmup_steps": 0, "selection": "global"}),
+    "global": engine_config({**_D, "density_warmup_steps": 0, "selection": "global"}),
     # one IPG bucket for the whole model (DeepSpeed's default size), as ZeRO-0 flattens it
-    "zero2_per_tensor": _zero_config(2, {**_D, "density_warmup_steps": 0, "tensor_min_compress_numel": 1024,
+    "zero2_per_tensor": zero_config(2, {**_D, "density_warmup_steps": 0, "tensor_min_compress_numel": 1024,
                                          "compress_1d": False, "selection": "per_tensor"},
                                      reduce_bucket_size=500_000_000),
-    "zero2_global": _zero_config(2, {**_D, "density_warmup_steps": 0, "selection": "global"},
+    "zero2_global": zero_config(2, {**_D, "density_warmup_steps": 0, "selection": "global"},
                                  reduce_bucket_size=500_000_000),
 }
 RUNS["defaults"]["dragonn"] = {"policy": "always", **_D}  # without the suite's pinned settings
@@ -51,7 +51,7 @@ for _name in ("zero2_per_tensor", "zero2_global"):  # DeepSpeed's "Adam" is Adam
 
 
 def selection_runs(rank: int, world: int, out_dir: str) -> None:
-    _init()
+    init_distributed()
     import ds_dragonn
 
     out = {}
@@ -79,7 +79,7 @@ def selection_runs(rank: int, world: int, out_dir: str) -> None:
 def exchange_runs(rank: int, world: int, out_dir: str) -> None:
     """Per-tensor selections (with whole tensors) through each exchange and the pipeline, for fp32 and bf16 wires;
     each rank saves its raw buffer, what it sent, the decoded sum and the bytes."""
-    _init()
+    init_distributed()
     from ds_dragonn.comm.torch_backend import TorchCommBackend
     from ds_dragonn.compress import DragonnCompressor
     from ds_dragonn.compress.segments import plan_segments

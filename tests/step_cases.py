@@ -5,13 +5,13 @@ from pathlib import Path
 
 import torch
 
-from tests.dist_cases import _engine_config, _init, _zero_config
+from tests.engines import engine_config, init_distributed, zero_config
 
 SKIP_RUNS = {
-    "s0_bf16_allgather": _engine_config({"enabled": True, "density": 0.05, "min_compress_numel": 1}, bf16=True),
-    "s0_bf16_partitioned": _engine_config({"enabled": True, "density": 0.05, "min_compress_numel": 1,
+    "s0_bf16_allgather": engine_config({"enabled": True, "density": 0.05, "min_compress_numel": 1}, bf16=True),
+    "s0_bf16_partitioned": engine_config({"enabled": True, "density": 0.05, "min_compress_numel": 1,
                                            "exchange": "partitioned"}, bf16=True),
-    "s2_bf16": _zero_config(2, {"enabled": True, "density": 0.05}, bf16=True),
+    "s2_bf16": zero_config(2, {"enabled": True, "density": 0.05}, bf16=True),
 }
 SKIP_STEPS, BAD_STEP = 5, 2  # step BAD_STEP (0-based) overflows on rank 0 only
 
@@ -26,7 +26,7 @@ def _residuals(hook) -> dict:
 
 
 def skip_runs(rank: int, world: int, out_dir: str) -> None:
-    _init()
+    init_distributed()
     import ds_dragonn
 
     out = {}

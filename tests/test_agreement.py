@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from tests.dist_cases import AGREE_ANYWAY, DISAGREE, REFUSED_ON_ONE_RANK
+from tests.agreement_cases import AGREE_ANYWAY, DISAGREE, REFUSED_ON_ONE_RANK
 from tests.multiproc import run_ranks
 
 
@@ -14,7 +14,7 @@ from tests.multiproc import run_ranks
 def runs(request, tmp_path_factory):
     world = request.param
     out = tmp_path_factory.mktemp(f"disagree{world}")
-    run_ranks("tests.dist_cases:disagree_runs", world, out, timeout=300)
+    run_ranks("tests.agreement_cases:disagree_runs", world, out, timeout=300)
     return world, [torch.load(out / f"disagree_rank{r}.pt", weights_only=False) for r in range(world)]
 
 

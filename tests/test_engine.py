@@ -5,14 +5,14 @@ import pytest
 import torch
 
 from ds_dragonn.engine import check_hook_point
-from tests.dist_cases import ENGINE_RUNS, ENGINE_STEPS
+from tests.engine_cases import ENGINE_RUNS, ENGINE_STEPS
 from tests.multiproc import run_ranks
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("engine")
-    run_ranks("tests.dist_cases:engine_runs", 2, out, timeout=400)
+    run_ranks("tests.engine_cases:engine_runs", 2, out, timeout=400)
     runs = [torch.load(out / f"engine_rank{r}.pt", weights_only=False) for r in range(2)]
     runs[0]["_out_dir"] = out
     return runs

@@ -147,8 +147,8 @@ class HookBase:
         timeout = datetime.timedelta(seconds=self.cfg.comm_timeout_s)
         setter = getattr(c10d, "_set_pg_timeout", None)  # torch >= 2.2 (private; checked by a test)
         if setter is None:
-            print_dist(f"DRAGONN: this torch cannot change a process group's timeout; 'dragonn.comm_timeout_s' "
-                       f"applies to the world group only", ranks=[0])
+            print_dist("DRAGONN: this torch cannot change a process group's timeout; 'dragonn.comm_timeout_s' "
+                       "applies to the world group only", ranks=[0])
             return
         for g in (group, None):  # None: the world group
             setter(timeout, g)

@@ -1,0 +1,82 @@
+"""Multi-rank ZeRO stage 0 engine cases, for ``tests/test_engine.py``; executed inside each rank by
+``tests.multiproc.run_ranks``."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tests.engines import engine_config, init_distributed, train_mlp
+
+ENGINE_RUNS = {
+    "dense": engine_config(None),
+    "dragonn_d1": engine_config({"enabled": True, "density": 1.0, "min_compress_numel": 1}),
+    "dragonn_d1_partitioned": engine_config({"enabled": True, "density": 1.0, "min_compress_numel": 1,
+                                              "exchange": "partitioned"}),
+    "dragonn_d001_partitioned": engine_config({"enabled": True, "density": 0.01, "min_compress_numel": 1,
+                                                "exchange": "partitioned"}),
+    "dragonn_d1_predivide": engine_config({"enabled": True, "density": 1.0, "min_compress_numel": 1}, predivide=2.0),
+    "dense_predivide": engine_config(None, predivide=2.0),
+    "dragonn_d001": engine_config({"enabled": True, "density": 0.01, "min_compress_numel": 1}),
+    "dragonn_warmup": engine_config({"enabled": True, "density": 0.01, "min_compress_numel": 1,
+                                      "warmup_steps": 3}),
+    "dragonn_disabled": engine_config({"enabled": False, "density": 0.01}),
+    "dense_bf16": engine_config(None, bf16=True),
+    # auto policy: 1 dense probe, 1 compressed probe, then a decision the ranks agree on (timing-dependent)
+    # DeepSpeed's csv monitor (output_path set per run below); warm-up marks the switch
+    "dragonn_monitor": {**engine_config({"enabled": True, "density": 0.01, "min_compress_numel": 1,
+                                          "warmup_steps": 2}),
+                        "csv_monitor": {"enabled": True, "job_name": "mon"}},
+    "dragonn_auto": engine_config({"enabled": True, "density": 0.01, "min_compress_numel": 1, "policy": "auto",
+                                    "auto_probe_steps": 1, "auto_recheck_interval": 2}),
+    "dragonn_bf16": engine_config({"enabled": True, "density": 0.05, "min_compress_numel": 1}, bf16=True),
+    # bf16 pairs cost 6 bytes against 2 dense: at density 1.0 the auto policy sends the bucket dense,
+    # "always" compresses it anyway (bounded bytes)
+    "dragonn_bf16_d1_auto": engine_config({"enabled": True, "density": 1.0, "min_compress_numel": 1,
+                                            "policy": "auto"}, bf16=True),
+    "dragonn_bf16_d1_always": engine_config({"enabled": True, "density": 1.0, "min_compress_numel": 1}, bf16=True),
+}
+ENGINE_STEPS = 5
+
+
+def engine_runs(rank: int, world: int, out_dir: str) -> None:
+    init_distributed()
+    import ds_dragonn
+
+    out = {}
+    for name, cfg in ENGINE_RUNS.items():
+        if "csv_monitor" in cfg:
+            cfg = {**cfg, "csv_monitor": {**cfg["csv_monitor"], "output_path": str(Path(out_dir) / "csv")}}
+        engine, hook = train_mlp(cfg, rank, (32, 64, 4), ENGINE_STEPS)
+        out[name] = {"params": [p.detach().float().clone() for p in engine.module.parameters()],
+                     "telemetry": hook.telemetry.summary() if hook else None,
+                     "hooked": hook is not None and engine.allreduce_bucket == hook.allreduce_bucket}
+    # frozen layers that take turns: b's true gradient is 0, a's residual must never reach b
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"a": torch.nn.Linear(10, 10, bias=False), "b": torch.nn.Linear(10, 10, bias=False)})
+    cfg = engine_config({"enabled": True, "density": 0.1, "min_compress_numel": 1})
+    cfg["optimizer"] = {"type": "SGD", "params": {"lr": 0.0}}  # steps advance, weights stay
+    engine, *_ = ds_dragonn.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    b_grads = []
+    for step in range(6):
+        train_a = step % 2 == 0
+        model["a"].weight.requires_grad_(train_a)
+        model["b"].weight.requires_grad_(not train_a)
+        x = torch.ones(4, 10)
+        loss = engine.module["a"](x).sum() * 100 + engine.module["b"](x).sum() * 0
+        engine.backward(loss)
+        if not train_a:
+            b_grads.append(float(model["b"].weight.grad.abs().max()))
+        engine.step()
+    out["frozen_b_grads"] = b_grads
+    # the pipeline engine is refused at initialize
+    from deepspeed.pipe import PipelineModule
+    pipe = PipelineModule(layers=[torch.nn.Linear(4, 4)], num_stages=1)
+    try:
+        ds_dragonn.initialize(model=pipe, model_parameters=pipe.parameters(),
+                              config=engine_config({"enabled": True}))
+        out["pipeline_error"] = None
+    except ds_dragonn.DragonnUnsupportedError as err:
+        out["pipeline_error"] = str(err)
+    torch.save(out, Path(out_dir) / f"engine_rank{rank}.pt")
+    torch.distributed.destroy_process_group()

@@ -1,0 +1,68 @@
+"""What the multi-rank engine cases share: the gloo process group, the "dragonn" settings pinned for
+tiny models, DeepSpeed configs (ZeRO 0 with SGD, ZeRO 1/2 with Adam) and a seeded MLP trained through
+``ds_dragonn.initialize``. Executed inside each rank by ``tests.multiproc.run_ranks``."""
+from __future__ import annotations
+
+import torch
+
+
+def init_distributed():
+    import deepspeed
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+
+
+#: The engine tests run a few steps of tiny models: no warm-ups (compressed from the first step, at the density
+#: under test, unless a test sets warmup_steps), and per-tensor selection with every tensor compressed (none
+#: sent whole), so that the per-tensor path runs in every engine test. tests/test_selection.py covers the
+#: defaults and global selection.
+PINNED = {"warmup_steps": 0, "density_warmup_steps": 0, "selection": "per_tensor", "tensor_min_compress_numel": 0,
+          "compress_1d": True}
+
+
+def pinned(dragonn: dict) -> dict:
+    """:data:`PINNED`, with global selection for the partitioned exchange (per-tensor selection is refused
+    there: its owners re-select globally)."""
+    return {**PINNED, "selection": "global"} if dragonn.get("exchange") == "partitioned" else PINNED
+
+
+def engine_config(dragonn: dict | None, bf16: bool = False, predivide: float | None = None) -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
+           "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}},
+           "zero_optimization": {"stage": 0}, "steps_per_print": 10**6}
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    if predivide is not None:
+        cfg["gradient_predivide_factor"] = predivide
+    if dragonn is not None:
+        cfg["dragonn"] = {"policy": "always", **pinned(dragonn), **dragonn}
+    return cfg
+
+
+def train_mlp(cfg: dict, rank: int, layers: tuple, steps: int):
+    """A seeded MLP ``layers[0] -> layers[1] (tanh) -> layers[2]`` through ``ds_dragonn.initialize`` and
+    ``steps`` micro steps of 8 random samples (the rank's own stream); returns (engine, its DRAGONN hook or None)."""
+    import ds_dragonn
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(layers[0], layers[1]), torch.nn.Tanh(),
+                                torch.nn.Linear(layers[1], layers[2]))
+    engine, *_ = ds_dragonn.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    dtype = next(engine.module.parameters()).dtype
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(steps):
+        x = torch.randn(8, layers[0], generator=g).to(dtype)
+        y = torch.randint(0, layers[2], (8,), generator=g)
+        loss = torch.nn.functional.cross_entropy(engine(x).float(), y)
+        engine.backward(loss)
+        engine.step()
+    return engine, getattr(engine, "dragonn", None)
+
+
+def zero_config(stage: int, dragonn: dict | None, bf16: bool = False, gas: int = 1, **zero) -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": gas,
+           "optimizer": {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}},
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": 6000, **zero}, "steps_per_print": 10**6}
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    if dragonn is not None:
+        cfg["dragonn"] = {"policy": "always", "min_compress_numel": 1, **pinned(dragonn), **dragonn}
+    return cfg
