@@ -11,8 +11,9 @@ was captured, the relative error ``||g - ĝ|| / ||g||`` of the sparse reconstruc
 Methods
   floor_sum          g.sum(): one read pass, the lower bound for anything that reads g
   topk               torch.topk(|g|, k) + gather (exact)
-  dgc                DGC-style: 1 % random sample → threshold, |g| ≥ thr → nonzero, re-threshold ×1.3/×0.7
-                     up to 10 times while the count is outside [0.7k, 1.3k] (as in GRACE's DGC), keep ≤ k
+  dgc                DGC (Lin et al., ICLR 2018): 1 % random sample → threshold, |g| ≥ thr → nonzero (threshold
+                     ×0.8 while fewer than 0.8k, up to 10 times), then the exact top-k of the candidates when
+                     more than k (launch/bench/common.py: dgc_select)
   randomk            ds_dragonn RandomKCompressor (randperm, k distinct)
   dragonn_reference  DragonnCompressor(kernel="reference"): pure PyTorch
   dragonn_cpu        DragonnCompressor(kernel="cpu"): C++ one-pass library (CPU)
@@ -27,7 +28,6 @@ Usage
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -36,14 +36,12 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu" if "--device" not in sys.argv or "cpu" in sys.argv else "cuda")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from bench.common import DTYPES, dgc_select, pyplot, save_figure, sync, timed_ms, write_json  # noqa: E402
 from ds_dragonn.compress import DragonnCompressor, RandomKCompressor, target_k  # noqa: E402
 from ds_dragonn.compress.kernels import cpu_table, triton_available  # noqa: E402
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 # ---------------------------------------------------------------------------------------------- methods
@@ -56,25 +54,9 @@ def topk_exact(g, k, seed):
     return idx, g[idx]
 
 
-def dgc(g, k, seed, sample_ratio=0.01):
-    """GRACE's DGC sparsify: sampled threshold, then nonzero, re-thresholding while far from k."""
-    n = g.numel()
-    gen = torch.Generator(device=g.device).manual_seed(seed)
-    imp = g.abs()
-    s = max(1, int(n * sample_ratio))
-    sample = imp[torch.randint(0, n, (s,), generator=gen, device=g.device)]
-    thr = torch.topk(sample, max(1, math.ceil(s * k / n)), sorted=False).values.min()
-    idx = torch.nonzero(imp >= thr).view(-1)
-    for _ in range(10):
-        c = idx.numel()
-        if c > 1.3 * k:
-            thr = thr * 1.3
-        elif c < 0.7 * k:
-            thr = thr * 0.7
-        else:
-            break
-        idx = torch.nonzero(imp >= thr).view(-1)
-    idx = idx[:k]
+def dgc(g, k, seed):
+    """DGC's selection (:func:`bench.common.dgc_select`), its sample drawn from ``seed``."""
+    idx = dgc_select(g, k, torch.Generator(device=g.device).manual_seed(seed))
     return idx, g[idx]
 
 
@@ -111,11 +93,6 @@ def make_inputs(n: int, dtype: torch.dtype, device: str, count: int = 3):
     return out
 
 
-def sync(device: str):
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def quality(g: torch.Tensor, idx, vals, topk_sq: float, total_sq: float, k: int):
     kept_sq = float(vals.double().pow(2).sum())
     return {"topk_mass_captured": kept_sq / topk_sq if topk_sq > 0 else 1.0,
@@ -136,16 +113,10 @@ def time_method(fn, inputs, k, device, warmup, repeat, budget_s):
     start = time.perf_counter()
     for i in range(repeat):
         g = inputs[i % len(inputs)]
-        sync(device)
-        t = time.perf_counter()
-        g.sum()
-        sync(device)
-        t1 = time.perf_counter()
-        out = fn(g, k, 100 + i)
-        sync(device)
-        t2 = time.perf_counter()
-        floors.append((t1 - t) * 1e3)
-        times.append((t2 - t1) * 1e3)
+        _, floor_ms = timed_ms(g.sum, device)
+        out, ms = timed_ms(lambda: fn(g, k, 100 + i), device)
+        floors.append(floor_ms)
+        times.append(ms)
         outs.append((i % len(inputs), out))
         if len(times) >= 3 and time.perf_counter() - start > budget_s:
             break
@@ -179,8 +150,7 @@ def run(args) -> list[dict]:
                     records.append(rec)
                     print_row(rec, flush=True)
                     if args.json:  # rewritten after every record: a long run that is cut short keeps its rows
-                        args.json.parent.mkdir(parents=True, exist_ok=True)
-                        args.json.write_text(json.dumps(records, indent=1))
+                        write_json(args.json, records, indent=1)
             del inputs, sq
     return records
 
@@ -212,9 +182,7 @@ def markdown_table(records) -> str:
 
 
 def plot(records, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     panels = sorted({(r["dtype"], r["density"]) for r in records})
     cols = min(2, len(panels))
     rows = math.ceil(len(panels) / cols)
@@ -235,7 +203,7 @@ def plot(records, path):
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
 
 
 def main(argv=None):
@@ -270,12 +238,10 @@ def main(argv=None):
     print(HEADER)
     records = run(args)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(records, indent=1))
+        write_json(args.json, records, indent=1)
     if args.markdown:
         args.markdown.write_text(markdown_table(records) + "\n")
     if args.plot:
-        args.plot.parent.mkdir(parents=True, exist_ok=True)
         plot(records, args.plot)
     return records
 

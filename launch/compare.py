@@ -11,6 +11,8 @@ import argparse
 import json
 from pathlib import Path
 
+from bench.common import write_json
+
 ACC_TOLERANCE_PP = 1.0  # percentage points
 MAX_BYTES_RATIO = 0.03  # at 2 ranks
 
@@ -59,8 +61,7 @@ def main() -> int:
               f"{'OK' if r['accuracy_ok'] else 'MISSED'}; bytes sent / dense equivalent {ratio:.4f} "
               f"(target <= {r['bytes_target']:g}) {'OK' if r['bytes_ok'] else 'MISSED'}")
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(a.json, result)
     return 0 if ok else 1
 
 

@@ -24,19 +24,19 @@ error_feedback, warmup, seed, steps, metric, value, bytes_sent, dense_bytes_equi
 ``<out>/convergence.png`` (held-out metric against step and against cumulative bytes sent; one panel per
 task, one line per run). ``--quick`` runs a short sweep (fewer steps, a smaller LM, three runs a task).
 
-    bash launch/convergence.sh [--quick] [--out docs/convergence] [--tasks classifier,lm] [--seeds 3]
+    bash launch/convergence.sh [--quick] [--out docs/results/convergence] [--tasks classifier,lm] [--seeds 3]
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from bench.common import free_port, pyplot, remove_shm, save_figure, write_json
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -73,7 +73,8 @@ TASKS = {
 def get_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="short sweep (about 4 minutes on 2 cores)")
-    p.add_argument("--out", default=None, help="output folder (default docs/convergence, runs/convergence_quick)")
+    p.add_argument("--out", default=None,
+                   help="output folder (default docs/results/convergence, runs/convergence_quick)")
     p.add_argument("--tasks", default="classifier,lm")
     p.add_argument("--runs", default=None, help="comma-separated run names (default: all; --quick: "
                                                  + ",".join(QUICK_RUNS) + ")")
@@ -84,21 +85,22 @@ def get_args():
     p.add_argument("--lm-steps", type=positive, default=None, help="default 300 (--quick 60)")
     p.add_argument("--ranks", type=positive, default=2)
     a = p.parse_args()
-    a.out = Path(a.out).resolve() if a.out else REPO / ("runs/convergence_quick" if a.quick else "docs/convergence")
+    a.out = Path(a.out).resolve() if a.out else REPO / ("runs/convergence_quick" if a.quick else "docs/results/convergence")
     a.seeds = a.seeds if a.seeds is not None else (1 if a.quick else 3)
     a.classifier_steps = a.classifier_steps if a.classifier_steps is not None else (100 if a.quick else 600)
     a.lm_steps = a.lm_steps if a.lm_steps is not None else (60 if a.quick else 300)
-    names = list(dict.fromkeys(a.runs.split(","))) if a.runs else list(QUICK_RUNS if a.quick else RUNS)
-    unknown = [n for n in names if n not in RUNS]
-    if unknown:
-        p.error(f"unknown run(s) {unknown}; choose from {', '.join(RUNS)}")
-    a.run_names = names
-    tasks = list(dict.fromkeys(a.tasks.split(",")))
-    unknown = [t for t in tasks if t not in TASKS]
-    if unknown:
-        p.error(f"unknown task(s) {unknown}; choose from {', '.join(TASKS)}")
-    a.task_names = tasks
+    a.run_names = names_in(p, a.runs or ",".join(QUICK_RUNS if a.quick else RUNS), RUNS, "run")
+    a.task_names = names_in(p, a.tasks, TASKS, "task")
     return a
+
+
+def names_in(p: argparse.ArgumentParser, text: str, known, what: str) -> list:
+    """The comma-separated names of ``text``, each once, in order; an argparse error names any not ``known``."""
+    names = list(dict.fromkeys(text.split(",")))
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        p.error(f"unknown {what}(s) {unknown}; choose from {', '.join(known)}")
+    return names
 
 
 def positive(text: str) -> int:
@@ -122,14 +124,7 @@ def write_config(task: str, run: str, steps: int, folder: Path) -> Path:
         sched["total_num_steps"] = steps
         sched["warmup_num_steps"] = min(sched.get("warmup_num_steps", 0), steps // 5)
     path = folder / f"{task}_{run}.json"
-    path.write_text(json.dumps(cfg, indent=2))
-    return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return write_json(path, cfg)
 
 
 def launch(task: str, run: str, seed: int, steps: int, args, folder: Path) -> dict:
@@ -147,8 +142,7 @@ def launch(task: str, run: str, seed: int, steps: int, args, folder: Path) -> di
         with open(log, "w") as f:
             proc = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, timeout=1800)
     finally:  # DeepSpeed's CPU allreduce leaves a /dev/shm file per rank and port
-        for p in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_127.0.0.1_{port}_*"):
-            p.unlink(missing_ok=True)
+        remove_shm(port)
     if proc.returncode != 0 or not summary.exists():
         tail = "".join(log.read_text().splitlines(keepends=True)[-30:])
         raise RuntimeError(f"{task}/{run} seed {seed} failed (exit {proc.returncode}); {log}:\n{tail}")
@@ -214,9 +208,7 @@ def table(records: list, task: str) -> list[str]:
 
 
 def plot(records: list, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     tasks = list(dict.fromkeys(r["task"] for r in records))
     fig, axes = plt.subplots(2, len(tasks), figsize=(6.5 * len(tasks), 9), squeeze=False)
     for col, task in enumerate(tasks):
@@ -241,7 +233,7 @@ def plot(records: list, path: Path) -> None:
             for ax in axes[:, col]:
                 ax.set_ylim(0.85, 1.0)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
 
 
 def main() -> int:
@@ -262,9 +254,8 @@ def main() -> int:
                 print(f"[{time.time() - t0:6.0f} s] {task:10s} {run:17s} seed {seed}: {rec['metric']} "
                       f"{rec['value']:.4f} | bytes {rec['bytes_sent'] / max(rec['dense_bytes_equivalent'], 1):.4f} "
                       f"of dense | {rec['wall_s']:.0f} s", flush=True)
-    (args.out / "convergence.json").write_text(json.dumps({"records": records, "quick": args.quick,
-                                                           "ranks": args.ranks, "total_s": time.time() - t0},
-                                                          indent=1))
+    write_json(args.out / "convergence.json", {"records": records, "quick": args.quick, "ranks": args.ranks,
+                                               "total_s": time.time() - t0}, indent=1)
     lines = [f"# Convergence sweep ({'quick' if args.quick else 'default'}; {args.ranks} ranks; "
              f"{time.time() - t0:.0f} s)", ""]
     for task in args.task_names:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Convergence sweep: dense vs DRAGONN and the baselines on the classifier and the LM, 2 ranks,
-# through the deepspeed launcher. Writes convergence.{json,md,png} under --out (default docs/convergence).
+# through the deepspeed launcher. Writes convergence.{json,md,png} under --out (default docs/results/convergence).
 #   bash launch/convergence.sh            # the default sweep (under 45 min on 2 CPU cores)
 #   bash launch/convergence.sh --quick    # a short sweep (under 5 min), runs/convergence_quick
 set -euo pipefail

@@ -5,11 +5,11 @@
 #
 #   bash launch/gpu_check.sh [OUTDIR]        # OUTDIR defaults to $OUT, else runs/gpu_check
 #
-# Writes: env.txt (nvidia-smi, versions), test_kernels.log, bench.log, bench_compress.json,
-# bench_compress.png, bench_compress.md, train_cuda.{log,json} (the main job's DRAGONN run on CUDA, world
-# size 1 over NCCL), fp16_engine.log (skipped steps and the loss scale), train_lm_cuda.{log,json} (the LM with the
-# default warm-ups), bench_step.{log,json} (per-phase step cost on the GPU), status.txt (one line per
-# step: ok / FAILED rc).
+# Writes: env.txt (nvidia-smi, versions), test_kernels.log, bench.log and selection_gpu.{json,png,md} (the
+# compression benchmark), train_cuda.{log,json} (the main job's DRAGONN run on CUDA, world size 1 over
+# NCCL), fp16_engine.log (skipped steps and the loss scale), train_lm_cuda.{log,json} (the LM with the
+# default warm-ups), phases_gpu.{log,json} (launch/bench_step.py: per-phase step cost on the GPU),
+# status.txt (one line per step: ok / FAILED rc).
 # Budget: set-up 1-3 min on a fresh machine (torch wheel), tests < 1 min, benchmark ~3-5 min on an H200
 # (--budget-s bounds each method). Set GPU_CHECK_QUICK=1 for the 2^20/2^22/2^24 fp32 benchmark only.
 set -uo pipefail
@@ -82,8 +82,8 @@ step test_kernels "$OUTDIR/test_kernels.log" \
 step test_compress "$OUTDIR/test_compress.log" \
   python -m pytest tests/test_compress.py -q -p no:cacheprovider || rc=1
 
-BENCH=(python launch/bench_compress.py --device cuda --json "$OUTDIR/bench_compress.json"
-       --plot "$OUTDIR/bench_compress.png" --markdown "$OUTDIR/bench_compress.md" --budget-s 5
+BENCH=(python launch/bench_compress.py --device cuda --json "$OUTDIR/selection_gpu.json"
+       --plot "$OUTDIR/selection_gpu.png" --markdown "$OUTDIR/selection_gpu.md" --budget-s 5
        --max-reference-exp 28)
 if [[ "${GPU_CHECK_QUICK:-0}" == "1" ]]; then BENCH+=(--quick); fi
 step bench_gpu "$OUTDIR/bench.log" "${BENCH[@]}" || rc=1
@@ -111,8 +111,8 @@ step train_lm_cuda "$OUTDIR/train_lm_cuda.log" \
   launch/train_lm.py --deepspeed_config configs/lm_dragonn.json --steps 80 --log-interval 20 \
   --summary "$OUTDIR/train_lm_cuda.json" || rc=1
 # per-phase step cost on the GPU; its +pt rows run per-tensor selection (Triton, one launch set per tensor)
-step bench_step_cuda "$OUTDIR/bench_step.log" \
-  python launch/bench_step.py --device cuda --steps 20 --json "$OUTDIR/bench_step.json" || rc=1
+step bench_step_cuda "$OUTDIR/phases_gpu.log" \
+  python launch/bench_step.py --device cuda --steps 20 --json "$OUTDIR/phases_gpu.json" || rc=1
 echo "outputs in $OUTDIR:" >&2
 cat "$STATUS" >&2
 exit $rc

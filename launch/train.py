@@ -8,8 +8,6 @@ split; each rank trains on its own shard of every global batch. Only rank 0 logs
 """
 from __future__ import annotations
 
-import argparse
-import os
 import time
 
 import deepspeed
@@ -21,7 +19,7 @@ from sklearn.model_selection import train_test_split
 
 import ds_dragonn
 from ds_dragonn.comm.mpi_env import setup_mpi_env
-from run_summary import dense_totals, report  # launch/, the script's folder
+from bench.job import finish, job_parser  # launch/bench, beside this script
 
 # -- defaults (units in comments) -----------------------------------------------------------------------
 STEPS = 600            # optimizer steps
@@ -31,12 +29,7 @@ SEED = 1234            # model init, split and batch order (same on every rank)
 
 
 def get_args():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=STEPS)
-    p.add_argument("--log-interval", type=int, default=LOG_INTERVAL)
-    p.add_argument("--seed", type=int, default=SEED)
-    p.add_argument("--summary", type=str, default=None, help="write a JSON summary here (rank 0)")
-    p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", -1)))
+    p = job_parser(__doc__.splitlines()[0], STEPS, LOG_INTERVAL, SEED)
     p = deepspeed.add_config_arguments(p)
     return p.parse_args()
 
@@ -125,10 +118,8 @@ def main():
                "exchange": dragonn.exchange_name if dragonn else None,
                "zero_stage": int(engine.zero_optimization_stage()),
                "final_loss": last_loss, "wall_s": time.time() - t0}
-    summary.update(dragonn.telemetry.summary() if dragonn else dense_totals(model, world, args.steps))
-    report(summary, rank, f"test_accuracy {acc:.4f} | final_loss {last_loss:.4f}", args.summary)
-    dist.barrier()
-    torch.distributed.destroy_process_group()
+    finish(summary, dragonn, model, world, rank, f"test_accuracy {acc:.4f} | final_loss {last_loss:.4f}",
+           args.summary)
 
 
 if __name__ == "__main__":

@@ -12,9 +12,7 @@ Only rank 0 logs and writes the summary.
 """
 from __future__ import annotations
 
-import argparse
 import math
-import os
 import platform
 import sysconfig
 import time
@@ -27,7 +25,7 @@ import torch.nn.functional as F
 
 import ds_dragonn
 from ds_dragonn.comm.mpi_env import setup_mpi_env
-from run_summary import dense_totals, report  # launch/, the script's folder
+from bench.job import finish, job_parser  # launch/bench, beside this script
 
 # -- defaults (units in comments) -----------------------------------------------------------------------
 STEPS = 500            # optimizer steps
@@ -41,17 +39,12 @@ SEED = 1234
 
 
 def get_args():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=STEPS)
-    p.add_argument("--log-interval", type=int, default=LOG_INTERVAL)
+    p = job_parser(__doc__.splitlines()[0], STEPS, LOG_INTERVAL, SEED)
     p.add_argument("--n-layer", type=int, default=N_LAYER)
     p.add_argument("--d-model", type=int, default=D_MODEL)
     p.add_argument("--n-head", type=int, default=N_HEAD)
     p.add_argument("--ctx", type=int, default=CTX)
     p.add_argument("--eval-windows", type=int, default=EVAL_WINDOWS)
-    p.add_argument("--seed", type=int, default=SEED)
-    p.add_argument("--summary", type=str, default=None, help="write a JSON summary here (rank 0)")
-    p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", -1)))
     p = deepspeed.add_config_arguments(p)
     return p.parse_args()
 
@@ -182,11 +175,8 @@ def main():
                "test_loss": history[-1]["test_loss"] if history else math.nan, "final_loss": last_loss,
                "history": history, "wall_s": time.time() - t0, "python": platform.python_version(),
                "train_bytes": len(train), "held_out_bytes": len(held)}
-    summary.update(dragonn.telemetry.summary() if dragonn else dense_totals(model, world, args.steps))
-    report(summary, rank, f"test_loss {summary['test_loss']:.4f} nats/byte | final_loss {last_loss:.4f}",
-           args.summary)
-    dist.barrier()
-    torch.distributed.destroy_process_group()
+    finish(summary, dragonn, model, world, rank,
+           f"test_loss {summary['test_loss']:.4f} nats/byte | final_loss {last_loss:.4f}", args.summary)
 
 
 if __name__ == "__main__":

@@ -1,18 +1,38 @@
-"""What the main-job scripts (``train.py``, ``train_lm.py``) share at the end of a run: the traffic totals of
-a dense run and writing the summary on rank 0."""
+"""What the main-job training scripts (``train.py``, ``train_lm.py``) share: their common arguments, the
+traffic totals of a dense run, and the end of a run (the summary on rank 0, leaving the process group)."""
 from __future__ import annotations
 
+import argparse
 import json
+import os
 from typing import Optional
 
 import torch
+
+from ds_dragonn.exchange.wire import dense_allreduce_bytes
+
+
+def job_parser(description: str, steps: int, log_interval: int, seed: int) -> argparse.ArgumentParser:
+    """A parser with the arguments every main-job script takes: ``--steps``, ``--log-interval``, ``--seed``,
+    ``--summary`` and the deepspeed launcher's ``--local_rank``. The script adds its own, then
+    ``deepspeed.add_config_arguments``."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--log-interval", type=int, default=log_interval)
+    p.add_argument("--seed", type=int, default=seed)
+    p.add_argument("--summary", type=str, default=None, help="write a JSON summary here (rank 0)")
+    p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", -1)))
+    return p
 
 
 def dense_totals(model: torch.nn.Module, world: int, steps: int) -> dict:
     """Bytes a ring allreduce of every gradient sends per rank over ``steps`` reductions (a dense run has no
     telemetry): ``bytes_sent`` = ``dense_bytes_equivalent``, and no compression time."""
-    ring = 2 * (world - 1) / world * sum(p.numel() * p.element_size() for p in model.parameters())
-    return {"bytes_sent": int(ring * steps), "dense_bytes_equivalent": int(ring * steps), "compress_ms_mean": 0.0}
+    numel_by_itemsize: dict = {}
+    for p in model.parameters():
+        numel_by_itemsize[p.element_size()] = numel_by_itemsize.get(p.element_size(), 0) + p.numel()
+    ring = steps * sum(dense_allreduce_bytes(n, size, world) for size, n in numel_by_itemsize.items())
+    return {"bytes_sent": ring, "dense_bytes_equivalent": ring, "compress_ms_mean": 0.0}
 
 
 def report(summary: dict, rank: int, line: str, path: Optional[str]) -> None:
@@ -24,3 +44,16 @@ def report(summary: dict, rank: int, line: str, path: Optional[str]) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(summary, f, indent=2)
+
+
+def finish(summary: dict, dragonn, model: torch.nn.Module, world: int, rank: int, line: str,
+           path: Optional[str]) -> None:
+    """The end of a run on every rank: ``summary`` gets the traffic totals (the DRAGONN telemetry's, or
+    :func:`dense_totals` when ``dragonn`` is None), rank 0 reports it (:func:`report`), then the ranks meet
+    and leave the process group."""
+    import deepspeed.comm as dist
+
+    summary.update(dragonn.telemetry.summary() if dragonn else dense_totals(model, world, summary["steps"]))
+    report(summary, rank, line, path)
+    dist.barrier()
+    torch.distributed.destroy_process_group()
