@@ -108,7 +108,7 @@ class DragonnConfig(DeepSpeedConfigModel):
 
     selection: SelectionScope = SelectionScope.global_
     """``global``: one threshold over the whole flattened bucket, so the budget goes where the gradient mass
-    is (measured better on the LM task: docs/convergence); tensors with small gradients are updated late.
+    is (measured better on the LM task: docs/results/convergence); tensors with small gradients are updated late.
     ``per_tensor``: each parameter's gradient in a bucket gets its own ``k = ceil(density · numel)``,
     threshold and hash table (DRAGONN paper, Sec. 4), in one kernel call per bucket, and small and 1-D
     tensors are sent whole (``tensor_min_compress_numel``, ``compress_1d``)."""

@@ -10,7 +10,7 @@ Invariant, exactly (tests check it): ``scatter(sent) + residual == compensated``
 fp16/bf16 buffers are kept in float32 so that small entries are not rounded away; what was actually
 sent (in the wire dtype) is subtracted, so the rounding of sent values stays in the residual too.
 
-Step budget (issue: "cheaper than the wire it saves"): the residual is a persistent buffer that doubles
+Step budget (cheaper than the wire it saves): the residual is a persistent buffer that doubles
 as the compensated buffer of the step, so a step allocates nothing of the buffer's size and makes one
 memory pass (read gradient, read and write residual); the commit touches only the ~k sent positions.
 Non-finite entries (NaN/±Inf) must not stay in the residual: a compressor that always sends at least one

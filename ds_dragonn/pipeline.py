@@ -16,7 +16,7 @@ or into a persistent buffer whose previous positions are cleared) and the averag
 ~k (commit) or ~P·k (decode) selected positions. A full pass is added only where it is needed: an
 overflow step (a sent value is non-finite: the residual's non-finite entries are cleared), a compressor
 that does not always send non-finite entries (random-k), or a decode buffer somebody else wrote into.
-Measured: ``launch/bench_step.py``, ``docs/bench_step.txt``.
+Measured: ``launch/bench_step.py``, ``docs/results/step/phases_24m_1thread.txt``.
 """
 from __future__ import annotations
 

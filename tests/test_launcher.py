@@ -117,7 +117,7 @@ def test_lm_corpus_split_is_fixed_and_disjoint():
 @pytest.mark.timeout(600)
 def test_convergence_quick_sweep(tmp_path):
     """``launch/convergence.sh --quick``: both tasks through the deepspeed launcher, records with the
-    issue's fields, a table and a figure; well under 5 minutes on 2 cores."""
+    sweep's fields, a table and a figure; well under 5 minutes on 2 cores."""
     out = tmp_path / "conv"
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     proc = subprocess.run(["bash", "launch/convergence.sh", "--quick", "--out", str(out)], cwd=REPO, env=env,

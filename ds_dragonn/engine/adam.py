@@ -3,7 +3,7 @@
 Error feedback keeps what was not sent and delivers it later, in a burst: an element that waits 100 steps
 arrives with ~100 steps of gradient at once. SGD applies the sum linearly, so nothing is lost. Adam does
 not: it divides the burst by ``sqrt(v)``, and ``v`` grows with the burst's square, so the element moves
-about one learning rate once instead of a hundred times; exact top-k loses as much as DRAGONN (docs/convergence/experiments.md).
+about one learning rate once instead of a hundred times; exact top-k loses as much as DRAGONN (docs/results/convergence/lm_defaults_trials.md).
 1-bit Adam makes Adam linear again by freezing the second moment after a dense warm-up: the update is then
 momentum SGD with a fixed per-element preconditioner, and error feedback works as for SGD (DGC's momentum
 correction solves the same problem for SGD momentum, Lin et al., ICLR 2018).

@@ -15,7 +15,7 @@ inverse are O(1) per index and computed, never stored.
   the P ranges more evenly than random; strided patterns (one column of every row) are spread unless
   ``stride·a/n`` is close to a fraction with denominator ≤ P. Zen (OSDI'25) balances owners with a
   shared hash for the same reason; the imbalance measured on real and skewed gradients is in
-  ``docs/bench_scaling.txt``.
+  ``docs/results/scaling/exchanges_by_world_size.txt``.
 """
 from __future__ import annotations
 
