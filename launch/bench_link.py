@@ -36,6 +36,7 @@ By hand (env:// rendezvous; RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set per r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -129,6 +130,29 @@ class Runner:
     module: torch.nn.Module                              # the model to evaluate
     bytes_sent: Callable[[], int]                        # modelled bytes this rank has sent so far
     details: Optional[Callable[[], dict]] = None         # extra record fields (DeepSpeed modes: where time goes)
+    engine: Optional[object] = None                      # DeepSpeed modes: the engine (DRAGONN: engine.dragonn)
+
+
+def mlp_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x), y)
+
+
+@dataclass
+class Recipe:
+    """How a run trains, apart from its exchange. The defaults are this benchmark's (the MLP's); other
+    benchmarks (launch/bench_ttq.py: the LM) pass their own to the set-ups."""
+    loss: Callable = mlp_loss             # loss(model, x, y) of one micro-batch -> scalar tensor
+    optimizer: Optional[Callable] = None  # torch modes: params -> (optimizer, lr scheduler or None); None: AdamW(lr)
+    accumulation: int = 1                 # torch modes: micro-batches per step (a step's x, y split along dim 0)
+    clip: Optional[float] = None          # torch modes: max global gradient norm (DeepSpeed: its config's)
+    autocast: Optional[torch.dtype] = None  # torch modes: forward under autocast to this dtype (None: off)
+
+
+def make_optimizer(params, args, recipe: Optional[Recipe]):
+    """(optimizer, scheduler or None) of a torch mode: the recipe's, else AdamW(args.lr)."""
+    if recipe is not None and recipe.optimizer is not None:
+        return recipe.optimizer(params)
+    return torch.optim.AdamW(params, lr=args.lr), None
 
 
 def counted(step: Callable, per_step: int):
@@ -141,25 +165,40 @@ def counted(step: Callable, per_step: int):
     return run, lambda: taken[0] * per_step
 
 
-def torch_step(model: torch.nn.Module, opt: torch.optim.Optimizer, exchange: Optional[Callable] = None):
+def torch_step(model: torch.nn.Module, opt: torch.optim.Optimizer, exchange: Optional[Callable] = None,
+               recipe: Optional[Recipe] = None, scheduler=None):
+    """A plain torch step: the recipe's micro-batches (DDP synchronises the last one only), then the
+    exchange, clipping, the optimizer and scheduler steps."""
+    recipe = recipe or Recipe()
+    n = recipe.accumulation
+    device = next(model.parameters()).device.type
+
     def step(x, y):
         opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
+        for i, (xs, ys) in enumerate(zip(x.chunk(n), y.chunk(n))):
+            quiet = i < n - 1 and hasattr(model, "no_sync")
+            with model.no_sync() if quiet else contextlib.nullcontext():
+                with torch.autocast(device, dtype=recipe.autocast) if recipe.autocast else contextlib.nullcontext():
+                    loss = recipe.loss(model, xs, ys)
+                (loss / n if n > 1 else loss).backward()
         if exchange:
             exchange()
+        if recipe.clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip)
         opt.step()
+        if scheduler is not None:
+            scheduler.step()
     return step
 
 
-def setup_none(model, args) -> Runner:
-    step, sent = counted(torch_step(model, torch.optim.AdamW(model.parameters(), lr=args.lr)), 0)
+def setup_none(model, args, recipe: Optional[Recipe] = None) -> Runner:
+    opt, sched = make_optimizer(model.parameters(), args, recipe)
+    step, sent = counted(torch_step(model, opt, recipe=recipe, scheduler=sched), 0)
     return Runner(step, model, sent)
 
 
 def setup_deepspeed(model, args, world, comm_dtype: Optional[str] = None, dragonn: Optional[dict] = None,
                     stage: int = 0) -> Runner:
-    import ds_dragonn
-
     config = {"train_micro_batch_size_per_gpu": MICRO_BATCH,
               "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "torch_adam": True}},
               "zero_optimization": {"stage": stage}, "steps_per_print": 1e9}
@@ -168,43 +207,69 @@ def setup_deepspeed(model, args, world, comm_dtype: Optional[str] = None, dragon
     if dragonn is not None:
         # the steady state is timed: no dense or density warm-up (a long run spends almost all its steps there)
         config["dragonn"] = {"enabled": True, "warmup_steps": 0, "density_warmup_steps": 0, **dragonn}
+    return deepspeed_runner(model, config, args)
+
+
+def deepspeed_runner(model, config: dict, args, recipe: Optional[Recipe] = None) -> Runner:
+    """A DeepSpeed engine (DRAGONN when the config's "dragonn" block is enabled) from this full config; the
+    recipe gives the loss (its optimizer, accumulation and clipping are the config's). A step's x, y are split
+    into the config's gradient_accumulation_steps micro-batches.
+
+    Bytes per rank and step (ring models): DRAGONN's telemetry, else an allreduce of every gradient in the
+    engine's communication dtype (ZeRO-2: one per micro-batch); ZeRO-1/2 add the all-gather of the updated
+    parameters ((P-1)/P of them, in the model's dtype).
+    """
+    import ds_dragonn
+
+    recipe = recipe or Recipe()
     engine, _, _, _ = ds_dragonn.initialize(model=model, model_parameters=model.parameters(), config=config)
+    world = dist.get_world_size()
+    gas = engine.gradient_accumulation_steps()
+    stage = engine.zero_optimization_stage()
+    dragonn = getattr(engine, "dragonn", None)
 
     parts = {"forward_ms": [], "backward_ms": [], "optimizer_ms": []}  # backward includes the reduction
 
     def step(x, y):
-        t0 = time.perf_counter()
-        loss = F.cross_entropy(engine(x), y)
-        t1 = time.perf_counter()
-        engine.backward(loss)
-        t2 = time.perf_counter()
-        engine.step()
-        t3 = time.perf_counter()
-        for k, v in zip(parts, (t1 - t0, t2 - t1, t3 - t2)):
+        took = [0.0, 0.0, 0.0]
+        for xs, ys in zip(x.chunk(gas), y.chunk(gas)):
+            t0 = time.perf_counter()
+            loss = recipe.loss(engine, xs, ys)
+            t1 = time.perf_counter()
+            engine.backward(loss)
+            t2 = time.perf_counter()
+            engine.step()
+            t3 = time.perf_counter()
+            took = [a + b for a, b in zip(took, (t1 - t0, t2 - t1, t3 - t2))]
+        for k, v in zip(parts, took):
             parts[k].append(v * 1e3)
 
     def details():
         d = {k: statistics.median(v[args.warmup_steps:] or v) for k, v in parts.items()}
         if dragonn is not None:
-            t = engine.dragonn.telemetry.summary()
+            t = dragonn.telemetry.summary()
             d["dragonn_telemetry"] = {k: t[k] for k in ("compressed_reductions", "dense_reductions",
                                                         "compensate_ms_mean", "select_ms_mean", "exchange_ms_mean",
                                                         "residual_ms_mean", "decode_ms_mean", "dense_ms_mean",
                                                         "kept_over_k", "achieved_density")}
         return d
 
-    numel = sum(p.numel() for p in model.parameters())
-    # ZeRO-2 also all-gathers the updated fp32 parameters after every step: (P-1)/P of them per rank, as much
+    params = list(engine.module.parameters())
+    numel = sum(p.numel() for p in params)
+    # ZeRO-1/2 also all-gather the updated parameters after every step: (P-1)/P of them per rank, as much
     # as a ring reduce-scatter of them sends
-    gather = dense_reduce_scatter_bytes(numel, 4, world) if stage else 0
+    gather = dense_reduce_scatter_bytes(numel, params[0].element_size(), world) if stage else 0
     if dragonn is not None:
         step, gathered = counted(step, gather)
-        return Runner(step, engine.module, lambda: engine.dragonn.telemetry.bytes_sent + gathered(), details)
-    step, sent = counted(step, dense_allreduce_bytes(numel, 2 if comm_dtype == "bf16" else 4, world) + gather)
-    return Runner(step, engine.module, sent, details)
+        return Runner(step, engine.module, lambda: dragonn.telemetry.bytes_sent + gathered(), details, engine)
+    reductions = gas if stage >= 2 else 1  # ZeRO-2 reduces every micro-batch, the others at the boundary
+    comm = engine.communication_data_type.itemsize
+    step, sent = counted(step, reductions * dense_allreduce_bytes(numel, comm, world) + gather)
+    return Runner(step, engine.module, sent, details, engine)
 
 
-def setup_ddp(model, args, hook: Callable, state, bytes_per_bucket: Callable) -> Runner:
+def setup_ddp(model, args, hook: Callable, state, bytes_per_bucket: Callable,
+              recipe: Optional[Recipe] = None) -> Runner:
     """DDP with one bucket for the whole model; bytes_per_bucket(state, bucket) is added at each hook call."""
     from torch.nn.parallel import DistributedDataParallel
 
@@ -216,11 +281,12 @@ def setup_ddp(model, args, hook: Callable, state, bytes_per_bucket: Callable) ->
         sent[0] += bytes_per_bucket(hook_state, bucket)
         return hook(hook_state, bucket)
     ddp.register_comm_hook(state, counting_hook)
-    step = torch_step(ddp, torch.optim.AdamW(ddp.parameters(), lr=args.lr))
+    opt, sched = make_optimizer(ddp.parameters(), args, recipe)
+    step = torch_step(ddp, opt, recipe=recipe, scheduler=sched)
     return Runner(step, ddp.module, lambda: sent[0])
 
 
-def setup_powersgd(model, args, world, rank: int) -> Runner:
+def setup_powersgd(model, args, world, rank: int, recipe: Optional[Recipe] = None) -> Runner:
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
     state = PowerSGDState(process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=POWERSGD_START_ITER,
@@ -230,14 +296,14 @@ def setup_powersgd(model, args, world, rank: int) -> Runner:
         if st.iter < st.start_powerSGD_iter:  # vanilla fp32 allreduce
             return dense_allreduce_bytes(bucket.buffer().numel(), 4, world)
         return sum(dense_allreduce_bytes(n, 4, world) for n in powersgd_numels(bucket.gradients(), rank) if n)
-    return setup_ddp(model, args, powerSGD_hook, state, bytes_per_bucket)
+    return setup_ddp(model, args, powerSGD_hook, state, bytes_per_bucket, recipe)
 
 
-def setup_ddp_bf16(model, args, world) -> Runner:
+def setup_ddp_bf16(model, args, world, recipe: Optional[Recipe] = None) -> Runner:
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
     return setup_ddp(model, args, bf16_compress_hook, None,
-                     lambda st, bucket: dense_allreduce_bytes(bucket.buffer().numel(), 2, world))
+                     lambda st, bucket: dense_allreduce_bytes(bucket.buffer().numel(), 2, world), recipe)
 
 
 def setup_dgc(model, args, world) -> Runner:

@@ -49,36 +49,16 @@ fi
 . "$REPO/launch/setup_env.sh"
 cd "$REPO"
 
+# shellcheck source=launch/netns.sh
+. "$REPO/launch/netns.sh"               # netns_up/netns_down, bench_lock, remove_shm (shared with bench_ttq.sh)
 NS=(dragonn_bl0 dragonn_bl1)            # one namespace per rank
 IF=(blveth0 blveth1)                    # the veth end in each
 ADDR=(198.51.100.1 198.51.100.2)        # documentation range, exists only inside the namespaces
 BASE_PORT=29600                         # MASTER_PORT of the first run, +1 per run
 PIDS=() PORTS=() FAILED=()
 
-# one benchmark at a time: a second one would delete this one's namespaces
-exec 9>/run/ds_dragonn_bench_link.lock
-flock -n 9 || { echo "bench_link.sh: another bench_link.sh is running" >&2; exit 1; }
-
-netns_down() { for ns in "${NS[@]}"; do ip netns del "$ns" 2>/dev/null || true; done; }
-
-netns_up() {  # link
-  netns_down
-  ip netns add "${NS[0]}"
-  ip netns add "${NS[1]}"
-  ip link add "${IF[0]}" netns "${NS[0]}" type veth peer name "${IF[1]}" netns "${NS[1]}"
-  for i in 0 1; do
-    ip -n "${NS[i]}" addr add "${ADDR[i]}/24" dev "${IF[i]}"
-    ip -n "${NS[i]}" link set lo up
-    ip -n "${NS[i]}" link set "${IF[i]}" up
-    if [[ "$1" != unthrottled ]]; then
-      tc -n "${NS[i]}" qdisc add dev "${IF[i]}" root tbf rate "$1" burst 1mbit latency 400ms
-    fi
-  done
-}
-
-# DeepSpeed's CPU shm allreduce leaves /dev/shm/deepspeed_allreduce_buffer_*_<addr>_<port>_<rank> behind
-# (never unlinked); the ranks set LOCAL_SIZE=1 so that it should not start, and any file of ours is removed.
-remove_shm() { for p in "$@"; do rm -f /dev/shm/deepspeed_allreduce_buffer_*_"${ADDR[0]}_${p}"_*; done; }
+# one link benchmark at a time: a second one would delete this one's namespaces
+bench_lock || { echo "bench_link.sh: another link benchmark (bench_link.sh or bench_ttq.sh) is running" >&2; exit 1; }
 
 cleanup() {
   for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
@@ -111,7 +91,7 @@ run_pair() {  # mode link log-prefix -> 0 when both ranks succeed
 }
 
 netns_down
-rm -f /dev/shm/deepspeed_allreduce_buffer_*_"${ADDR[0]}"_*  # a crashed earlier run's (the address is ours only)
+remove_all_shm  # a crashed earlier run's (the address is ours only)
 if [[ "$ADD" == 0 ]]; then rm -rf "$OUT/records"; fi
 mkdir -p "$OUT/records" "$OUT/logs"
 for link in $LINKS; do

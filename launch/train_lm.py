@@ -111,16 +111,18 @@ def windows(data: torch.Tensor, starts: torch.Tensor, ctx: int):
     return rows[:, :-1], rows[:, 1:]
 
 
-def held_out_loss(engine, x, y, batch: int = 32) -> float:
-    """Mean next-byte cross-entropy (nats/byte) over fixed held-out windows."""
-    engine.eval()
+def held_out_loss(model, x, y, batch: int = 32) -> float:
+    """Mean next-byte cross-entropy (nats/byte) over fixed held-out windows; ``model``: a DeepSpeed engine or
+    any torch module (launch/bench_ttq.py evaluates DDP and plain modules too)."""
+    device = next(model.parameters()).device
+    model.eval()
     total = 0.0
     with torch.no_grad():
         for i in range(0, len(x), batch):
-            logits = engine(x[i:i + batch].to(engine.device)).float()
-            total += F.cross_entropy(logits.reshape(-1, 256), y[i:i + batch].to(engine.device).reshape(-1),
+            logits = model(x[i:i + batch].to(device)).float()
+            total += F.cross_entropy(logits.reshape(-1, 256), y[i:i + batch].to(device).reshape(-1),
                                      reduction="sum").item()
-    engine.train()
+    model.train()
     return total / y.numel()
 
 
