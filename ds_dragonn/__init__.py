@@ -115,7 +115,8 @@ def initialize(*args: Any, **kwargs: Any):
         DragonnConfigError: the ``"dragonn"`` block has an unknown key or an invalid value.
         DragonnConfigMismatchError: (on every rank) the ranks' ``"dragonn"`` blocks or ZeRO stages differ.
         DragonnUnsupportedError: DRAGONN is enabled together with ZeRO stage 3, ZeRO offload,
-            ``"reduce_scatter": false``, ``"contiguous_gradients": false`` or a pipeline engine.
+            ``"reduce_scatter": false``, ``"contiguous_gradients": false`` or a pipeline engine, or
+            ``"compress": "momentum"`` with an optimizer that is not Adam-type.
     """
     return _initialize(_deepspeed_initialize(), *args, **kwargs)
 
@@ -158,6 +159,7 @@ def _initialize(ds_initialize: Any, *args: Any, **kwargs: Any):
     result = ds_initialize(*args, **kwargs)
     if cfg.enabled and getattr(result[0], "dragonn", None) is None:  # (a wrapped wrapper hooked it already)
         engine = result[0]
+        _check_optimizer(cfg, engine)
         stage = engine.zero_optimization_stage()
         if stage == 0:
             Stage0Hook(engine, cfg).install()
@@ -169,6 +171,26 @@ def _initialize(ds_initialize: Any, *args: Any, **kwargs: Any):
             raise DragonnUnsupportedError(f"'dragonn' supports ZeRO stages 0, 1 and 2; the engine runs stage {stage} "
                                           f"with {type(engine.optimizer).__name__}")
     return result
+
+
+def _check_optimizer(cfg: DragonnConfig, engine: Any) -> None:
+    """``compress: momentum`` needs an Adam-type optimizer (its β1 is the local momentum's, its frozen
+    variance the preconditioner). Raises DragonnUnsupportedError naming the optimizer otherwise."""
+    from .config import CompressTarget
+    from .engine.adam import adam_beta1, base_optimizer
+    if cfg.compress != CompressTarget.momentum:
+        return
+    opt = base_optimizer(engine)
+    name = type(opt or engine.optimizer).__name__
+    beta1 = adam_beta1(engine)
+    if beta1 is None:
+        raise DragonnUnsupportedError(f"'dragonn.compress': 'momentum' needs an Adam-type optimizer (Adam, AdamW, "
+                                      f"FusedAdam: 'betas' and Adam's moments); this engine's is {name}. Use "
+                                      f"'compress': 'gradient' (the default) with it")
+    if not 0.0 < beta1 < 1.0 or any(g.get("amsgrad") for g in opt.param_groups):
+        raise DragonnUnsupportedError(f"'dragonn.compress': 'momentum' needs Adam's betas[0] in (0, 1) and no "
+                                      f"amsgrad; this {name} has betas[0]={beta1} amsgrad="
+                                      f"{any(g.get('amsgrad') for g in opt.param_groups)}. Use 'compress': 'gradient'")
 
 
 _NO_REDUCE_SCATTER = ("'dragonn' compresses the gradient reduce-scatter of ZeRO stages 1/2, but "

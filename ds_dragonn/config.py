@@ -53,6 +53,11 @@ class CompressorName(str, Enum):
     randomk = "randomk"  # uniform random k elements (baseline)
 
 
+class CompressTarget(str, Enum):
+    gradient = "gradient"  # the gradient, with error feedback (DRAGONN paper)
+    momentum = "momentum"  # each rank's local momentum, with error feedback; Adam's variance frozen (1-bit Adam)
+
+
 class Kernel(str, Enum):
     auto = "auto"  # triton on CUDA, the C++ library on CPU, else reference
     reference = "reference"  # pure PyTorch (any device; the definition the others are tested against)
@@ -105,6 +110,21 @@ class DragonnConfig(DeepSpeedConfigModel):
     (``engine/adam.py``). Only with error feedback and ``density`` below 1; no effect on optimizers without
     ``exp_avg_sq``. Off by default: where an element's variance was ~0 in the warm-up and its gradient grows
     later, the frozen preconditioner makes huge steps (measured: one of three classifier seeds diverged)."""
+
+    compress: CompressTarget = CompressTarget.gradient
+    """What is sparsified and exchanged. ``gradient``: the gradient, with error feedback; the optimizer runs
+    unchanged. ``momentum`` (Adam-type optimizers only): 1-bit Adam's structure (Tang et al., ICML 2021) with
+    DRAGONN selection in place of 1-bit quantisation: after the dense warm-up (``warmup_steps`` >= 1) each
+    rank keeps a local momentum ``β1·M + (1 − β1)·g`` of its own gradient (``β1``: the optimizer's), error
+    feedback acts on that momentum, the ranks exchange the sparse momentum, and Adam applies the average
+    with its variance frozen from the warm-up (floored: ``variance_floor``). Delays then stay linear: a
+    burst is not divided away by a variance it inflated. Costs one more fp32 buffer per gradient element
+    (two with fp16, or bf16 with ``check_grad_overflow``)."""
+
+    variance_floor: float = Field(0.01, ge=0.0, le=1.0, strict=True)
+    """Where Adam's variance is frozen (``compress: momentum``, ``freeze_adam_variance``): each parameter
+    tensor's frozen ``sqrt(v)`` is at least this fraction of the tensor's mean ``sqrt(v)``, so that an element
+    whose gradient was ~0 during the warm-up cannot take huge steps later. 0: no floor."""
 
     selection: SelectionScope = SelectionScope.global_
     """``global``: one threshold over the whole flattened bucket, so the budget goes where the gradient mass
@@ -174,6 +194,12 @@ class DragonnConfig(DeepSpeedConfigModel):
                              "re-select their part with one global threshold, so neither the per-tensor budgets nor "
                              "the tensors sent whole would reach the other ranks); use 'exchange': 'allgather' or "
                              "'selection': 'global'")
+        if self.compress == CompressTarget.momentum and not self.error_feedback:
+            raise ValueError("'compress': 'momentum' needs 'error_feedback': true (the momentum not sent is kept "
+                             "in the residual; without it the update would lose ~(1 - density) of it every step)")
+        if self.compress == CompressTarget.momentum and self.warmup_steps < 1:
+            raise ValueError("'compress': 'momentum' needs 'warmup_steps' >= 1: Adam's variance is frozen from the "
+                             "dense warm-up steps")
         if self.cuda_aware and self.comm_backend != CommBackendName.mpi:
             raise ValueError(f"'cuda_aware': true only applies to 'comm_backend': 'mpi' "
                              f"(got 'comm_backend': '{self.comm_backend.value}')")

@@ -31,6 +31,7 @@ from . import sparse_ops
 from .decode import SparseDecoder
 from .exchange import AllgatherExchange, Exchange, check_buffer_agreement, to_wire
 from .feedback import ErrorFeedback
+from .momentum import LocalMomentum
 
 
 class ReduceStats(NamedTuple):
@@ -100,13 +101,16 @@ class CompressedAllreduce:
         backend: collective transport for the data-parallel group.
         error_feedback: residual store (``ErrorFeedback(enabled=False)`` to drop what is not sent).
         exchange: the exchange scheme over ``backend`` (default :class:`~ds_dragonn.exchange.AllgatherExchange`).
+        momentum: compress each rank's local momentum instead of its gradient (``compress: momentum``):
+            every reduction first folds the gradients into it (:class:`~ds_dragonn.momentum.LocalMomentum`).
     """
 
     def __init__(self, compressor: Compressor, backend: CommBackend, error_feedback: ErrorFeedback,
-                 exchange: Exchange | None = None):
+                 exchange: Exchange | None = None, momentum: LocalMomentum | None = None):
         self.compressor = compressor
         self.backend = backend
         self.error_feedback = error_feedback
+        self.momentum = momentum
         self.exchange = exchange if exchange is not None else AllgatherExchange(backend)
         self.decoder = SparseDecoder()
         self._agreed: set = set()  # (key, numel, dtype) checked with every rank
@@ -149,6 +153,9 @@ class CompressedAllreduce:
             self._agreed.add((key, n, dtype))
 
         clock = PhaseClock(device)
+        if self.momentum is not None:  # the residual accumulates the local momentum, not the gradient
+            into_inputs = False
+            tensors, prescale = self.momentum.update(key, tensors, dtype, prescale)
         compensated = self.error_feedback.compensate_(key, tensors, dtype, prescale, zero_inputs=into_inputs)
         compensate_ms = clock.lap()
         sel = self.compressor.compress(compensated, seed, segments)
@@ -185,8 +192,8 @@ class CompressedAllreduce:
     def can_reduce_into(self, tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> bool:
         """Whether :meth:`reduce` can decode into ``tensors`` (CPU fp32/bf16 contiguous, wire dtype equal to
         theirs, error feedback on: the zeroing rides on the compensation pass)."""
-        return (self.error_feedback.enabled and bool(tensors) and tensors[0].dtype == dtype
-                and sparse_ops.can_decode_into(tensors))
+        return (self.error_feedback.enabled and self.momentum is None and bool(tensors)
+                and tensors[0].dtype == dtype and sparse_ops.can_decode_into(tensors))
 
     def reduce_dense(self, tensors: Sequence[torch.Tensor], key: Hashable, prescale: float = 1.0,
                      postscale: float = 1.0, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -197,11 +204,16 @@ class CompressedAllreduce:
         instead of being lost. The residual keeps only the rounding of the wire dtype. Allocates a buffer
         (this runs on switches, not every step).
 
+        In the momentum mode every dense reduction after the warm-up runs here: the gradients are folded
+        into the local momentum first, and the residual plus that momentum is sent.
+
         Returns:
             A new (n,) tensor of ``dtype``: ``postscale × Σ_ranks (residual + prescale × gradients)``.
         """
         tensors = list(tensors)
         dtype = dtype or tensors[0].dtype
+        if self.momentum is not None:
+            tensors, prescale = self.momentum.update(key, tensors, dtype, prescale)
         compensated = self.error_feedback.compensate_(key, tensors, dtype, prescale)
         self.exchange.flush_into(key, compensated)
         wire = to_wire(compensated, dtype)

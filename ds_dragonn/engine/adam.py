@@ -20,6 +20,7 @@ variance is kept on target).
 """
 from __future__ import annotations
 
+import math
 from typing import Any, List, Optional
 
 import torch
@@ -37,6 +38,15 @@ def base_optimizer(engine: Any) -> Optional[torch.optim.Optimizer]:
     return None
 
 
+def adam_beta1(engine: Any) -> Optional[float]:
+    """β1 of the engine's Adam-type optimizer (``betas[0]`` of its first parameter group), or None where the
+    innermost optimizer has no ``betas`` (SGD, Adagrad, ...)."""
+    opt = base_optimizer(engine)
+    groups = getattr(opt, "param_groups", None) or []
+    betas = groups[0].get("betas") if groups else None
+    return float(betas[0]) if betas is not None else None
+
+
 def _step_count(state: dict) -> Optional[float]:
     step = state.get("step")
     if step is None:
@@ -51,11 +61,19 @@ class VarianceFreeze:
     Args:
         engine: the DeepSpeed engine (``global_steps``: the steps taken before the current one).
         freeze_step: global step from which the variance may be frozen (the end of the dense warm-up).
+        floor: each parameter tensor's frozen ``sqrt(V̂)`` is raised to at least ``floor`` × its mean
+            ``sqrt(V̂)`` (0: none), so that an element quiet in the warm-up cannot take huge steps later.
+        momentum: the gradients are already momenta (``compress: momentum``: the ranks' averaged local
+            momenta ``β1·M + (1 − β1)·g``, tracked from the first step): before each frozen step ``exp_avg``
+            is set to the gradient, so that Adam's first moment is that momentum and Adam applies
+            ``lr · (g / (1 − β1^t)) / (sqrt(V̂) + eps)``, its own bias correction included (1-bit Adam).
     """
 
-    def __init__(self, engine: Any, freeze_step: int):
+    def __init__(self, engine: Any, freeze_step: int, floor: float = 0.0, momentum: bool = False):
         self.engine = engine
         self.freeze_step = int(freeze_step)
+        self.floor = float(floor)
+        self.momentum = bool(momentum)
         self.optimizer = base_optimizer(engine)
         self.frozen: Optional[List[torch.Tensor]] = None  # V̂ per entry of self.params
         self.params: List[torch.nn.Parameter] = []
@@ -78,7 +96,8 @@ class VarianceFreeze:
         if self.frozen is None and not self._record(optimizer):
             return
         for group in optimizer.param_groups:
-            beta2 = float(group["betas"][1])
+            beta1, beta2 = float(group["betas"][0]), float(group["betas"][1])
+            corrected = group.get("bias_correction", True)  # DeepSpeed's FusedAdam may turn it off
             for p in group["params"]:
                 i = self._index.get(id(p))
                 if i is None or p.grad is None:
@@ -86,8 +105,25 @@ class VarianceFreeze:
                 state = optimizer.state[p]
                 t = _step_count(state) + 1.0  # the step count Adam is about to use
                 v, g = state["exp_avg_sq"], p.grad
-                target = self.frozen[i] * ((1.0 - beta2 ** t) / beta2)
+                c2 = (1.0 - beta2 ** t) if corrected else 1.0
+                if self.momentum:
+                    self._momentum_step(state, g, self.frozen[i], beta1, beta2, c2, float(group.get("eps", 1e-8)))
+                    continue
+                target = self.frozen[i] * (c2 / beta2)
                 v.copy_(target.addcmul_(g, g, value=-(1.0 - beta2) / beta2))
+
+    @staticmethod
+    def _momentum_step(state: dict, g: torch.Tensor, frozen: torch.Tensor, beta1: float, beta2: float, c2: float,
+                       eps: float) -> None:
+        """Set Adam's moments so that its update is ``lr · (g / c1) / (sqrt(V̂) + eps)``: ``g`` (the averaged
+        momentum) divided by the frozen denominator. The variance lands on ``V̂·c2 + (1 − β2)·g²`` (never
+        below ``V̂·c2``: no cancellation, no negative variance however large a burst), and the first moment
+        on ``g`` times the ratio of that denominator to the frozen one."""
+        v, m = state["exp_avg_sq"], state["exp_avg"]
+        v.copy_(frozen).mul_(c2 / beta2)
+        denom = frozen.mul(c2).addcmul_(g, g, value=1.0 - beta2).div_(c2).sqrt_().add_(eps)
+        denom.div_(frozen.sqrt().add_(eps))  # Adam's denominator over the frozen one (>= 1)
+        m.copy_(g).mul_(denom).sub_(g, alpha=1.0 - beta1).div_(beta1)
 
     def _record(self, optimizer) -> bool:
         """Record ``V̂ = v / (1 − β2^t)`` of every Adam-type parameter; False (and the hook removed) when there
@@ -95,22 +131,29 @@ class VarianceFreeze:
         params, frozen = [], []
         for group in optimizer.param_groups:
             betas = group.get("betas")
+            corrected = group.get("bias_correction", True)
             for p in group["params"]:
                 state = optimizer.state.get(p, {})
                 t = _step_count(state)
                 if betas is None or "exp_avg_sq" not in state or not t:
                     continue
                 params.append(p)
-                frozen.append(state["exp_avg_sq"].detach() / (1.0 - float(betas[1]) ** t))
+                v = state["exp_avg_sq"].detach() / ((1.0 - float(betas[1]) ** t) if corrected else 1.0)
+                if self.floor > 0.0 and v.numel():  # sqrt(V̂) >= floor × its tensor's mean sqrt(V̂)
+                    low = (self.floor * float(v.sqrt().mean())) ** 2
+                    if math.isfinite(low) and low > 0.0:
+                        v = v.clamp_min(low)
+                frozen.append(v)
         if not params:
             self.handle.remove()
             self.handle = None
             return False
         self.params, self.frozen = params, frozen
         self._index = {id(p): i for i, p in enumerate(params)}
+        what = "the sparse momentum applied as it is" if self.momentum else "1-bit Adam's remedy for error feedback"
         print_dist(f"DRAGONN: Adam's bias-corrected variance frozen from step {int(self.engine.global_steps) + 1} "
-                   f"({sum(v.numel() for v in frozen)} elements; 1-bit Adam's remedy for error feedback under "
-                   f"Adam)", ranks=[0])
+                   f"({sum(v.numel() for v in frozen)} elements, floor {self.floor:g} of each tensor's mean; "
+                   f"{what})", ranks=[0])
         return True
 
     def reset(self) -> None:

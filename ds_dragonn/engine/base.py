@@ -16,9 +16,10 @@ from deepspeed.utils.logging import print_dist
 from ..comm import build_backend
 from ..comm.base import CommBackend
 from ..compress import build_compressor
-from ..config import DragonnConfig
+from ..config import CompressTarget, DragonnConfig
 from ..exchange import Exchange, build_exchange
 from ..feedback import ErrorFeedback
+from ..momentum import LocalMomentum
 from ..pipeline import CompressedAllreduce, ReduceStats
 from ..policy import AutoPolicy
 from ..schedule import DensitySchedule
@@ -62,13 +63,21 @@ class HookBase:
         self._flushing: set = set()  # transactional: flushed in the open step (still pending if it is skipped)
         self.notes: list = []  # what loading a state did beyond restoring it (also logged as warnings)
         self.variance_freeze = None
+        self.momentum: Optional[LocalMomentum] = None  # compress: momentum (this rank's local momentum)
+        has_optimizer = engine is not None and hasattr(engine, "optimizer")
+        if cfg.compress == CompressTarget.momentum:
+            from .adam import VarianceFreeze, adam_beta1
+            beta1 = adam_beta1(engine) if has_optimizer else None
+            self.momentum = LocalMomentum(0.9 if beta1 is None else beta1, transactional=self.transactional)
+            if has_optimizer:
+                self.variance_freeze = VarianceFreeze(engine, cfg.warmup_steps, cfg.variance_floor, momentum=True)
         # only where gradients are delayed (density below 1, error feedback on: bursts), and only after dense
         # warm-up steps: a variance estimated from sparse steps is ~0 where nothing arrived yet (measured:
         # the LM diverges when frozen at the end of the density warm-up without dense steps)
-        if (cfg.freeze_adam_variance and cfg.density < 1.0 and cfg.error_feedback and cfg.warmup_steps > 0
-                and engine is not None and hasattr(engine, "optimizer")):
+        elif (cfg.freeze_adam_variance and cfg.density < 1.0 and cfg.error_feedback and cfg.warmup_steps > 0
+                and has_optimizer):
             from .adam import VarianceFreeze
-            self.variance_freeze = VarianceFreeze(engine, cfg.warmup_steps)
+            self.variance_freeze = VarianceFreeze(engine, cfg.warmup_steps, cfg.variance_floor)
 
     @property
     def policy(self) -> AutoPolicy:
@@ -92,7 +101,8 @@ class HookBase:
     def _stores(self) -> list:
         """Everything whose state a skipped step must not change: the workers' store, each pipeline's
         exchange, and this hook's record of which residuals still need a flush."""
-        return [self.error_feedback] + [p.exchange for p in self._pipelines.values()] + [self]
+        momentum = [self.momentum] if self.momentum is not None else []
+        return [self.error_feedback] + momentum + [p.exchange for p in self._pipelines.values()] + [self]
 
     def _flushed(self, key: Hashable) -> None:
         """The residual of ``key`` went out with a dense reduction: no flush is owed any more (once the step
@@ -130,7 +140,7 @@ class HookBase:
             self._apply_timeout(group)
             backend: CommBackend = build_backend(self.cfg, group)
             self._pipelines[key] = CompressedAllreduce(self.compressor, backend, self.error_feedback,
-                                                       self._build_exchange(backend))
+                                                       self._build_exchange(backend), self.momentum)
         return self._pipelines[key]
 
     def _apply_timeout(self, group: Any) -> None:
@@ -159,6 +169,22 @@ class HookBase:
             self._round, self._ordinal = round_id, 0
         self._ordinal += 1
         return self._ordinal - 1
+
+    def _carries_momentum(self, step: int) -> bool:
+        """Momentum mode after the dense warm-up: every reduction of this step, dense ones included, sends
+        the local momentum (the optimizer applies what arrives as the momentum itself)."""
+        if self.momentum is None or self.decision.schedule.dense(step):
+            return False
+        if self.variance_freeze is not None:
+            self.variance_freeze.arm()
+        return True
+
+    def _track_momentum(self, pipeline: CompressedAllreduce, key: Hashable, tensors, dtype: torch.dtype,
+                        prescale: float) -> None:
+        """Momentum mode, dense warm-up: fold the local gradients into the local momentum (sent from the
+        first compressed step on, so that it does not start from zero)."""
+        if self.momentum is not None and tensors:
+            self.momentum.update(key, tensors, dtype, prescale)
 
     def _record_dense(self, key: Hashable, numel: int, itemsize: int, world: int, ms: float, fixed: bool,
                       dense_bytes: Optional[int] = None) -> None:

@@ -95,14 +95,17 @@ class Stage0Hook(HookBase):
         dense, fixed = self.decision.choose(key, numel, step, pipeline, comm_dtype)
         if dense:
             clock = PhaseClock(bucket[0].device)
-            if key in self.pending:  # compressed before: flush its residual now
-                out = pipeline.reduce_dense(bucket, key, *reduction_scales(engine, dp_world_size), comm_dtype)
+            scales = reduction_scales(engine, dp_world_size)
+            if key in self.pending or self._carries_momentum(step):  # the residual (and momentum) go out now
+                out = pipeline.reduce_dense(bucket, key, *scales, comm_dtype)
                 self._flushed(key)
             else:
+                self._track_momentum(pipeline, key, bucket, comm_dtype, scales.prescale)
                 out = self._dense_allreduce_bucket(bucket, dp_group, dp_world_size)
             self._record_dense(key, numel, comm_dtype.itemsize, world, clock.lap(), fixed)
             return out
 
+        self._carries_momentum(step)
         self.reporter.announce(step)
         self.decision.set_density(self.compressor, step)
         scales = reduction_scales(engine, dp_world_size)

@@ -92,7 +92,7 @@ class Stage12Hook(HookBase):
         key = BucketKey(REDUCE_SCATTER, ordinal, str(dt), numel, self._layout(dt))
         segments = self.decision.segments(key, numel, lambda: self._shapes(dt))
         dense, fixed = self.decision.choose(key, numel, step, pipeline, dt, self._dense_bytes(numel, dt.itemsize, world))
-        flush = dense and key in self.pending
+        flush = dense and (key in self.pending or self._carries_momentum(step))  # residual (and momentum) go out
         clock = PhaseClock(tensor.device)
 
         def done_dense() -> None:
@@ -100,12 +100,17 @@ class Stage12Hook(HookBase):
                                self._dense_bytes(numel, dt.itemsize, world))
 
         if dense and not flush:
+            self._track_momentum(pipeline, key, [tensor], dt, 1.0 / world)  # in the units DeepSpeed divides to
             self._dense_average_tensor(tensor, dt)
             return done_dense()
 
         calls = self._record_reductions(tensor, dt)  # DeepSpeed divides the bucket and names the owners
         mine, ranges, other = self._owners(tensor, calls, pipeline.backend.rank)
         if other:  # slices this hook does not model: DeepSpeed's own dense reductions, unchanged
+            if self.momentum is not None and not self.decision.schedule.dense(step):
+                raise RuntimeError("'dragonn.compress': 'momentum' cannot carry the momentum of gradient slices "
+                                   "reduced outside the data-parallel group or owned by several ranks (MoE "
+                                   "experts, Muon); use 'compress': 'gradient'")
             for call in calls:
                 getattr(opt, call.method)(*call.args, **call.kwargs)
             return done_dense()
@@ -115,6 +120,7 @@ class Stage12Hook(HookBase):
             self._write_owned(tensor, out, mine)
             return done_dense()
 
+        self._carries_momentum(step)
         self.reporter.announce(step)
         self.decision.set_density(self.compressor, step)
         out, stats = pipeline.reduce(tensor, key, bucket_seed(self.cfg.seed, step, ordinal), 1.0, 1.0, dt,

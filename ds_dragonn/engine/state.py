@@ -40,7 +40,7 @@ FORMAT = 1
 _KEPT_FIELDS = ("density", "compressor", "kernel", "sample_ratio", "min_sample", "table_factor", "warmup_steps",
                 "policy", "auto_probe_steps", "auto_recheck_interval", "min_compress_numel", "seed",
                 "density_warmup_steps", "density_warmup_start", "selection", "tensor_min_compress_numel",
-                "compress_1d", "freeze_adam_variance")
+                "compress_1d", "freeze_adam_variance", "compress", "variance_floor")
 
 
 def describe(hook: Any) -> Dict[str, Any]:
@@ -135,18 +135,28 @@ def validate(state: Any, where: str) -> None:
         raise bad("'exchange' holds something other than dicts")
     if not isinstance(state.get("telemetry", {}), dict):
         raise bad("'telemetry' is not a dict")
-    for key, buf in ef.get("residuals", {}).items():
+    momentum = state.get("momentum")
+    if momentum is not None and (not isinstance(momentum, dict) or not isinstance(momentum.get("momenta", {}), dict)):
+        raise bad("'momentum' is not a dict with a 'momenta' dict")
+    _check_buffers(bad, "residual", ef.get("residuals", {}))
+    _check_buffers(bad, "momentum", (momentum or {}).get("momenta", {}))
+
+
+def _check_buffers(bad: Any, what: str, buffers: dict) -> None:
+    """Each of ``buffers`` (bucket key -> tensor) is a finite 1-D float tensor of its bucket's length and
+    residual dtype; else ``raise bad(...)`` naming ``what`` and the key."""
+    for key, buf in buffers.items():
         if not isinstance(buf, torch.Tensor) or buf.dim() != 1 or not buf.is_floating_point():
-            raise bad(f"residual {key} is not a 1-D float tensor")
+            raise bad(f"{what} {key} is not a 1-D float tensor")
         bucket = BucketKey.parse(key)
         numel = bucket.numel if bucket is not None else None
         dtype = residual_dtype(bucket.torch_dtype) if bucket is not None and bucket.torch_dtype is not None else None
         if numel is not None and buf.numel() != numel:
-            raise bad(f"residual {key} has {buf.numel()} elements for a bucket of {numel}")
+            raise bad(f"{what} {key} has {buf.numel()} elements for a bucket of {numel}")
         if dtype is not None and buf.dtype != dtype:
-            raise bad(f"residual {key} is {buf.dtype}, the bucket's residual dtype is {dtype}")
+            raise bad(f"{what} {key} is {buf.dtype}, the bucket's residual dtype is {dtype}")
         if buf.numel() and not bool(torch.isfinite(buf).all()):
-            raise bad(f"residual {key} holds NaN or Inf")
+            raise bad(f"{what} {key} holds NaN or Inf")
 
 
 def state_dict(hook: Any) -> dict:
@@ -157,7 +167,8 @@ def state_dict(hook: Any) -> dict:
             "error_feedback": hook.error_feedback.state_dict(),
             "exchange": [p.exchange.state_dict() for p in hook.pipelines],
             "pending": [tuple(k) if isinstance(k, tuple) else k for k in hook.pending],
-            "telemetry": asdict(hook.telemetry), "loss_scale_units": hook.steps.units}
+            "telemetry": asdict(hook.telemetry), "loss_scale_units": hook.steps.units,
+            "momentum": hook.momentum.state_dict() if hook.momentum is not None else None}
 
 
 def reset_state(hook: Any, why: str) -> None:
@@ -165,6 +176,8 @@ def reset_state(hook: Any, why: str) -> None:
     rank, _ = hook.where()
     note(hook, f"[rank {rank}] DRAGONN: residuals start empty: {why}")
     hook.error_feedback.reset()
+    if hook.momentum is not None:
+        hook.momentum.reset()
     for pipe in hook.pipelines:
         pipe.exchange.reset()
     hook.pending.clear()
@@ -194,6 +207,10 @@ def load_state_dict(hook: Any, state: dict, source: str = "the state") -> None:
     ef = dict(state["error_feedback"])
     ef["residuals"] = {_key(k): v for k, v in ef.get("residuals", {}).items()}
     hook.error_feedback.load_state_dict(ef, device)
+    if hook.momentum is not None:  # a state saved in the gradient mode has none: the momentum starts at 0
+        saved_m = state.get("momentum") or {}
+        hook.momentum.load_state_dict({"momenta": {_key(k): v for k, v in saved_m.get("momenta", {}).items()}},
+                                      device)
     exchanges = [_exchange_state(ex) for ex in state.get("exchange", [])]
     pipes = hook.pipelines
     for pipe in pipes:

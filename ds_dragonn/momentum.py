@@ -1,0 +1,128 @@
+"""Local momentum before error feedback: what the momentum mode (``"compress": "momentum"``) compresses.
+
+1-bit Adam (Tang et al., ICML 2021; DeepSpeed <= 0.19.7 ``runtime/fp16/onebit/adam.py``) and DGC's momentum
+correction (Lin et al., ICLR 2018) compress the momentum, not the gradient: each rank keeps its own momentum
+``M ← β1·M + (1 − β1)·g`` of its local gradient, the residual accumulates ``M`` (error feedback on the
+momentum), and what the ranks exchange is the averaged sparse momentum, which the optimizer then applies
+with its variance frozen (``engine/adam.py``). Delays then act on the update itself: an element that waits
+100 steps arrives with 100 steps of momentum, applied once, linearly, instead of being divided away by an
+Adam variance inflated by the burst.
+
+Per optimizer step the residual grows by exactly ``M_t``, whatever the gradient accumulation: the first
+reduction of a bucket in a step decays and adds (``M ← β1·M + c·g``, residual += ``M``), later reductions
+of the same step (ZeRO stage 2 reduces at every micro step) only add (``M += c·g``, residual += ``c·g``),
+with ``c = (1 − β1) × prescale``. Invariant (tests check it in float64): everything applied plus all
+residuals equals the sum over steps of the ranks' averaged momenta.
+
+Skipped steps (``transactional``): as for the residuals, the step's momentum is computed into a second
+persistent buffer and becomes the momentum only when DeepSpeed applies the step (:meth:`end_step`).
+Memory: one fp32 buffer per bucket element (two when transactional), beside the residual.
+"""
+from __future__ import annotations
+
+from typing import Dict, Hashable, List, Optional, Sequence
+
+import torch
+
+from .buffers import persistent_zeros
+from .feedback import residual_dtype
+
+
+def _views(buf: torch.Tensor, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    views, off = [], 0
+    for t in tensors:
+        views.append(buf[off:off + t.numel()].view(t.shape))
+        off += t.numel()
+    return views
+
+
+class LocalMomentum:
+    """Each bucket's local momentum ``M`` (this rank's, never exchanged), in :func:`residual_dtype`.
+
+    Args:
+        beta: the momentum coefficient β1 in [0, 1) (the optimizer's ``betas[0]``).
+        transactional: a step's momentum stays in a working buffer until :meth:`end_step` says whether
+            DeepSpeed applied the step.
+    """
+
+    def __init__(self, beta: float, transactional: bool = False):
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"momentum coefficient must be in [0, 1), got {beta}")
+        self.beta = float(beta)
+        self.transactional = transactional
+        self.momenta: Dict[Hashable, torch.Tensor] = {}  # the momentum after the last applied step
+        self._work: Dict[Hashable, torch.Tensor] = {}
+        self._open: set = set()  # keys already updated in the open step
+
+    def update(self, key: Hashable, tensors: Sequence[torch.Tensor], dtype: torch.dtype,
+               prescale: float = 1.0) -> tuple:
+        """Fold this reduction's gradients into the key's momentum; returns ``(tensors, prescale)`` for
+        :meth:`ErrorFeedback.compensate_ <ds_dragonn.feedback.ErrorFeedback.compensate_>`: ``([M], 1.0)`` on
+        the step's first reduction of ``key``, ``(tensors, (1 − β1)·prescale)`` on later ones.
+
+        Args:
+            tensors: the bucket's gradients in bucket order (their concatenation is the (n,) bucket).
+            dtype: the wire dtype (the momentum is kept in its :func:`residual_dtype`).
+            prescale: the factor DeepSpeed's averaging applies to the gradients before the sum.
+        Raises:
+            ValueError: the key's momentum has another length, dtype or device.
+        """
+        tensors = list(tensors)
+        numel = sum(t.numel() for t in tensors)
+        device = tensors[0].device if tensors else torch.device("cpu")
+        rdt = residual_dtype(dtype)
+        base = self.momenta.get(key)
+        if base is None:
+            base = self.momenta[key] = persistent_zeros(numel, rdt, device)
+        elif base.shape != (numel,) or base.dtype != rdt or base.device != device:
+            raise ValueError(f"momentum for bucket {key} has shape {tuple(base.shape)}, dtype {base.dtype} on "
+                             f"{base.device}; the buffer has ({numel},) of {rdt} on {device}")
+        c = (1.0 - self.beta) * prescale
+        first = key not in self._open
+        self._open.add(key)
+        if self.transactional:
+            work = self._work.get(key)
+            if work is None or work.shape != base.shape or work.dtype != base.dtype or work.device != device:
+                work = self._work[key] = persistent_zeros(numel, rdt, device)
+            if first:
+                torch.mul(base, self.beta, out=work)
+            m = work
+        else:
+            m = base
+            if first:
+                m.mul_(self.beta)
+        if tensors:
+            torch._foreach_add_(_views(m, tensors), tensors, alpha=c)
+        return ([m], 1.0) if first else (tensors, c)
+
+    def end_step(self, applied: bool) -> None:
+        """The step ended: transactional, an applied step's momenta replace the old (a swap), a skipped
+        step's are discarded. Either way the next reduction starts a new step."""
+        if self.transactional and applied:
+            for key in self._open:
+                self.momenta[key], self._work[key] = self._work[key], self.momenta[key]
+        self._open.clear()
+
+    def rescale_(self, factor: float) -> None:
+        """Multiply every momentum by ``factor`` (a changed fp16 loss scale, as the residuals)."""
+        if factor != 1.0:
+            for m in self.momenta.values():
+                m.mul_(factor)
+
+    def state_dict(self) -> dict:
+        return {"beta": self.beta, "momenta": {k: v.detach().clone() for k, v in self.momenta.items()}}
+
+    def load_state_dict(self, state: dict, device: Optional[torch.device] = None) -> None:
+        """Restore :meth:`state_dict` (tensors onto ``device`` if given); β1 stays as configured."""
+        self.momenta = {k: v.to(device).clone() if device is not None else v.clone()
+                        for k, v in state.get("momenta", {}).items()}
+        self._work.clear()
+        self._open.clear()
+
+    def reset(self) -> None:
+        self.momenta.clear()
+        self._work.clear()
+        self._open.clear()
+
+
+__all__ = ["LocalMomentum"]

@@ -1,0 +1,107 @@
+"""Multi-rank cases of the momentum mode (``"compress": "momentum"``), for ``tests/test_momentum.py``; executed
+inside each rank by ``tests.multiproc.run_ranks``."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tests.engines import init_distributed, train_mlp, zero_config
+
+#: pipeline cases: (exchange, numel, density); float64 buckets, 2 micro steps per step
+PIPE_CASES = [("allgather", 1000, 0.05), ("partitioned", 1001, 0.05), ("allgather", 7, 0.5), ("allgather", 0, 0.1)]
+PIPE_STEPS = 6
+BETA = 0.9
+
+
+def pipe_input(case: int, rank: int, step: int, micro: int, numel: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(10_000 * case + 100 * step + 10 * micro + rank)
+    return torch.randn(numel, generator=g, dtype=torch.float64) * (1.0 + step)
+
+
+_M = {"enabled": True, "density": 0.05, "compress": "momentum", "warmup_steps": 2}
+#: engine runs: ZeRO 0, 1, 2 in bf16 with accumulation 2 and clipping, and fp32 at density 1.0, where the
+#: momentum mode must move the model as DeepSpeed's dense engine does with Adam's variance frozen after the
+#: warm-up (``frozen_reference``: the dense engine plus the same VarianceFreeze, armed by hand)
+ENGINE_RUNS = {f"s{s}_bf16_gas2_clip": {**zero_config(s, _M, bf16=True, gas=2), "gradient_clipping": 1.0}
+               for s in (0, 1, 2)}
+# no clipping here (DeepSpeed's default clips at 1.0): it would clip the momentum here, the gradient there
+ENGINE_RUNS["s0_fp32_d1"] = {**zero_config(0, {**_M, "density": 1.0, "variance_floor": 0.0}), "gradient_clipping": 0.0}
+ENGINE_RUNS["s2_fp32_d1"] = {**zero_config(2, {**_M, "density": 1.0, "variance_floor": 0.0}), "gradient_clipping": 0.0}
+ENGINE_STEPS = 6
+LAYERS = (32, 64, 10)
+
+
+def frozen_reference(rank: int) -> list:
+    """DeepSpeed's dense ZeRO-0 Adam engine, its variance frozen after ``_M['warmup_steps']`` steps."""
+    from ds_dragonn.engine.adam import VarianceFreeze
+    engine, _ = train_mlp({**zero_config(0, None), "gradient_clipping": 0.0}, rank, LAYERS, 0)
+    freeze = VarianceFreeze(engine, _M["warmup_steps"], floor=0.0)
+    g = torch.Generator().manual_seed(rank)  # train_mlp's sample stream
+    for step in range(ENGINE_STEPS):
+        if step == _M["warmup_steps"]:
+            freeze.arm()
+        x = torch.randn(8, LAYERS[0], generator=g)
+        y = torch.randint(0, LAYERS[2], (8,), generator=g)
+        engine.backward(torch.nn.functional.cross_entropy(engine(x), y))
+        engine.step()
+    return [p.detach().float().clone() for p in engine.module.parameters()]
+
+
+def pipeline_runs(rank: int, world: int, out_dir: str) -> None:
+    """The pipeline with a local momentum, float64: every step's decoded output, and at the end every residual
+    (worker and, partitioned, server)."""
+    init_distributed()
+    from ds_dragonn.comm.torch_backend import TorchCommBackend
+    from ds_dragonn.compress import DragonnCompressor
+    from ds_dragonn.exchange import AllgatherExchange, PartitionedExchange
+    from ds_dragonn.feedback import ErrorFeedback
+    from ds_dragonn.momentum import LocalMomentum
+    from ds_dragonn.pipeline import CompressedAllreduce
+
+    backend = TorchCommBackend()
+    out = []
+    for c, (exchange, numel, density) in enumerate(PIPE_CASES):
+        comp = DragonnCompressor(density, min_sample=64)
+        ex = (PartitionedExchange(backend, DragonnCompressor(density, min_sample=64)) if exchange == "partitioned"
+              else AllgatherExchange(backend))
+        ef, mom = ErrorFeedback(True), LocalMomentum(BETA)
+        pipe = CompressedAllreduce(comp, backend, ef, ex, momentum=mom)
+        applied = []
+        for step in range(PIPE_STEPS):
+            for micro in range(2):  # ZeRO-2 style: a reduction per micro step, decoded sums add up
+                o, _ = pipe.reduce([pipe_input(c, rank, step, micro, numel)], "b", seed=7 * step + micro,
+                                   postscale=1.0 / world)
+                applied.append(o.clone())
+            mom.end_step(True)
+            ef.end_step(True)
+        server = getattr(ex, "server", None)
+        out.append({"applied": applied, "residual": ef.residuals.get("b", torch.zeros(numel, dtype=torch.float64)).clone(),
+                    "server": None if server is None or "b" not in server.residuals else server.residuals["b"].clone(),
+                    "momentum": mom.momenta.get("b", torch.zeros(numel, dtype=torch.float64)).clone()})
+    torch.save(out, Path(out_dir) / f"mompipe_rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+def engine_runs(rank: int, world: int, out_dir: str) -> None:
+    init_distributed()
+    import ds_dragonn
+    out = {}
+    for name, cfg in ENGINE_RUNS.items():
+        engine, hook = train_mlp(cfg, rank, LAYERS, ENGINE_STEPS * cfg["gradient_accumulation_steps"])
+        out[name] = {"params": [p.detach().float().clone() for p in engine.module.parameters()],
+                     "compressed": hook.telemetry.compressed_reductions if hook else 0,
+                     "frozen": hook is not None and hook.variance_freeze is not None
+                     and hook.variance_freeze.frozen is not None,
+                     "momenta": len(hook.momentum.momenta) if hook and hook.momentum is not None else 0}
+    out["frozen_reference"] = frozen_reference(rank)
+    # an optimizer without betas is refused, naming it
+    model = torch.nn.Linear(4, 4)
+    cfg = {**zero_config(0, _M), "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    try:
+        ds_dragonn.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        out["sgd_error"] = None
+    except ds_dragonn.DragonnUnsupportedError as err:
+        out["sgd_error"] = str(err)
+    torch.save(out, Path(out_dir) / f"momengine_rank{rank}.pt")
+    torch.distributed.destroy_process_group()

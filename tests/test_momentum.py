@@ -1,0 +1,205 @@
+"""The momentum mode (``"compress": "momentum"``): the local momentum, the optimizer side (Adam applies the
+averaged sparse momentum with its variance frozen) and the engines at ZeRO 0/1/2."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from ds_dragonn.config import DragonnConfig, DragonnConfigError
+from ds_dragonn.engine.adam import VarianceFreeze
+from ds_dragonn.feedback import ErrorFeedback
+from ds_dragonn.momentum import LocalMomentum
+from tests.momentum_cases import BETA, ENGINE_RUNS, PIPE_CASES, PIPE_STEPS, pipe_input
+from tests.multiproc import run_ranks
+
+
+def _reference(grads_per_step, beta, prescale):
+    """float64: per step, the momentum M_t = β·M + (1 − β)·prescale·Σ_micro g, and the residual's increments."""
+    m = None
+    for micro_grads in grads_per_step:
+        total = sum(micro_grads) * prescale
+        m = (1 - beta) * total if m is None else beta * m + (1 - beta) * total
+        yield m
+
+
+@pytest.mark.parametrize("transactional", [False, True])
+@pytest.mark.parametrize("micro", [1, 3])
+def test_residual_grows_by_the_momentum_each_step(transactional, micro):
+    """Whatever the micro steps: after step t the compensated buffer is Σ_{s<=t} M_s (float64 reference)."""
+    gen = torch.Generator().manual_seed(micro)
+    shapes = [(3, 4), (5,), (1,)]
+    steps = [[[torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes] for _ in range(micro)]
+             for _ in range(5)]
+    mom, ef = LocalMomentum(0.8, transactional), ErrorFeedback(True, transactional)
+    flat = [[torch.cat([t.flatten() for t in ts]) for ts in step] for step in steps]
+    expected_sum = torch.zeros(18, dtype=torch.float64)
+    for step, ref_m in zip(steps, _reference(flat, 0.8, 0.5)):
+        for ts in step:
+            tensors, pre = mom.update("b", ts, torch.float64, prescale=0.5)
+            buf = ef.compensate_("b", tensors, torch.float64, pre)
+        expected_sum += ref_m
+        torch.testing.assert_close(buf, expected_sum, rtol=1e-13, atol=1e-13)
+        mom.end_step(True)
+        ef.end_step(True)
+        torch.testing.assert_close(mom.momenta["b"], ref_m, rtol=1e-13, atol=1e-13)
+
+
+def test_a_skipped_step_leaves_the_momentum_as_before():
+    mom = LocalMomentum(0.9, transactional=True)
+    g = [torch.ones(4, dtype=torch.float64)]
+    mom.update("b", g, torch.float64)
+    mom.end_step(True)
+    before = mom.momenta["b"].clone()
+    mom.update("b", [torch.full((4,), 1e6, dtype=torch.float64)], torch.float64)
+    mom.end_step(False)  # DeepSpeed skipped the step (overflow)
+    assert torch.equal(mom.momenta["b"], before)
+    mom.update("b", g, torch.float64)
+    mom.end_step(True)
+    torch.testing.assert_close(mom.momenta["b"], 0.9 * before + 0.1)
+
+
+def test_momentum_state_round_trip_and_errors():
+    mom = LocalMomentum(0.5)
+    mom.update("b", [torch.arange(6.0)], torch.float32)
+    mom.end_step(True)
+    other = LocalMomentum(0.5)
+    other.load_state_dict(mom.state_dict())
+    assert torch.equal(other.momenta["b"], mom.momenta["b"])
+    mom.rescale_(4.0)
+    assert torch.equal(mom.momenta["b"], other.momenta["b"] * 4)
+    with pytest.raises(ValueError, match="momentum for bucket b has shape"):
+        mom.update("b", [torch.ones(5)], torch.float32)
+    with pytest.raises(ValueError, match=r"in \[0, 1\)"):
+        LocalMomentum(1.0)
+    mom.update("e", [torch.ones(0)], torch.float32)  # an empty bucket is fine
+    # bf16 gradients: the momentum is kept in float32
+    mom.update("h", [torch.ones(3, dtype=torch.bfloat16)], torch.bfloat16)
+    assert mom.momenta["h"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("block, words", [
+    ({"compress": "momentum", "error_feedback": False}, "needs 'error_feedback': true"),
+    ({"compress": "momentum", "warmup_steps": 0}, "'warmup_steps' >= 1"),
+    ({"compress": "momentum_sgd"}, "compress"),
+    ({"variance_floor": -0.1}, "variance_floor"),
+    ({"variance_floor": 2}, "variance_floor"),
+])
+def test_config_refuses_what_cannot_work(block, words):
+    with pytest.raises(DragonnConfigError, match=words):
+        DragonnConfig.from_ds_config({"dragonn": {"enabled": True, **block}})
+    assert DragonnConfig(enabled=True).compress.value == "gradient"  # the default stays the gradient mode
+
+
+def _reference_momentum_adam(p0, momenta, freeze_at, v_warm, lr=0.01, b1=0.9, b2=0.999, eps=1e-8, floor=0.0):
+    """float64: dense Adam for ``freeze_at`` steps on ``v_warm`` gradients, then p -= lr·(a_t/(1−β1^t))/(√V̂+eps)
+    with V̂ the (floored) bias-corrected variance after the warm-up and a_t the given momenta."""
+    p, v = p0.clone(), torch.zeros_like(p0)
+    m = torch.zeros_like(p0)
+    t = 0
+    for g in v_warm:
+        t += 1
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        p = p - lr * (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt() + eps)
+    vhat = v / (1 - b2 ** t)
+    if floor:
+        vhat = vhat.clamp_min((floor * float(vhat.sqrt().mean())) ** 2)
+    for a in momenta:
+        t += 1
+        p = p - lr * (a / (1 - b1 ** t)) / (vhat.sqrt() + eps)
+    return p
+
+
+@pytest.mark.parametrize("floor", [0.0, 0.5])
+def test_adam_applies_the_averaged_momentum_with_the_frozen_floored_variance(floor):
+    p = torch.nn.Parameter(torch.randn(40, dtype=torch.float64))
+    p0 = p.detach().clone()
+    opt = torch.optim.Adam([p], lr=0.01)
+    engine = SimpleNamespace(optimizer=opt, global_steps=0)
+    freeze = VarianceFreeze(engine, freeze_step=3, floor=floor, momentum=True)
+    gen = torch.Generator().manual_seed(3)
+    warm = [torch.randn(40, generator=gen, dtype=torch.float64) for _ in range(3)]
+    warm[0][:5] = 0.0  # quiet in the warm-up: the floor bounds their later steps
+    warm[1][:5] = 0.0
+    warm[2][:5] = 0.0
+    later = [torch.randn(40, generator=gen, dtype=torch.float64) * 30 for _ in range(6)]  # bursts
+    for g in warm + later:
+        if engine.global_steps == 3:
+            freeze.arm()
+        p.grad = g.clone()
+        opt.step()
+        engine.global_steps += 1
+    ref = _reference_momentum_adam(p0, later, 3, warm, floor=floor)
+    torch.testing.assert_close(p.detach(), ref, rtol=1e-10, atol=1e-12)
+
+
+@pytest.fixture(scope="module")
+def pipe_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("mompipe")
+    run_ranks("tests.momentum_cases:pipeline_runs", 2, out, timeout=300)
+    return [torch.load(out / f"mompipe_rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.mark.parametrize("ci", range(len(PIPE_CASES)), ids=[f"{x}-{n}-{d}" for x, n, d in PIPE_CASES])
+def test_nothing_lost_everything_applied_plus_residuals_is_the_momenta(pipe_runs, ci):
+    """Σ applied × P + all residuals (worker and server) == Σ_steps Σ_ranks M_t (float64 reference)."""
+    from ds_dragonn.exchange import HashedOwnership
+    exchange, n, density = PIPE_CASES[ci]
+    world = 2
+    momenta = torch.zeros(n, dtype=torch.float64)
+    for r in range(world):
+        steps = [[pipe_input(ci, r, s, mi, n) for mi in range(2)] for s in range(PIPE_STEPS)]
+        last = None
+        for m in _reference(steps, BETA, 1.0):
+            momenta += m
+            last = m
+        torch.testing.assert_close(pipe_runs[r][ci]["momentum"], last, rtol=1e-12, atol=1e-12)
+    for r in range(world):  # every rank applied the same
+        for a, b in zip(pipe_runs[0][ci]["applied"], pipe_runs[r][ci]["applied"]):
+            assert torch.equal(a, b)
+    applied = sum(pipe_runs[0][ci]["applied"]) if n else torch.zeros(0, dtype=torch.float64)
+    held = torch.zeros(n, dtype=torch.float64)
+    own = HashedOwnership(n, world)
+    for r in range(world):
+        held += pipe_runs[r][ci]["residual"]
+        server = pipe_runs[r][ci]["server"]
+        if server is not None:
+            held.index_add_(0, own.to_index(r, torch.arange(server.numel())), server)
+    torch.testing.assert_close(applied * world + held, momenta, rtol=1e-11,
+                               atol=1e-11 * (1 + float(momenta.abs().max()) if n else 1))
+    if n > 10:
+        assert float(held.abs().sum()) > 0, "a sparse run must hold something back"
+
+
+@pytest.fixture(scope="module")
+def engine_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("momengine")
+    run_ranks("tests.momentum_cases:engine_runs", 2, out, timeout=400)
+    return [torch.load(out / f"momengine_rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.mark.parametrize("name", list(ENGINE_RUNS))
+def test_engines_train_in_sync_with_the_momentum_compressed(engine_runs, name):
+    a, b = engine_runs[0][name], engine_runs[1][name]
+    assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
+    assert all(bool(torch.isfinite(x).all()) for x in a["params"])
+    assert a["compressed"] > 0 and a["frozen"] and a["momenta"] > 0, a
+
+
+@pytest.mark.parametrize("name", ["s0_fp32_d1", "s2_fp32_d1"])
+def test_density_one_is_dense_adam_with_the_variance_frozen(engine_runs, name):
+    """At density 1.0 nothing is delayed: the averaged local momenta are Adam's momentum, and the update is
+    the dense engine's with the variance frozen after the warm-up (float rounding apart: Adam's moments are
+    set differently), at ZeRO 0 and 2."""
+    for r in range(2):
+        ref, got = engine_runs[r]["frozen_reference"], engine_runs[r][name]["params"]
+        for x, y in zip(got, ref):
+            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
+
+
+def test_an_optimizer_without_betas_is_refused(engine_runs):
+    for r in range(2):
+        msg = engine_runs[r]["sgd_error"]
+        assert msg is not None and "'dragonn.compress': 'momentum' needs an Adam-type optimizer" in msg and "SGD" in msg, msg
