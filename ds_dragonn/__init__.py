@@ -116,7 +116,7 @@ def initialize(*args: Any, **kwargs: Any):
         DragonnConfigMismatchError: (on every rank) the ranks' ``"dragonn"`` blocks or ZeRO stages differ.
         DragonnUnsupportedError: DRAGONN is enabled together with ZeRO stage 3, ZeRO offload,
             ``"reduce_scatter": false``, ``"contiguous_gradients": false`` or a pipeline engine, or
-            ``"compress": "momentum"`` with an optimizer that is not Adam-type.
+            ``"compress": "momentum"`` with an optimizer it cannot serve (not Adam-type, amsgrad, L2 decay).
     """
     return _initialize(_deepspeed_initialize(), *args, **kwargs)
 
@@ -159,7 +159,7 @@ def _initialize(ds_initialize: Any, *args: Any, **kwargs: Any):
     result = ds_initialize(*args, **kwargs)
     if cfg.enabled and getattr(result[0], "dragonn", None) is None:  # (a wrapped wrapper hooked it already)
         engine = result[0]
-        _check_optimizer(cfg, engine)
+        cfg = _resolve_compress(cfg, engine)
         stage = engine.zero_optimization_stage()
         if stage == 0:
             Stage0Hook(engine, cfg).install()
@@ -173,24 +173,32 @@ def _initialize(ds_initialize: Any, *args: Any, **kwargs: Any):
     return result
 
 
-def _check_optimizer(cfg: DragonnConfig, engine: Any) -> None:
-    """``compress: momentum`` needs an Adam-type optimizer (its β1 is the local momentum's, its frozen
-    variance the preconditioner). Raises DragonnUnsupportedError naming the optimizer otherwise."""
+def _resolve_compress(cfg: DragonnConfig, engine: Any) -> DragonnConfig:
+    """``cfg`` with ``compress`` resolved for this engine's optimizer: ``auto`` becomes ``momentum`` for an
+    Adam-type optimizer the momentum mode serves (and ``gradient`` otherwise, or where error feedback is off,
+    there is no dense warm-up or the density is 1); an explicit ``momentum`` it cannot serve is refused.
+
+    Raises:
+        DragonnUnsupportedError: ``compress: momentum`` with an optimizer without ``betas``, with betas[0]
+            outside (0, 1), amsgrad, or coupled (L2) weight decay, naming the optimizer and what is wrong.
+    """
+    from deepspeed.utils.logging import print_dist
+
     from .config import CompressTarget
-    from .engine.adam import adam_beta1, base_optimizer
-    if cfg.compress != CompressTarget.momentum:
-        return
-    opt = base_optimizer(engine)
-    name = type(opt or engine.optimizer).__name__
-    beta1 = adam_beta1(engine)
-    if beta1 is None:
-        raise DragonnUnsupportedError(f"'dragonn.compress': 'momentum' needs an Adam-type optimizer (Adam, AdamW, "
-                                      f"FusedAdam: 'betas' and Adam's moments); this engine's is {name}. Use "
-                                      f"'compress': 'gradient' (the default) with it")
-    if not 0.0 < beta1 < 1.0 or any(g.get("amsgrad") for g in opt.param_groups):
-        raise DragonnUnsupportedError(f"'dragonn.compress': 'momentum' needs Adam's betas[0] in (0, 1) and no "
-                                      f"amsgrad; this {name} has betas[0]={beta1} amsgrad="
-                                      f"{any(g.get('amsgrad') for g in opt.param_groups)}. Use 'compress': 'gradient'")
+    from .engine.adam import momentum_refusal
+    if cfg.compress == CompressTarget.gradient:
+        return cfg
+    why = momentum_refusal(engine)
+    if cfg.compress == CompressTarget.momentum:
+        if why:
+            raise DragonnUnsupportedError(f"'dragonn.compress': 'momentum' {why}. Use 'compress': 'gradient' with it")
+        return cfg
+    fits = not why and cfg.error_feedback and cfg.warmup_steps >= 1 and cfg.density < 1.0
+    resolved = CompressTarget.momentum if fits else CompressTarget.gradient
+    reason = ("an Adam-type optimizer" if fits else
+              why or "error feedback off, no dense warm-up or density 1.0")
+    print_dist(f"DRAGONN: compress 'auto' -> '{resolved.value}' ({reason})", ranks=[0])
+    return cfg.model_copy(update={"compress": resolved})
 
 
 _NO_REDUCE_SCATTER = ("'dragonn' compresses the gradient reduce-scatter of ZeRO stages 1/2, but "

@@ -54,6 +54,7 @@ class CompressorName(str, Enum):
 
 
 class CompressTarget(str, Enum):
+    auto = "auto"  # momentum for an Adam-type optimizer with decoupled weight decay, else gradient
     gradient = "gradient"  # the gradient, with error feedback (DRAGONN paper)
     momentum = "momentum"  # each rank's local momentum, with error feedback; Adam's variance frozen (1-bit Adam)
 

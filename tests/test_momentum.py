@@ -203,3 +203,18 @@ def test_an_optimizer_without_betas_is_refused(engine_runs):
     for r in range(2):
         msg = engine_runs[r]["sgd_error"]
         assert msg is not None and "'dragonn.compress': 'momentum' needs an Adam-type optimizer" in msg and "SGD" in msg, msg
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda p: torch.optim.AdamW(p, lr=0.1, weight_decay=0.1), None),
+    (lambda p: torch.optim.Adam(p, lr=0.1), None),
+    (lambda p: torch.optim.Adam(p, lr=0.1, weight_decay=0.1), "decoupled weight decay"),
+    (lambda p: torch.optim.Adam(p, lr=0.1, amsgrad=True), "amsgrad"),
+    (lambda p: torch.optim.Adam(p, lr=0.1, betas=(0.0, 0.99)), "betas[0] in (0, 1)"),
+    (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), "needs an Adam-type optimizer"),
+])
+def test_which_optimizers_the_momentum_mode_serves(make, words):
+    from ds_dragonn.engine.adam import momentum_refusal
+    opt = make([torch.nn.Parameter(torch.ones(3))])
+    why = momentum_refusal(SimpleNamespace(optimizer=SimpleNamespace(optimizer=opt)))
+    assert (why is None) if words is None else (words in why and type(opt).__name__ in why), why

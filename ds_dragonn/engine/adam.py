@@ -47,6 +47,31 @@ def adam_beta1(engine: Any) -> Optional[float]:
     return float(betas[0]) if betas is not None else None
 
 
+def momentum_refusal(engine: Any) -> Optional[str]:
+    """Why the momentum mode cannot serve this engine's optimizer (a sentence fragment naming it), or None.
+
+    It needs Adam's moments and betas (Adam, AdamW, DeepSpeed's FusedAdam/CPUAdam), betas[0] in (0, 1) (the
+    first moment is set through it), no amsgrad, and weight decay that is decoupled (AdamW) or zero: coupled
+    L2 decay would enter the first moment once per step, not accumulated as Adam does."""
+    opt = base_optimizer(engine)
+    name = type(opt if opt is not None else getattr(engine, "optimizer", None)).__name__
+    groups = getattr(opt, "param_groups", None) or []
+    if not groups or any(g.get("betas") is None for g in groups):
+        return f"needs an Adam-type optimizer (Adam, AdamW, FusedAdam: 'betas' and Adam's moments); this engine's is {name}"
+    bad = [g["betas"][0] for g in groups if not 0.0 < float(g["betas"][0]) < 1.0]
+    if bad:
+        return f"needs betas[0] in (0, 1); this {name} has {bad[0]}"
+    if any(g.get("amsgrad") for g in groups):
+        return f"does not support amsgrad ({name})"
+    decoupled = (isinstance(opt, torch.optim.AdamW) or bool(getattr(opt, "adam_w_mode", False))
+                 or type(opt).__name__ in ("AdamW", "FusedAdamW"))
+    coupled = [g["weight_decay"] for g in groups if g.get("weight_decay", 0.0) and not decoupled
+               and not g.get("decoupled_weight_decay", False)]
+    if coupled:
+        return f"needs decoupled weight decay (AdamW); this {name} adds weight_decay={coupled[0]} to the gradient"
+    return None
+
+
 def _step_count(state: dict) -> Optional[float]:
     step = state.get("step")
     if step is None:
