@@ -7,16 +7,25 @@ dense / DRAGONN config plus the run's ``"dragonn"`` overrides:
 ====================  ================================================================================
 dense                 DeepSpeed's dense allreduce
 dragonn_0.01          DRAGONN at density 0.01 with the defaults (global selection, 30 dense warm-up steps,
-                      density warm-up 0.25 -> 0.01 over 100 steps)
+                      density warm-up 0.25 -> 0.01 over 100 steps; ``compress`` auto: the momentum mode
+                      for these Adam-type optimizers)
 dragonn_0.001         the same at density 0.001
-per_tensor_0.01       the defaults with per-tensor selection (small and 1-D tensors whole)
-freeze_0.01           the defaults with Adam's variance frozen after the dense warm-up (1-bit Adam)
-legacy_0.01           DRAGONN 0.01 with the earlier defaults: global selection, no warm-ups, no variance freeze
-no_ef_0.01            the defaults without error feedback
-topk_0.01             exact top-k at 0.01 (same defaults)
-randomk_0.01          random-k at 0.01 (same defaults)
-partitioned_0.01      the defaults with the partitioned exchange
+gradient_0.01         the defaults with ``compress: gradient`` (error feedback on the gradient)
+gradient_0.001        the same at density 0.001
+momentum_0.01         the defaults with ``compress: momentum`` (1-bit Adam's structure), named explicitly
+momentum_0.001        the same at density 0.001
+per_tensor_0.01       gradient mode with per-tensor selection (small and 1-D tensors whole)
+freeze_0.01           gradient mode with Adam's variance frozen after the dense warm-up
+legacy_0.01           gradient mode with the earlier defaults: global selection, no warm-ups, no variance freeze
+no_ef_0.01            gradient mode without error feedback
+topk_0.01             exact top-k at 0.01 (gradient mode)
+randomk_0.01          random-k at 0.01 (gradient mode)
+partitioned_0.01      gradient mode with the partitioned exchange
 ====================  ================================================================================
+
+``--lm-optimizer robust`` trains the LM with a second, differently tuned AdamW (β2 0.95, weight decay 0.1;
+clipping 1.0 and a learning rate decaying to 0 at the last step as always), to check that the defaults
+are not tuned to one configuration.
 
 Writes ``<out>/convergence.json`` (one record per run and seed: task, run, selection, exchange, density,
 error_feedback, warmup, seed, steps, metric, value, bytes_sent, dense_bytes_equivalent, wall_s, history),
@@ -45,15 +54,21 @@ RUNS = {
     "dense": None,
     "dragonn_0.01": {"density": 0.01},
     "dragonn_0.001": {"density": 0.001},
-    "per_tensor_0.01": {"density": 0.01, "selection": "per_tensor"},
-    "freeze_0.01": {"density": 0.01, "freeze_adam_variance": True},
+    "gradient_0.01": {"density": 0.01, "compress": "gradient"},
+    "gradient_0.001": {"density": 0.001, "compress": "gradient"},
+    "momentum_0.01": {"density": 0.01, "compress": "momentum"},
+    "momentum_0.001": {"density": 0.001, "compress": "momentum"},
+    "per_tensor_0.01": {"density": 0.01, "selection": "per_tensor", "compress": "gradient"},
+    "freeze_0.01": {"density": 0.01, "freeze_adam_variance": True, "compress": "gradient"},
     "legacy_0.01": {"density": 0.01, "selection": "global", "warmup_steps": 0, "density_warmup_steps": 0,
-                    "freeze_adam_variance": False},
-    "no_ef_0.01": {"density": 0.01, "error_feedback": False},
-    "topk_0.01": {"density": 0.01, "compressor": "topk"},
-    "randomk_0.01": {"density": 0.01, "compressor": "randomk"},
-    "partitioned_0.01": {"density": 0.01, "exchange": "partitioned"},
+                    "freeze_adam_variance": False, "compress": "gradient"},
+    "no_ef_0.01": {"density": 0.01, "error_feedback": False, "compress": "gradient"},
+    "topk_0.01": {"density": 0.01, "compressor": "topk", "compress": "gradient"},
+    "randomk_0.01": {"density": 0.01, "compressor": "randomk", "compress": "gradient"},
+    "partitioned_0.01": {"density": 0.01, "exchange": "partitioned", "compress": "gradient"},
 }
+#: --lm-optimizer robust: the LM's AdamW tuned differently (merged into the config's optimizer params)
+ROBUST_ADAMW = {"betas": [0.9, 0.95], "weight_decay": 0.1}
 #: keys kept from the task's DRAGONN config; every other key takes its default
 BASE_KEYS = ("enabled", "policy", "min_compress_numel", "log_interval")
 QUICK_RUNS = ("dense", "dragonn_0.01", "legacy_0.01")
@@ -84,6 +99,8 @@ def get_args():
     p.add_argument("--classifier-steps", type=positive, default=None, help="default 600 (--quick 100)")
     p.add_argument("--lm-steps", type=positive, default=None, help="default 300 (--quick 60)")
     p.add_argument("--ranks", type=positive, default=2)
+    p.add_argument("--lm-optimizer", choices=("default", "robust"), default="default",
+                   help="robust: AdamW with betas (0.9, 0.95) and weight decay 0.1 for the LM")
     a = p.parse_args()
     a.out = Path(a.out).resolve() if a.out else REPO / ("runs/convergence_quick" if a.quick else "docs/results/convergence")
     a.seeds = a.seeds if a.seeds is not None else (1 if a.quick else 3)
@@ -111,7 +128,7 @@ def positive(text: str) -> int:
     return value
 
 
-def write_config(task: str, run: str, steps: int, folder: Path) -> Path:
+def write_config(task: str, run: str, steps: int, folder: Path, lm_optimizer: str = "default") -> Path:
     """The run's DeepSpeed config: the task's dense or DRAGONN config with the run's overrides; the LM's
     learning-rate schedule decays over ``steps``."""
     _, dense_cfg, dragonn_cfg, *_ = TASKS[task]
@@ -119,6 +136,8 @@ def write_config(task: str, run: str, steps: int, folder: Path) -> Path:
     cfg = json.loads((REPO / (dense_cfg if over is None else dragonn_cfg)).read_text())
     if over is not None:  # the product's defaults, except what the run names
         cfg["dragonn"] = {**{k: cfg["dragonn"][k] for k in BASE_KEYS if k in cfg["dragonn"]}, **over}
+    if task == "lm" and lm_optimizer == "robust":
+        cfg["optimizer"]["params"].update(ROBUST_ADAMW)
     sched = cfg.get("scheduler", {}).get("params", {})
     if "total_num_steps" in sched:
         sched["total_num_steps"] = steps
@@ -130,7 +149,7 @@ def write_config(task: str, run: str, steps: int, folder: Path) -> Path:
 def launch(task: str, run: str, seed: int, steps: int, args, folder: Path) -> dict:
     """One run under the deepspeed launcher; returns its summary (raises with the log tail on failure)."""
     script, *_, extra, quick_extra = TASKS[task]
-    cfg = write_config(task, run, steps, folder)
+    cfg = write_config(task, run, steps, folder, args.lm_optimizer)
     summary = folder / f"{task}_{run}_s{seed}.summary.json"
     log = folder / f"{task}_{run}_s{seed}.log"
     port = free_port()
