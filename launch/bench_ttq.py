@@ -136,6 +136,8 @@ REGISTRY: Dict[str, Mode] = {m.name: m for m in (
     Mode("dragonn_d0001", "DRAGONN, density 0.001", ds={"dragonn": {**_ON, "density": 0.001}}),
     Mode("dragonn_freeze", "DRAGONN, Adam's variance frozen after the dense warm-up (freeze_adam_variance)",
          ds={"dragonn": {**_ON, "freeze_adam_variance": True}}),
+    Mode("dragonn_momentum", "DRAGONN compressing each rank's local momentum (1-bit Adam's structure; "
+         "compress: momentum)", ds={"dragonn": {**_ON, "compress": "momentum"}}),
     Mode("none", "no exchange: each rank steps on its own gradients (the step time's physical limit)",
          build=_build_none, reference=True),
 )}
@@ -629,7 +631,8 @@ def format_rows(rows: Sequence[dict], baseline: str = BASELINE) -> str:
             (f" [auto: {r['timed_choice']}]" if r["timed_choice"] in ("dense", "mixed") else "")
         body.append([name, reach, _cell(r["median_step_ms"], "{:.1f}"), _cell(r["time_to_target_s"], "{:.1f}"),
                      _cell(r.get(f"x_vs_{baseline}"), "{:.2f}"), f"{r['final_loss']:.4f}",
-                     f"{r['gap_vs_dense_pct']:+.2f} %", f"{r['bytes_per_step'] / 1e6:.3f}"])
+                     f"{r['gap_vs_dense_pct'] + 0.0:+.2f} %".replace("-0.00", "+0.00"),
+                     f"{r['bytes_per_step'] / 1e6:.3f}"])
     return format_table(header, body)
 
 
@@ -796,7 +799,13 @@ def get_args(argv=None):
         args.netns = args.ifaces = None
         args.master_addr, args.port_base = "127.0.0.1", 0
     try:
-        resolve_modes(args.modes, args.mode)
+        for mode in resolve_modes(args.modes, args.mode):
+            cfg = mode.config(lm_config(args.steps))
+            if dragonn_block(cfg).get("enabled"):
+                try:  # a bad "dragonn" block fails here, naming the mode, not in both ranks of its run
+                    dragonn_settings(cfg)
+                except ValueError as err:
+                    raise ValueError(f"mode {mode.name}: {err}") from None
     except ValueError as err:
         p.error(str(err))
     return args

@@ -3,7 +3,7 @@
 # held-out evaluations), then the timing phase on each link (two ranks in two network namespaces joined by a
 # veth pair throttled with tc tbf: root), then the report (a table per link, JSON, PNG).
 #
-#   sudo bash launch/bench_ttq.sh                       # default modes, 100mbit and 1gbit (~35 min on 2 quiet cores)
+#   sudo bash launch/bench_ttq.sh                       # default modes, 100mbit and 1gbit (~35-40 min on 2 quiet cores)
 #   sudo bash launch/bench_ttq.sh --quick               # tiny model, 2 modes, 100mbit (~1-2 min): plumbing
 #   sudo bash launch/bench_ttq.sh --skip-quality --links 1gbit   # re-time on another link, reuse the quality runs
 #   bash launch/bench_ttq.sh --quality-only              # no root needed: quality phase and report

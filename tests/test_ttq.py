@@ -167,7 +167,8 @@ def test_phase_configs():
 
 def test_bad_flags_are_named(capsys):
     for argv, flag in ((["quality", "--modes", "ds_fp32 bogus"], "bogus"), (["quality", "--eval-every", "0"],
-                       "--eval-every"), (["timing", "--link", "1gbit", "--netns", "a b"], "--netns")):
+                       "--eval-every"), (["timing", "--link", "1gbit", "--netns", "a b"], "--netns"),
+                       (["quality", "--mode", 'bad={"dragonn": {"enabled": true, "density": 2}}'], "mode bad")):
         with pytest.raises(SystemExit):
             ttq.get_args(argv)
         assert flag in capsys.readouterr().err
@@ -212,8 +213,9 @@ def _netns_ok() -> bool:
     return ok
 
 
-@pytest.mark.skipif(not _netns_ok(), reason="needs root and network namespaces (ip netns, tc)")
 def test_quick_timing_phase_on_a_throttled_link(quick_out):
+    if not _netns_ok():
+        pytest.skip("needs root and network namespaces (ip netns, tc)")
     out, _ = quick_out
     proc = subprocess.run(["bash", "launch/bench_ttq.sh", "--quick", "--skip-quality", "--out", str(out)],
                           cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
