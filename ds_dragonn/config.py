@@ -112,9 +112,11 @@ class DragonnConfig(DeepSpeedConfigModel):
     ``exp_avg_sq``. Off by default: where an element's variance was ~0 in the warm-up and its gradient grows
     later, the frozen preconditioner makes huge steps (measured: one of three classifier seeds diverged)."""
 
-    compress: CompressTarget = CompressTarget.gradient
-    """What is sparsified and exchanged. ``gradient``: the gradient, with error feedback; the optimizer runs
-    unchanged. ``momentum`` (Adam-type optimizers only): 1-bit Adam's structure (Tang et al., ICML 2021) with
+    compress: CompressTarget = CompressTarget.auto
+    """What is sparsified and exchanged. ``auto`` (default): ``momentum`` for an Adam-type optimizer with
+    decoupled or no weight decay (AdamW, Adam, FusedAdam) when there is a dense warm-up, error feedback and
+    a density below 1, else ``gradient`` (logged at start-up). ``gradient``: the gradient, with error feedback;
+    the optimizer runs unchanged. ``momentum`` (Adam-type optimizers only): 1-bit Adam's structure (Tang et al., ICML 2021) with
     DRAGONN selection in place of 1-bit quantisation: after the dense warm-up (``warmup_steps`` >= 1) each
     rank keeps a local momentum ``β1·M + (1 − β1)·g`` of its own gradient (``β1``: the optimizer's), error
     feedback acts on that momentum, the ranks exchange the sparse momentum, and Adam applies the average

@@ -125,8 +125,10 @@ REGISTRY: Dict[str, Mode] = {m.name: m for m in (
     Mode("ddp_powersgd_r4", "torch DDP + PowerSGD rank 4 (error feedback, warm start; fp32 master, bf16 autocast)",
          build=_build_powersgd(4)),
     Mode("ddp_bf16", "torch DDP + bf16 compression hook (fp32 master, bf16 autocast)", build=_build_ddp_bf16),
-    Mode("dragonn", "DRAGONN, the package's defaults (density 0.01, allgather, global selection)",
-         ds={"dragonn": dict(_ON)}),
+    Mode("dragonn", "DRAGONN, the package's defaults (density 0.01, allgather, global selection; compress auto: "
+         "each rank's local momentum under AdamW)", ds={"dragonn": dict(_ON)}),
+    Mode("dragonn_gradient", "DRAGONN compressing the gradient (compress: gradient, the earlier default)",
+         ds={"dragonn": {**_ON, "compress": "gradient"}}),
     Mode("dragonn_partitioned", "DRAGONN, partitioned exchange (sparse reduce-scatter to owners + allgather)",
          ds={"dragonn": {**_ON, "exchange": "partitioned"}}),
     Mode("dragonn_per_tensor", "DRAGONN, per-tensor selection (the paper's: a k and a threshold per parameter)",
@@ -134,10 +136,8 @@ REGISTRY: Dict[str, Mode] = {m.name: m for m in (
     Mode("dragonn_zero2", "DRAGONN under ZeRO-2 (sparse reduce-scatter of each micro-batch's gradients)",
          ds={"zero_optimization": {"stage": 2}, "dragonn": dict(_ON)}),
     Mode("dragonn_d0001", "DRAGONN, density 0.001", ds={"dragonn": {**_ON, "density": 0.001}}),
-    Mode("dragonn_freeze", "DRAGONN, Adam's variance frozen after the dense warm-up (freeze_adam_variance)",
-         ds={"dragonn": {**_ON, "freeze_adam_variance": True}}),
-    Mode("dragonn_momentum", "DRAGONN compressing each rank's local momentum (1-bit Adam's structure; "
-         "compress: momentum)", ds={"dragonn": {**_ON, "compress": "momentum"}}),
+    Mode("dragonn_freeze", "DRAGONN, gradient mode with Adam's variance frozen after the dense warm-up",
+         ds={"dragonn": {**_ON, "compress": "gradient", "freeze_adam_variance": True}}),
     Mode("none", "no exchange: each rank steps on its own gradients (the step time's physical limit)",
          build=_build_none, reference=True),
 )}

@@ -89,7 +89,7 @@ def test_momentum_state_round_trip_and_errors():
 def test_config_refuses_what_cannot_work(block, words):
     with pytest.raises(DragonnConfigError, match=words):
         DragonnConfig.from_ds_config({"dragonn": {"enabled": True, **block}})
-    assert DragonnConfig(enabled=True).compress.value == "gradient"  # the default stays the gradient mode
+    assert DragonnConfig(enabled=True).compress.value == "auto"  # momentum for Adam-type optimizers
 
 
 def _reference_momentum_adam(p0, momenta, freeze_at, v_warm, lr=0.01, b1=0.9, b2=0.999, eps=1e-8, floor=0.0):
