@@ -184,3 +184,27 @@ class VarianceFreeze:
     def reset(self) -> None:
         """Record ``V̂`` again at the next step (a checkpoint load replaced the optimizer state)."""
         self.frozen, self.params = None, []
+
+    def state_dict(self) -> dict:
+        """The frozen ``V̂`` (None before the freeze), in the optimizer's parameter order, and whether armed:
+        saved with this rank's DRAGONN state, so that a resumed run divides by exactly the same values
+        (recomputing them from ``exp_avg_sq`` would round differently)."""
+        return {"armed": self.armed, "frozen": None if self.frozen is None else [v.detach().clone() for v in self.frozen]}
+
+    def load_state_dict(self, state: Optional[dict]) -> None:
+        """Restore :meth:`state_dict` onto the optimizer's parameters (those with Adam's moments, in order);
+        where they do not match (another model or partitioning) ``V̂`` is recorded again at the next step."""
+        self.reset()
+        if not state:
+            return
+        self.armed = bool(state.get("armed", False))
+        frozen = state.get("frozen")
+        if not frozen or self.optimizer is None:
+            return
+        params = [p for g in self.optimizer.param_groups if g.get("betas") is not None for p in g["params"]
+                  if "exp_avg_sq" in self.optimizer.state.get(p, {})]
+        if len(params) != len(frozen) or any(v.shape != p.shape for v, p in zip(frozen, params)):
+            return
+        self.params = params
+        self.frozen = [v.to(device=p.device, dtype=self.optimizer.state[p]["exp_avg_sq"].dtype) for v, p in zip(frozen, params)]
+        self._index = {id(p): i for i, p in enumerate(params)}

@@ -168,7 +168,8 @@ def state_dict(hook: Any) -> dict:
             "exchange": [p.exchange.state_dict() for p in hook.pipelines],
             "pending": [tuple(k) if isinstance(k, tuple) else k for k in hook.pending],
             "telemetry": asdict(hook.telemetry), "loss_scale_units": hook.steps.units,
-            "momentum": hook.momentum.state_dict() if hook.momentum is not None else None}
+            "momentum": hook.momentum.state_dict() if hook.momentum is not None else None,
+            "variance": hook.variance_freeze.state_dict() if hook.variance_freeze is not None else None}
 
 
 def reset_state(hook: Any, why: str) -> None:
@@ -207,6 +208,8 @@ def load_state_dict(hook: Any, state: dict, source: str = "the state") -> None:
     ef = dict(state["error_feedback"])
     ef["residuals"] = {_key(k): v for k, v in ef.get("residuals", {}).items()}
     hook.error_feedback.load_state_dict(ef, device)
+    if hook.variance_freeze is not None:  # the frozen variance the saved run divided by (else: recorded anew)
+        hook.variance_freeze.load_state_dict(state.get("variance"))
     if hook.momentum is not None:  # a state saved in the gradient mode has none: the momentum starts at 0
         saved_m = state.get("momentum") or {}
         hook.momentum.load_state_dict({"momenta": {_key(k): v for k, v in saved_m.get("momenta", {}).items()}},
