@@ -202,7 +202,7 @@ def test_density_one_is_dense_adam_with_the_variance_frozen(engine_runs, name):
 def test_an_optimizer_without_betas_is_refused(engine_runs):
     for r in range(2):
         msg = engine_runs[r]["sgd_error"]
-        assert msg is not None and "'dragonn.compress': 'momentum' needs an Adam-type optimizer" in msg and "SGD" in msg, msg
+        assert msg is not None and "'dragonn.compress': 'momentum' needs Adam's update" in msg and "SGD" in msg, msg
 
 
 @pytest.mark.parametrize("make, words", [
@@ -210,11 +210,63 @@ def test_an_optimizer_without_betas_is_refused(engine_runs):
     (lambda p: torch.optim.Adam(p, lr=0.1), None),
     (lambda p: torch.optim.Adam(p, lr=0.1, weight_decay=0.1), "decoupled weight decay"),
     (lambda p: torch.optim.Adam(p, lr=0.1, amsgrad=True), "amsgrad"),
-    (lambda p: torch.optim.Adam(p, lr=0.1, betas=(0.0, 0.99)), "betas[0] in (0, 1)"),
-    (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), "needs an Adam-type optimizer"),
+    (lambda p: torch.optim.Adam(p, lr=0.1, betas=(0.0, 0.99)), "betas[0] and betas[1] in (0, 1)"),
+    (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), "needs Adam's update"),
+    (lambda p: torch.optim.Adamax(p, lr=0.1), "needs Adam's update"),
+    (lambda p: torch.optim.NAdam(p, lr=0.1), "needs Adam's update"),
+    (lambda p: torch.optim.RAdam(p, lr=0.1), "needs Adam's update"),
+    (lambda p: torch.optim.Adam(p, lr=0.1, maximize=True), "maximize"),
+    (lambda p: torch.optim.AdamW(p, lr=0.1, betas=(0.9, 0.0)), "betas[0] and betas[1] in (0, 1)"),
+    (lambda p: torch.optim.AdamW([{"params": p[:1]}, {"params": p[1:], "betas": (0.5, 0.999)}], lr=0.1),
+     "one betas[0] for every parameter group"),
 ])
 def test_which_optimizers_the_momentum_mode_serves(make, words):
     from ds_dragonn.engine.adam import momentum_refusal
-    opt = make([torch.nn.Parameter(torch.ones(3))])
+    opt = make([torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))])
     why = momentum_refusal(SimpleNamespace(optimizer=SimpleNamespace(optimizer=opt)))
     assert (why is None) if words is None else (words in why and type(opt).__name__ in why), why
+
+
+def test_no_variance_to_freeze_where_beta2_is_zero():
+    """torch accepts betas[1] = 0 (no variance memory): the freeze holds nothing there instead of dividing by 0."""
+    p = torch.nn.Parameter(torch.randn(5, dtype=torch.float64))
+    opt = torch.optim.AdamW([p], lr=0.01, betas=(0.9, 0.0))
+    engine = SimpleNamespace(optimizer=opt, global_steps=0)
+    freeze = VarianceFreeze(engine, freeze_step=1, momentum=True)
+    freeze.arm()
+    for _ in range(3):
+        p.grad = torch.randn(5, dtype=torch.float64)
+        opt.step()
+        engine.global_steps += 1
+    assert freeze.frozen is None and bool(torch.isfinite(p).all())
+
+
+def test_parameters_that_start_training_after_the_freeze_get_their_variance_frozen_then():
+    a = torch.nn.Parameter(torch.randn(4, dtype=torch.float64))
+    b = torch.nn.Parameter(torch.randn(3, dtype=torch.float64))
+    opt = torch.optim.AdamW([a, b], lr=0.01, weight_decay=0.0)
+    engine = SimpleNamespace(optimizer=opt, global_steps=0)
+    freeze = VarianceFreeze(engine, freeze_step=2, momentum=True)
+    freeze.arm()
+    for step in range(6):
+        a.grad = torch.randn(4, dtype=torch.float64)
+        b.grad = torch.randn(3, dtype=torch.float64) if step >= 3 else None  # b trains from step 3 on
+        opt.step()
+        engine.global_steps += 1
+    assert [tuple(p.shape) for p in freeze.params] == [(4,), (3,)]  # b's variance frozen once it had one
+    saved = freeze.state_dict()
+    other = VarianceFreeze(engine, freeze_step=2, momentum=True)
+    other.load_state_dict(saved)  # positions, not order of recording, map V̂ back onto the parameters
+    assert [id(p) for p in other.params] == [id(a), id(b)]
+    assert all(torch.equal(x, y) for x, y in zip(other.frozen, freeze.frozen))
+
+
+def test_the_local_momentum_follows_a_scheduled_beta1():
+    from ds_dragonn.engine.base import HookBase
+    from tests.fakes import fake_engine
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([p], lr=0.1, betas=(0.5, 0.99))
+    hook = HookBase(fake_engine(optimizer=opt), DragonnConfig(enabled=True, compress="momentum", warmup_steps=1))
+    assert hook.momentum.beta == 0.5
+    opt.param_groups[0]["betas"] = (0.95, 0.99)  # e.g. OneCycle's cycle_momentum
+    assert hook._carries_momentum(step=5) and hook.momentum.beta == 0.95

@@ -47,22 +47,42 @@ def adam_beta1(engine: Any) -> Optional[float]:
     return float(betas[0]) if betas is not None else None
 
 
+def _adam_classes() -> tuple:
+    """The optimizers whose update the momentum mode can steer: torch's Adam and AdamW, DeepSpeed's FusedAdam
+    and DeepSpeedCPUAdam (Adam's moments ``exp_avg``/``exp_avg_sq``, a per-parameter ``step``)."""
+    classes = [torch.optim.Adam, torch.optim.AdamW]
+    for module, name in (("deepspeed.ops.adam", "FusedAdam"), ("deepspeed.ops.adam", "DeepSpeedCPUAdam")):
+        try:
+            classes.append(getattr(__import__(module, fromlist=[name]), name))
+        except (ImportError, AttributeError):
+            pass
+    return tuple(classes)
+
+
 def momentum_refusal(engine: Any) -> Optional[str]:
     """Why the momentum mode cannot serve this engine's optimizer (a sentence fragment naming it), or None.
 
-    It needs Adam's moments and betas (Adam, AdamW, DeepSpeed's FusedAdam/CPUAdam), betas[0] in (0, 1) (the
-    first moment is set through it), no amsgrad, and weight decay that is decoupled (AdamW) or zero: coupled
-    L2 decay would enter the first moment once per step, not accumulated as Adam does."""
+    It needs Adam's update exactly (Adam, AdamW, DeepSpeed's FusedAdam/CPUAdam; not NAdam, RAdam, Adamax:
+    they apply the moments differently), one β1 in (0, 1) for every parameter group (the local momentum's,
+    and the first moment is set through it), β2 in (0, 1) (the frozen variance is set through it), no
+    amsgrad, no ``maximize``, and weight decay that is decoupled (AdamW) or zero: coupled L2 decay would
+    enter the first moment once per step, not accumulated as Adam does."""
     opt = base_optimizer(engine)
     name = type(opt if opt is not None else getattr(engine, "optimizer", None)).__name__
     groups = getattr(opt, "param_groups", None) or []
-    if not groups or any(g.get("betas") is None for g in groups):
-        return f"needs an Adam-type optimizer (Adam, AdamW, FusedAdam: 'betas' and Adam's moments); this engine's is {name}"
-    bad = [g["betas"][0] for g in groups if not 0.0 < float(g["betas"][0]) < 1.0]
+    if not isinstance(opt, _adam_classes()) or not groups or any(g.get("betas") is None for g in groups):
+        return (f"needs Adam's update (Adam, AdamW, FusedAdam, DeepSpeedCPUAdam: 'betas' and Adam's moments); "
+                f"this engine's optimizer is {name}")
+    beta1s = {float(g["betas"][0]) for g in groups}
+    if len(beta1s) > 1:
+        return f"needs one betas[0] for every parameter group; this {name} has {sorted(beta1s)}"
+    bad = [g["betas"] for g in groups if not (0.0 < float(g["betas"][0]) < 1.0 and 0.0 < float(g["betas"][1]) < 1.0)]
     if bad:
-        return f"needs betas[0] in (0, 1); this {name} has {bad[0]}"
+        return f"needs betas[0] and betas[1] in (0, 1); this {name} has betas={tuple(bad[0])}"
     if any(g.get("amsgrad") for g in groups):
         return f"does not support amsgrad ({name})"
+    if any(g.get("maximize") for g in groups):
+        return f"does not support maximize ({name})"
     decoupled = (isinstance(opt, torch.optim.AdamW) or bool(getattr(opt, "adam_w_mode", False))
                  or type(opt).__name__ in ("AdamW", "FusedAdamW"))
     coupled = [g["weight_decay"] for g in groups if g.get("weight_decay", 0.0) and not decoupled
@@ -120,12 +140,18 @@ class VarianceFreeze:
             return
         if self.frozen is None and not self._record(optimizer):
             return
+        late = 0
         for group in optimizer.param_groups:
             beta1, beta2 = float(group["betas"][0]), float(group["betas"][1])
             corrected = group.get("bias_correction", True)  # DeepSpeed's FusedAdam may turn it off
             for p in group["params"]:
+                if p.grad is None:
+                    continue
                 i = self._index.get(id(p))
-                if i is None or p.grad is None:
+                if i is None:  # a parameter that started training after the freeze: its variance now
+                    i = self._add(p, optimizer.state.get(p, {}), group)
+                    late += i is not None
+                if i is None:
                     continue
                 state = optimizer.state[p]
                 t = _step_count(state) + 1.0  # the step count Adam is about to use
@@ -136,6 +162,34 @@ class VarianceFreeze:
                     continue
                 target = self.frozen[i] * (c2 / beta2)
                 v.copy_(target.addcmul_(g, g, value=-(1.0 - beta2) / beta2))
+
+        if late:
+            print_dist(f"DRAGONN: Adam's variance frozen at step {int(self.engine.global_steps) + 1} for {late} "
+                       f"parameter tensor(s) that started training after the freeze", ranks=[0])
+
+    def _frozen_of(self, state: dict, group: dict) -> Optional[torch.Tensor]:
+        """``V̂ = v / (1 − β2^t)`` of one parameter, floored; None where Adam has no variance for it yet (or
+        β2 is not in (0, 1): nothing to hold)."""
+        betas, t = group.get("betas"), _step_count(state)
+        if betas is None or "exp_avg_sq" not in state or not t or not 0.0 < float(betas[1]) < 1.0:
+            return None
+        corrected = group.get("bias_correction", True)
+        v = state["exp_avg_sq"].detach() / ((1.0 - float(betas[1]) ** t) if corrected else 1.0)
+        if self.floor > 0.0 and v.numel():  # sqrt(V̂) >= floor × its tensor's mean sqrt(V̂)
+            low = (self.floor * float(v.sqrt().mean())) ** 2
+            if math.isfinite(low) and low > 0.0:
+                v = v.clamp_min(low)
+        return v
+
+    def _add(self, p: torch.Tensor, state: dict, group: dict) -> Optional[int]:
+        """Freeze the variance of ``p`` now (index into ``frozen``), or None where there is none yet."""
+        v = self._frozen_of(state, group)
+        if v is None:
+            return None
+        self.params.append(p)
+        self.frozen.append(v)
+        self._index[id(p)] = len(self.params) - 1
+        return self._index[id(p)]
 
     @staticmethod
     def _momentum_step(state: dict, g: torch.Tensor, frozen: torch.Tensor, beta1: float, beta2: float, c2: float,
@@ -155,20 +209,11 @@ class VarianceFreeze:
         is none (an optimizer without ``exp_avg_sq`` and a per-parameter ``step``)."""
         params, frozen = [], []
         for group in optimizer.param_groups:
-            betas = group.get("betas")
-            corrected = group.get("bias_correction", True)
             for p in group["params"]:
-                state = optimizer.state.get(p, {})
-                t = _step_count(state)
-                if betas is None or "exp_avg_sq" not in state or not t:
-                    continue
-                params.append(p)
-                v = state["exp_avg_sq"].detach() / ((1.0 - float(betas[1]) ** t) if corrected else 1.0)
-                if self.floor > 0.0 and v.numel():  # sqrt(V̂) >= floor × its tensor's mean sqrt(V̂)
-                    low = (self.floor * float(v.sqrt().mean())) ** 2
-                    if math.isfinite(low) and low > 0.0:
-                        v = v.clamp_min(low)
-                frozen.append(v)
+                v = self._frozen_of(optimizer.state.get(p, {}), group)
+                if v is not None:
+                    params.append(p)
+                    frozen.append(v)
         if not params:
             self.handle.remove()
             self.handle = None
@@ -189,7 +234,11 @@ class VarianceFreeze:
         """The frozen ``V̂`` (None before the freeze), in the optimizer's parameter order, and whether armed:
         saved with this rank's DRAGONN state, so that a resumed run divides by exactly the same values
         (recomputing them from ``exp_avg_sq`` would round differently)."""
-        return {"armed": self.armed, "frozen": None if self.frozen is None else [v.detach().clone() for v in self.frozen]}
+        if self.frozen is None or self.optimizer is None:
+            return {"armed": self.armed, "frozen": None}
+        where = {id(p): (gi, pi) for gi, g in enumerate(self.optimizer.param_groups) for pi, p in enumerate(g["params"])}
+        return {"armed": self.armed, "frozen": [v.detach().clone() for v in self.frozen],
+                "positions": [where.get(id(p)) for p in self.params]}
 
     def load_state_dict(self, state: Optional[dict]) -> None:
         """Restore :meth:`state_dict` onto the optimizer's parameters (those with Adam's moments, in order);
@@ -201,9 +250,14 @@ class VarianceFreeze:
         frozen = state.get("frozen")
         if not frozen or self.optimizer is None:
             return
-        params = [p for g in self.optimizer.param_groups if g.get("betas") is not None for p in g["params"]
-                  if "exp_avg_sq" in self.optimizer.state.get(p, {})]
-        if len(params) != len(frozen) or any(v.shape != p.shape for v, p in zip(frozen, params)):
+        groups = self.optimizer.param_groups
+        positions = state.get("positions") or []
+        try:
+            params = [groups[gi]["params"][pi] for gi, pi in positions]
+        except (IndexError, TypeError, ValueError, KeyError):
+            return
+        if len(params) != len(frozen) or any(v.shape != p.shape or "exp_avg_sq" not in self.optimizer.state.get(p, {})
+                                             for v, p in zip(frozen, params)):
             return
         self.params = params
         self.frozen = [v.to(device=p.device, dtype=self.optimizer.state[p]["exp_avg_sq"].dtype) for v, p in zip(frozen, params)]

@@ -175,15 +175,24 @@ class HookBase:
         the local momentum (the optimizer applies what arrives as the momentum itself)."""
         if self.momentum is None or self.decision.schedule.dense(step):
             return False
+        self._follow_beta()
         if self.variance_freeze is not None:
             self.variance_freeze.arm()
         return True
+
+    def _follow_beta(self) -> None:
+        """The local momentum's β1 is the optimizer's current one (a scheduler may cycle it, e.g. OneCycle)."""
+        from .adam import adam_beta1
+        beta1 = adam_beta1(self.engine) if hasattr(self.engine, "optimizer") else None
+        if beta1 is not None and 0.0 < beta1 < 1.0:
+            self.momentum.beta = beta1
 
     def _track_momentum(self, pipeline: CompressedAllreduce, key: Hashable, tensors, dtype: torch.dtype,
                         prescale: float) -> None:
         """Momentum mode, dense warm-up: fold the local gradients into the local momentum (sent from the
         first compressed step on, so that it does not start from zero)."""
         if self.momentum is not None and tensors:
+            self._follow_beta()
             self.momentum.update(key, tensors, dtype, prescale)
 
     def _record_dense(self, key: Hashable, numel: int, itemsize: int, world: int, ms: float, fixed: bool,

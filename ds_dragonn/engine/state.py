@@ -212,6 +212,8 @@ def load_state_dict(hook: Any, state: dict, source: str = "the state") -> None:
         hook.variance_freeze.load_state_dict(state.get("variance"))
     if hook.momentum is not None:  # a state saved in the gradient mode has none: the momentum starts at 0
         saved_m = state.get("momentum") or {}
+        if not saved_m.get("momenta") and state["error_feedback"].get("residuals"):
+            kept.append("no local momentum (compress: gradient), so the momentum starts at zero")
         hook.momentum.load_state_dict({"momenta": {_key(k): v for k, v in saved_m.get("momenta", {}).items()}},
                                       device)
     exchanges = [_exchange_state(ex) for ex in state.get("exchange", [])]
