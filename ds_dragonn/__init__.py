@@ -193,10 +193,12 @@ def _resolve_compress(cfg: DragonnConfig, engine: Any) -> DragonnConfig:
         if why:
             raise DragonnUnsupportedError(f"'dragonn.compress': 'momentum' {why}. Use 'compress': 'gradient' with it")
         return cfg
-    fits = not why and cfg.error_feedback and cfg.warmup_steps >= 1 and cfg.density < 1.0
+    unmet = [what for what, ok in (("error feedback is off", cfg.error_feedback),
+                                   ("there is no dense warm-up (warmup_steps 0)", cfg.warmup_steps >= 1),
+                                   ("density is 1.0", cfg.density < 1.0)) if not ok]
+    fits = not why and not unmet
     resolved = CompressTarget.momentum if fits else CompressTarget.gradient
-    reason = ("an Adam-type optimizer" if fits else
-              why or "error feedback off, no dense warm-up or density 1.0")
+    reason = "an Adam-type optimizer" if fits else (f"the momentum mode {why}" if why else "; ".join(unmet))
     print_dist(f"DRAGONN: compress 'auto' -> '{resolved.value}' ({reason})", ranks=[0])
     return cfg.model_copy(update={"compress": resolved})
 
