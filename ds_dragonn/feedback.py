@@ -39,7 +39,7 @@ def residual_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def _segments(buf: torch.Tensor, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+def segment_views(buf: torch.Tensor, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
     """Views of ``buf`` laid out like ``torch.cat([t.flatten() for t in tensors])``, shaped like each tensor."""
     views, off = [], 0
     for t in tensors:
@@ -100,7 +100,7 @@ class ErrorFeedback:
         slot = (key, buf.data_ptr())  # transactional: a bucket's two buffers alternate
         cached = self._views.get(slot)
         if cached is None or cached[0] is not buf or cached[1] != shapes:
-            cached = (buf, shapes, _segments(buf, tensors))
+            cached = (buf, shapes, segment_views(buf, tensors))
             self._views[slot] = cached
         return cached[2]
 

@@ -20,20 +20,12 @@ Memory: one fp32 buffer per bucket element (two when transactional), beside the 
 """
 from __future__ import annotations
 
-from typing import Dict, Hashable, List, Optional, Sequence
+from typing import Dict, Hashable, Optional, Sequence
 
 import torch
 
 from .buffers import persistent_zeros
-from .feedback import residual_dtype
-
-
-def _views(buf: torch.Tensor, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-    views, off = [], 0
-    for t in tensors:
-        views.append(buf[off:off + t.numel()].view(t.shape))
-        off += t.numel()
-    return views
+from .feedback import residual_dtype, segment_views
 
 
 class LocalMomentum:
@@ -92,7 +84,7 @@ class LocalMomentum:
             if first:
                 m.mul_(self.beta)
         if tensors:
-            torch._foreach_add_(_views(m, tensors), tensors, alpha=c)
+            torch._foreach_add_(segment_views(m, tensors), tensors, alpha=c)
         return ([m], 1.0) if first else (tensors, c)
 
     def end_step(self, applied: bool) -> None:

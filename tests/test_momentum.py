@@ -12,7 +12,7 @@ from ds_dragonn.engine.adam import VarianceFreeze
 from ds_dragonn.feedback import ErrorFeedback
 from ds_dragonn.momentum import LocalMomentum
 from tests.momentum_cases import BETA, ENGINE_RUNS, PIPE_CASES, PIPE_STEPS, pipe_input
-from tests.multiproc import run_ranks
+from tests.multiproc import load_rank_files, run_ranks
 
 
 def _reference(grads_per_step, beta, prescale):
@@ -139,7 +139,7 @@ def test_adam_applies_the_averaged_momentum_with_the_frozen_floored_variance(flo
 def pipe_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("mompipe")
     run_ranks("tests.momentum_cases:pipeline_runs", 2, out, timeout=300)
-    return [torch.load(out / f"mompipe_rank{r}.pt", weights_only=False) for r in range(2)]
+    return load_rank_files(out, "mompipe", 2)
 
 
 @pytest.mark.parametrize("ci", range(len(PIPE_CASES)), ids=[f"{x}-{n}-{d}" for x, n, d in PIPE_CASES])
@@ -177,7 +177,7 @@ def test_nothing_lost_everything_applied_plus_residuals_is_the_momenta(pipe_runs
 def engine_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("momengine")
     run_ranks("tests.momentum_cases:engine_runs", 2, out, timeout=400)
-    return [torch.load(out / f"momengine_rank{r}.pt", weights_only=False) for r in range(2)]
+    return load_rank_files(out, "momengine", 2)
 
 
 @pytest.mark.parametrize("name", list(ENGINE_RUNS))

@@ -25,6 +25,7 @@ from ..policy import AutoPolicy
 from ..schedule import DensitySchedule
 from ..telemetry import Telemetry
 from . import state
+from .adam import VarianceFreeze, adam_beta1
 from .decision import BucketDecision
 from .reporting import Reporter
 from .steps import StepGuard, loss_scale, may_skip_steps
@@ -66,7 +67,6 @@ class HookBase:
         self.momentum: Optional[LocalMomentum] = None  # compress: momentum (this rank's local momentum)
         has_optimizer = engine is not None and hasattr(engine, "optimizer")
         if cfg.compress == CompressTarget.momentum:
-            from .adam import VarianceFreeze, adam_beta1
             beta1 = adam_beta1(engine) if has_optimizer else None
             self.momentum = LocalMomentum(0.9 if beta1 is None else beta1, transactional=self.transactional)
             if has_optimizer:
@@ -76,7 +76,6 @@ class HookBase:
         # the LM diverges when frozen at the end of the density warm-up without dense steps)
         elif (cfg.freeze_adam_variance and cfg.density < 1.0 and cfg.error_feedback and cfg.warmup_steps > 0
                 and has_optimizer):
-            from .adam import VarianceFreeze
             self.variance_freeze = VarianceFreeze(engine, cfg.warmup_steps, cfg.variance_floor)
 
     @property
@@ -182,7 +181,6 @@ class HookBase:
 
     def _follow_beta(self) -> None:
         """The local momentum's β1 is the optimizer's current one (a scheduler may cycle it, e.g. OneCycle)."""
-        from .adam import adam_beta1
         beta1 = adam_beta1(self.engine) if hasattr(self.engine, "optimizer") else None
         if beta1 is not None and 0.0 < beta1 < 1.0:
             self.momentum.beta = beta1
