@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 __version__ = "0.1.0"
 
-from .config import DragonnConfig, DragonnConfigError, load_ds_config  # noqa: E402
+from .config import DragonnConfig, DragonnConfigError, SyncMode, load_ds_config  # noqa: E402
 from .engine.checkpoint import CheckpointError, CheckpointMismatchError  # noqa: E402
 
 
@@ -135,7 +135,7 @@ def _initialize(ds_initialize: Any, *args: Any, **kwargs: Any):
         zero = ds_config.get("zero_optimization") or {}
         stage = _zero_stage(zero)
         if cfg.enabled:
-            _check_zero(stage, zero if isinstance(zero, dict) else {}, ds_config)
+            _check_zero(stage, zero if isinstance(zero, dict) else {}, ds_config, cfg)
             from deepspeed.pipe import PipelineModule
             if isinstance(bound.arguments.get("model"), PipelineModule):
                 raise DragonnUnsupportedError("'dragonn' does not support the pipeline engine (PipelineModule model)")
@@ -161,7 +161,15 @@ def _initialize(ds_initialize: Any, *args: Any, **kwargs: Any):
         engine = result[0]
         cfg = _resolve_compress(cfg, engine)
         stage = engine.zero_optimization_stage()
-        if stage == 0:
+        if cfg.sync == SyncMode.local_steps:
+            from .engine.local_steps import LocalStepsHook, LocalStepsUnsupported
+            if stage != 0:
+                raise DragonnUnsupportedError(_LOCAL_STEPS_ZERO.format(stage=stage))
+            try:
+                LocalStepsHook(engine, cfg).install()
+            except LocalStepsUnsupported as err:
+                raise DragonnUnsupportedError(str(err)) from None
+        elif stage == 0:
             Stage0Hook(engine, cfg).install()
         elif stage in (1, 2) and hasattr(engine.optimizer, "average_tensor"):
             if not engine.optimizer.reduce_scatter:
@@ -188,6 +196,8 @@ def _resolve_compress(cfg: DragonnConfig, engine: Any) -> DragonnConfig:
     from .engine.adam import momentum_refusal
     if cfg.compress == CompressTarget.gradient:
         return cfg
+    if cfg.sync == SyncMode.local_steps:  # the pseudo-gradient is what is compressed
+        return cfg.model_copy(update={"compress": CompressTarget.gradient})
     why = momentum_refusal(engine)
     if cfg.compress == CompressTarget.momentum:
         if why:
@@ -230,8 +240,15 @@ def _multi_rank() -> bool:
         return False
 
 
-def _check_zero(stage: int, zero: dict, ds_config: dict) -> None:
+_LOCAL_STEPS_ZERO = ("'dragonn.sync': 'local_steps' needs every rank's own full optimizer state and fp32 weights "
+                     "(each rank steps alone between syncs); ZeRO stage {stage} partitions them across the ranks. "
+                     "Use 'zero_optimization.stage': 0, or 'sync': 'every_step'")
+
+
+def _check_zero(stage: int, zero: dict, ds_config: dict, cfg: Optional[DragonnConfig] = None) -> None:
     """Refuse what the hooks do not cover, before DeepSpeed starts (a clear error instead of a wrong result)."""
+    if cfg is not None and cfg.sync == SyncMode.local_steps and stage != 0:
+        raise DragonnUnsupportedError(_LOCAL_STEPS_ZERO.format(stage=stage))
     if stage >= 3:
         raise DragonnUnsupportedError(
             f"'dragonn' compresses the gradient reduction of ZeRO stages 0, 1 and 2; 'zero_optimization.stage' is "

@@ -59,6 +59,11 @@ class CompressTarget(str, Enum):
     momentum = "momentum"  # each rank's local momentum, with error feedback; Adam's variance frozen (1-bit Adam)
 
 
+class SyncMode(str, Enum):
+    every_step = "every_step"  # every optimizer step's gradient is exchanged (compressed or dense)
+    local_steps = "local_steps"  # ranks step alone; every local_steps steps the pseudo-gradient is exchanged (DiLoCo)
+
+
 class Kernel(str, Enum):
     auto = "auto"  # triton on CUDA, the C++ library on CPU, else reference
     reference = "reference"  # pure PyTorch (any device; the definition the others are tested against)
@@ -190,6 +195,29 @@ class DragonnConfig(DeepSpeedConfigModel):
     torch's default for the data-parallel group (30 min for gloo). With ``comm_backend`` ``mpi`` the exchange's
     mpi4py collectives are polled against it (None: they wait for ever)."""
 
+    sync: SyncMode = SyncMode.every_step
+    """``every_step``: every optimizer step's gradient is exchanged (compressed after the warm-ups).
+    ``local_steps`` (ZeRO stage 0; fp32 or bf16): after the dense ``warmup_steps`` the ranks exchange nothing
+    between syncs, each optimizer stepping on its own gradients, and every ``local_steps`` optimizer steps they
+    run an outer step on the fp32 master weights (DiLoCo, Douillard et al. 2023; SparseLoCo, 2025): the
+    pseudo-gradient ``Δ = θ_outer − θ_local`` plus its residual is DRAGONN-selected at ``density`` (a dense
+    allreduce at density 1.0), averaged over the ranks, applied to ``θ_outer`` with ``outer_lr`` and
+    ``outer_momentum``, and every rank restarts from ``θ_outer``. Each rank keeps its own inner optimizer state."""
+
+    local_steps: int = Field(30, ge=1, le=1_000_000, strict=True)
+    """``sync: local_steps``: optimizer steps per round (H), i.e. between two outer steps."""
+
+    outer_lr: float = Field(1.0, gt=0.0, le=10.0, strict=True)
+    """``sync: local_steps``: the outer learning rate applied to the averaged pseudo-gradient (SparseLoCo: 1.0;
+    DiLoCo: 0.7 with Nesterov momentum 0.9)."""
+
+    outer_momentum: float = Field(0.0, ge=0.0, lt=1.0, strict=True)
+    """``sync: local_steps``: Nesterov momentum of the outer SGD step (DiLoCo: 0.9); 0: plain outer SGD."""
+
+    outer_feedback_decay: float = Field(1.0, ge=0.0, le=1.0, strict=True)
+    """``sync: local_steps``: the pseudo-gradient residual is multiplied by this before each round's
+    pseudo-gradient is added (SparseLoCo's decaying error-feedback accumulator); 1.0: nothing unsent is lost."""
+
     @model_validator(mode="after")
     def _check_combinations(self) -> "DragonnConfig":
         if self.selection == SelectionScope.per_tensor and self.exchange == ExchangeScheme.partitioned:
@@ -203,6 +231,9 @@ class DragonnConfig(DeepSpeedConfigModel):
         if self.compress == CompressTarget.momentum and self.warmup_steps < 1:
             raise ValueError("'compress': 'momentum' needs 'warmup_steps' >= 1: Adam's variance is frozen from the "
                              "dense warm-up steps")
+        if self.sync == SyncMode.local_steps and self.compress == CompressTarget.momentum:
+            raise ValueError("'sync': 'local_steps' compresses the pseudo-gradient of each round; 'compress': "
+                             "'momentum' applies to 'sync': 'every_step' only (remove it or use 'auto')")
         if self.cuda_aware and self.comm_backend != CommBackendName.mpi:
             raise ValueError(f"'cuda_aware': true only applies to 'comm_backend': 'mpi' "
                              f"(got 'comm_backend': '{self.comm_backend.value}')")

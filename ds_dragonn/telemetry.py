@@ -44,6 +44,9 @@ class Telemetry:
     dense_ms_total: float = 0.0
     bytes_received: int = 0  # compressed reductions only
     max_imbalance: float = 0.0  # partitioned exchange: worst owner max/mean seen
+    local_steps: int = 0  # sync: local_steps: optimizer steps that exchanged nothing
+    outer_syncs: int = 0  # sync: local_steps: outer steps (rounds ended)
+    outer_bytes_sent: int = 0  # sync: local_steps: bytes of the pseudo-gradient exchanges
 
     def record_dense(self, numel: int, itemsize: int, world_size: int, ms: float = 0.0,
                      bytes_sent: Optional[int] = None) -> None:
@@ -54,12 +57,31 @@ class Telemetry:
         self.dense_bytes_equivalent += b
         self.dense_ms_total += ms
 
+    def record_local(self, numel: int, itemsize: int, world_size: int) -> None:
+        """``sync: local_steps``: an optimizer step that exchanged nothing. It counts what dense data-parallel
+        training would have sent for it (one allreduce of ``numel`` gradient elements), so that
+        :attr:`bytes_ratio` compares with dense synchronous training, not with one dense round."""
+        self.local_steps += 1
+        self.dense_bytes_equivalent += dense_allreduce_bytes(numel, itemsize, world_size)
+
+    def record_outer(self, bytes_sent: int, s: Optional[ReduceStats] = None) -> None:
+        """``sync: local_steps``: one outer step sent ``bytes_sent`` (its dense equivalent is already in the
+        round's :meth:`record_local` steps); ``s``: the compressed exchange's statistics (None: dense)."""
+        self.outer_syncs += 1
+        self.outer_bytes_sent += int(bytes_sent)
+        self.bytes_sent += int(bytes_sent)
+        if s is not None:
+            self._add_compressed(s)
+
     def record_compressed(self, s: ReduceStats) -> None:
-        self.compressed_reductions += 1
         self.bytes_sent += s.bytes_sent
         self.dense_bytes_equivalent += s.dense_bytes
-        self.compressed_bytes_sent += s.bytes_sent
         self.compressed_dense_bytes += s.dense_bytes
+        self._add_compressed(s)
+
+    def _add_compressed(self, s: ReduceStats) -> None:
+        self.compressed_reductions += 1
+        self.compressed_bytes_sent += s.bytes_sent
         self.kept += s.kept
         self.target_k += s.k
         self.compressed_numel += s.numel

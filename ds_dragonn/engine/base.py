@@ -234,6 +234,16 @@ class HookBase:
         writes one file per rank (``engine/checkpoint.py``)."""
         return state.state_dict(self)
 
+    def extra_state(self) -> dict:
+        """Parts of this rank's state that only some hooks have (merged into :meth:`state_dict`)."""
+        return {}
+
+    def load_extra_state(self, saved: dict) -> None:
+        """Restore :meth:`extra_state` from a saved state that applies here (after the residuals)."""
+
+    def reset_extra_state(self) -> None:
+        """:meth:`extra_state` starts afresh (a state that does not apply here, or a warm start)."""
+
     def reset_state(self, why: str) -> None:
         """Start with empty residuals (and no pending flush), with a warning saying why."""
         state.reset_state(self, why)

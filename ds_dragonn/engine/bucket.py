@@ -14,6 +14,7 @@ import torch
 #: the hook point a key comes from
 ALLREDUCE = "allreduce"  # ZeRO stage 0: DeepSpeedEngine.allreduce_bucket
 REDUCE_SCATTER = "zero"  # ZeRO stage 1/2: DeepSpeedZeroOptimizer.average_tensor
+OUTER = "outer"  # sync: local_steps: the pseudo-gradient of the fp32 master weights (engine/local_steps.py)
 
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
 
@@ -22,7 +23,8 @@ class BucketKey(NamedTuple):
     """A bucket's key (a tuple: hashable, picklable, ``repr``-stable across processes).
 
     Attributes:
-        hook: :data:`ALLREDUCE` (ZeRO stage 0) or :data:`REDUCE_SCATTER` (ZeRO stage 1/2).
+        hook: :data:`ALLREDUCE` (ZeRO stage 0), :data:`REDUCE_SCATTER` (ZeRO stage 1/2) or :data:`OUTER`
+            (the pseudo-gradient of ``sync: local_steps``).
         ordinal: the bucket's position within its reduction round (0-based).
         dtype: the communication dtype, as ``str(torch.dtype)`` (e.g. ``"torch.bfloat16"``).
         numel: the bucket's length in elements.
@@ -48,7 +50,7 @@ class BucketKey(NamedTuple):
             return None
         if len(key) == 4 and not isinstance(key[0], str):
             key = (ALLREDUCE,) + tuple(key)
-        if (len(key) == 5 and key[0] in (ALLREDUCE, REDUCE_SCATTER) and isinstance(key[1], int)
+        if (len(key) == 5 and key[0] in (ALLREDUCE, REDUCE_SCATTER, OUTER) and isinstance(key[1], int)
                 and isinstance(key[2], str) and isinstance(key[3], int) and isinstance(key[4], str)):
             return cls(*key)
         return None
@@ -59,4 +61,4 @@ def bucket_seed(seed: int, step: int, ordinal: int) -> int:
     return (seed * 1_000_003 + step * 7919 + ordinal) & 0xFFFF_FFFF_FFFF
 
 
-__all__ = ["ALLREDUCE", "BucketKey", "REDUCE_SCATTER", "bucket_seed"]
+__all__ = ["ALLREDUCE", "BucketKey", "OUTER", "REDUCE_SCATTER", "bucket_seed"]

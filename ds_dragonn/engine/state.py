@@ -169,7 +169,8 @@ def state_dict(hook: Any) -> dict:
             "pending": [tuple(k) if isinstance(k, tuple) else k for k in hook.pending],
             "telemetry": asdict(hook.telemetry), "loss_scale_units": hook.steps.units,
             "momentum": hook.momentum.state_dict() if hook.momentum is not None else None,
-            "variance": hook.variance_freeze.state_dict() if hook.variance_freeze is not None else None}
+            "variance": hook.variance_freeze.state_dict() if hook.variance_freeze is not None else None,
+            **hook.extra_state()}
 
 
 def reset_state(hook: Any, why: str) -> None:
@@ -183,6 +184,7 @@ def reset_state(hook: Any, why: str) -> None:
         pipe.exchange.reset()
     hook.pending.clear()
     hook.forget_round()
+    hook.reset_extra_state()
 
 
 def load_state_dict(hook: Any, state: dict, source: str = "the state") -> None:
@@ -227,6 +229,7 @@ def load_state_dict(hook: Any, state: dict, source: str = "the state") -> None:
     elif exchanges and len(exchanges) == len(pipes):
         for pipe, ex_state in zip(pipes, exchanges):
             pipe.exchange.load_state_dict(ex_state, device)
+    hook.load_extra_state(state)
     hook.pending.clear()
     hook.pending.update({_key(k) for k in state.get("pending") or ()} | set(ef["residuals"]))
     # the fp16 loss scale the residuals are in (rescaled at the next reduction if the scale differs)

@@ -1,0 +1,226 @@
+"""``sync: local_steps``: ranks train alone between syncs and exchange a compressed pseudo-gradient every H
+optimizer steps (DiLoCo, Douillard et al. 2023; SparseLoCo, 2025), at ZeRO stage 0.
+
+Hook points (DeepSpeed 0.19.8 ``runtime/engine.py``), overridden on the engine *instance*:
+
+* ``allreduce_gradients``: DeepSpeed's own during the dense ``warmup_steps``; afterwards nothing, so each
+  rank's optimizer steps on its own gradients (accumulation, clipping and the LR schedule unchanged);
+* ``step``: DeepSpeed's, then, once ``global_steps`` ends a round (every ``local_steps`` steps after the
+  warm-up; ``global_steps`` counts skipped steps too, so every rank agrees), the outer step on the fp32
+  master weights (the innermost optimizer's parameters: the model's own in fp32, ``FP16_Optimizer``'s flat
+  fp32 groups in bf16/fp16):
+
+  Δ = θ_outer − θ_local  →  residual + Δ (× ``outer_feedback_decay`` first)  →  DRAGONN selection at
+  ``density``  →  exchange (allgather or partitioned)  →  Δ̄ = Σ/P  →  ``OuterStep.apply_``  →  every
+  rank's masters (and low-precision weights) ← θ_outer.
+
+At density 1.0 Δ goes out in a dense allreduce (uncompressed DiLoCo). Ranks end every round with
+bit-identical weights; each keeps its own inner optimizer state, which is saved in its own state file
+with its weights (``engine/state.py``: DeepSpeed saves rank 0's only), so a resume is exact mid-round.
+"""
+from __future__ import annotations
+
+from typing import Any, List
+
+import torch
+from deepspeed.utils.logging import print_dist
+
+from ..feedback import ErrorFeedback, segment_views
+from ..outer import OuterStep
+from ..pipeline import PhaseClock
+from .adam import base_optimizer
+from .base import HookBase
+from .bucket import OUTER, BucketKey, bucket_seed
+from .checkpoint import install as install_checkpointing
+
+
+class LocalStepsUnsupported(ValueError):
+    """The engine's optimizer does not keep a full fp32 copy of the weights on every rank."""
+
+
+class LocalStepsHook(HookBase):
+    """ZeRO stage 0 with ``sync: local_steps`` (module docstring); installed as ``engine.dragonn``."""
+
+    hook_name = "ZeRO stage 0, local steps"
+
+    def __init__(self, engine: Any, cfg):
+        super().__init__(engine, cfg)
+        # the outer step runs after DeepSpeed has applied or skipped the step: nothing to undo
+        self.transactional = False
+        self.error_feedback = ErrorFeedback(cfg.error_feedback, transactional=False)
+        self.outer = OuterStep(cfg.outer_lr, cfg.outer_momentum)
+        self._dense_allreduce_gradients = engine.allreduce_gradients
+        self._engine_step = engine.step
+        self.group = None
+        self.optimizer = base_optimizer(engine)
+        self._check_optimizer()
+
+    def _check_optimizer(self) -> None:
+        from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+        wrapper = getattr(self.engine, "optimizer", None)
+        if isinstance(wrapper, BF16_Optimizer):
+            raise LocalStepsUnsupported(
+                "'dragonn.sync': 'local_steps' needs every rank's full fp32 master weights, but this engine runs "
+                "DeepSpeed's BF16_Optimizer (bf16 with 'data_types.grad_accum_dtype': 'fp32'), which partitions them "
+                "across the ranks. Drop 'grad_accum_dtype' or use 'sync': 'every_step'")
+        if self.optimizer is None or not self.masters():
+            raise LocalStepsUnsupported(f"'dragonn.sync': 'local_steps' needs a torch optimizer inside the engine; "
+                                        f"found {type(wrapper).__name__}")
+
+    def install(self) -> "LocalStepsHook":
+        from deepspeed.utils import groups
+        self.group = groups._get_sequence_data_parallel_group()
+        self.pipeline(self.group)  # the transport now: a wrong launch fails at initialize
+        self.engine.allreduce_gradients = self.allreduce_gradients
+        self.engine.step = self.step
+        self.engine.dragonn = self
+        install_checkpointing(self)
+        cfg = self.cfg
+        sent = ("in a dense allreduce" if cfg.density >= 1.0 else
+                f"at density {cfg.density} (compressor={self.compressor.name} kernel={cfg.kernel.value} "
+                f"exchange={cfg.exchange.value} error_feedback={cfg.error_feedback})")
+        print_dist(f"DRAGONN enabled ({self.hook_name}): {cfg.warmup_steps} dense warm-up steps, then an outer "
+                   f"step every {cfg.local_steps} optimizer steps (outer_lr={cfg.outer_lr} "
+                   f"outer_momentum={cfg.outer_momentum} outer_feedback_decay={cfg.outer_feedback_decay}); the "
+                   f"pseudo-gradient goes out {sent}; comm_backend={cfg.comm_backend.value}", ranks=[0])
+        if int(self.engine.global_steps) >= cfg.warmup_steps:
+            self.outer.start(self.masters())
+        return self
+
+    # -- the weights -------------------------------------------------------------------------------
+    def masters(self) -> List[torch.Tensor]:
+        """The fp32 master weights the optimizer steps on, in its parameter order."""
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    @torch.no_grad()
+    def _masters_to_model(self) -> None:
+        """Copy the masters into the low-precision weights where they are separate: ``FP16_Optimizer`` (flat
+        fp32 groups) or ``FP16_UnfusedOptimizer`` (one fp32 tensor per weight), in bf16 and fp16."""
+        wrapper = self.engine.optimizer
+        lows = getattr(wrapper, "fp16_groups", None)
+        if lows is None:
+            return  # fp32: the masters are the model's weights
+        flats = getattr(wrapper, "fp32_groups_flat", None)
+        if flats is not None:
+            from torch._utils import _unflatten_dense_tensors
+            highs = [_unflatten_dense_tensors(flat, group) for flat, group in zip(flats, lows)]
+        else:
+            highs = wrapper.fp32_groups
+        for low, high in zip(lows, highs):
+            for p, q in zip(low, high):
+                p.data.copy_(q.data)
+
+    # -- the hooks ---------------------------------------------------------------------------------
+    def allreduce_gradients(self, *args, **kwargs):
+        """DeepSpeed's gradient allreduce during the dense warm-up; nothing afterwards."""
+        step = int(self.engine.global_steps)
+        if self.decision.schedule.dense(step):
+            if self.engine.is_gradient_accumulation_boundary():
+                clock = PhaseClock(self.engine.device)
+                out = self._dense_allreduce_gradients(*args, **kwargs)
+                numel, itemsize, world = self._dense_size()
+                self.reporter.dense(numel, itemsize, world, clock.lap())
+                return out
+            return self._dense_allreduce_gradients(*args, **kwargs)
+        return None
+
+    def step(self, *args, **kwargs):
+        """DeepSpeed's ``step``, then the outer step when this one ends a round."""
+        before = int(self.engine.global_steps)
+        out = self._engine_step(*args, **kwargs)
+        after = int(self.engine.global_steps)
+        if after != before:
+            self._after_step(after)
+        return out
+
+    def _after_step(self, steps: int) -> None:
+        warmup, rounds = self.cfg.warmup_steps, self.cfg.local_steps
+        if steps < warmup:
+            return
+        if not self.outer.started:  # the end of the dense warm-up (or a state reset): rounds start here
+            self.outer.start(self.masters())
+            return
+        self.reporter.local_step(*self._dense_size())
+        if (steps - warmup) % rounds == 0:
+            self.sync(steps)
+
+    def _dense_size(self) -> tuple:
+        numel = sum(p.numel() for p in self.engine.module.parameters() if p.requires_grad)
+        world = self.pipeline(self.group).backend.world_size
+        return numel, self.engine.communication_data_type.itemsize, world
+
+    @torch.no_grad()
+    def sync(self, steps: int) -> None:
+        """The outer step (module docstring), collective over the data-parallel group."""
+        masters = self.masters()
+        pipeline = self.pipeline(self.group)
+        world = pipeline.backend.world_size
+        dtype = self.engine.communication_data_type
+        clock = PhaseClock(masters[0].device)
+        deltas = self.outer.pseudo_gradient(masters)
+        numel = sum(d.numel() for d in deltas)
+        key = BucketKey(OUTER, 0, str(dtype), numel, self._layout(masters))
+        if self.cfg.outer_feedback_decay != 1.0 and key in self.error_feedback.residuals:
+            self.error_feedback.residuals[key].mul_(self.cfg.outer_feedback_decay)
+        stats = None
+        if self.cfg.density >= 1.0:
+            out = pipeline.reduce_dense(deltas, key, 1.0, 1.0 / world, dtype)
+            from ..exchange.wire import dense_allreduce_bytes
+            sent = dense_allreduce_bytes(numel, dtype.itemsize, world)
+        else:
+            self.compressor.density = self.cfg.density
+            out, stats = pipeline.reduce(deltas, key, bucket_seed(self.cfg.seed, steps, 0), 1.0, 1.0 / world, dtype)
+            sent = stats.bytes_sent
+        self.outer.apply_(segment_views(out, deltas))
+        self.outer.restart_(masters)
+        self._masters_to_model()
+        self.reporter.outer(steps, sent, stats, clock.lap())
+
+    # -- state (engine/state.py) -------------------------------------------------------------------
+    def extra_state(self) -> dict:
+        """θ_outer and the outer velocity (``outer``), and this rank's replica: its fp32 master weights and its
+        inner optimizer's state (``replica``), which differ between ranks mid-round and which DeepSpeed saves
+        from rank 0 only."""
+        return {"outer": self.outer.state_dict(),
+                "replica": {"masters": [m.detach().clone() for m in self.masters()],
+                            "optimizer": self.optimizer.state_dict()}}
+
+    @torch.no_grad()
+    def load_extra_state(self, saved: dict) -> None:
+        """Restore this rank's replica over what DeepSpeed loaded (rank 0's), then θ_outer.
+
+        Raises:
+            ValueError: the saved replica or θ_outer does not match this engine's master weights.
+        """
+        masters = self.masters()
+        replica = saved.get("replica")
+        if replica is not None:
+            weights = replica.get("masters") if isinstance(replica, dict) else None
+            if (not isinstance(weights, (list, tuple)) or len(weights) != len(masters)
+                    or any(not isinstance(w, torch.Tensor) or w.shape != m.shape for w, m in zip(weights, masters))):
+                raise ValueError(f"the saved local-steps replica does not match this engine's {len(masters)} fp32 "
+                                 f"master weight tensors")
+            for m, w in zip(masters, weights):
+                m.copy_(w)
+            self.optimizer.load_state_dict(replica["optimizer"])
+            self._masters_to_model()
+        outer = saved.get("outer")
+        if outer is not None:
+            self.outer.load_state_dict(outer, masters)
+        else:
+            self.reset_extra_state()
+
+    def reset_extra_state(self) -> None:
+        """θ_outer from the weights as they are now (after a load, rank 0's on every rank), or none yet
+        during the warm-up."""
+        self.outer = OuterStep(self.cfg.outer_lr, self.cfg.outer_momentum)
+        if int(self.engine.global_steps) >= self.cfg.warmup_steps:
+            self.outer.start(self.masters())
+
+    @staticmethod
+    def _layout(masters: List[torch.Tensor]) -> str:
+        import hashlib
+        return hashlib.blake2b(repr([tuple(m.shape) for m in masters]).encode(), digest_size=8).hexdigest()
+
+
+__all__ = ["LocalStepsHook", "LocalStepsUnsupported"]

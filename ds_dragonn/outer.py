@@ -1,0 +1,126 @@
+"""The outer step of local-step training: ``θ_outer`` and the outer SGD (DiLoCo's outer optimizer).
+
+In ``sync: local_steps`` every rank runs H optimizer steps on its own gradients, starting from the
+shared ``θ_outer``. The round's pseudo-gradient is ``Δ = θ_outer − θ_local`` (what the rank's steps moved,
+negated, so that it points like a gradient); its average over the ranks, ``Δ̄``, is applied by an outer
+SGD step (Douillard et al., "DiLoCo", 2023, Algorithm 1: outer Nesterov momentum 0.9, outer learning rate
+0.7)::
+
+    v ← μ·v + Δ̄ ;  θ_outer ← θ_outer − lr·(Δ̄ + μ·v)      (Nesterov, as torch.optim.SGD; μ = 0: plain SGD)
+
+and every rank restarts from ``θ_outer``. SparseLoCo (2025) drops the outer momentum (μ = 0, lr = 1) and
+compresses Δ with top-k and error feedback instead; here that is DRAGONN selection plus the pipeline's
+residual (``ds_dragonn.pipeline``), which runs between :meth:`OuterStep.pseudo_gradient` and
+:meth:`OuterStep.apply_`. Everything is fp32 (the master weights'), whatever the model's dtype.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+
+
+class OuterStep:
+    """``θ_outer`` (the anchor every rank restarts from) and the outer optimizer's velocity.
+
+    Args:
+        lr: outer learning rate (> 0).
+        momentum: Nesterov momentum μ in [0, 1) (0: plain outer SGD, no velocity kept).
+    Raises:
+        ValueError: ``lr`` not > 0 or ``momentum`` outside [0, 1).
+    """
+
+    def __init__(self, lr: float = 1.0, momentum: float = 0.0):
+        if not lr > 0.0:
+            raise ValueError(f"outer lr must be > 0, got {lr}")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"outer momentum must be in [0, 1), got {momentum}")
+        self.lr, self.momentum = float(lr), float(momentum)
+        self.anchor: Optional[List[torch.Tensor]] = None  # θ_outer, fp32, one tensor per master tensor
+        self.velocity: Optional[List[torch.Tensor]] = None
+        self.rounds = 0  # outer steps applied
+
+    @property
+    def started(self) -> bool:
+        return self.anchor is not None
+
+    def start(self, masters: Sequence[torch.Tensor]) -> None:
+        """``θ_outer ← masters`` (fp32 copies): the first round starts here (equal on every rank)."""
+        self.anchor = [m.detach().to(torch.float32, copy=True) for m in masters]
+        self.velocity = [torch.zeros_like(a) for a in self.anchor] if self.momentum > 0.0 else None
+
+    def pseudo_gradient(self, masters: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """``Δ = θ_outer − θ_local`` per master tensor: new fp32 tensors of the masters' shapes.
+
+        Raises:
+            RuntimeError: :meth:`start` was not called.
+            ValueError: the masters do not match the anchor (count or shapes).
+        """
+        anchor = self._anchor_for(masters)
+        return [a - m.detach().float() for a, m in zip(anchor, masters)]
+
+    @torch.no_grad()
+    def apply_(self, averaged: Sequence[torch.Tensor]) -> None:
+        """One outer step with the ranks' averaged pseudo-gradient ``Δ̄`` (shapes of the anchor; any float dtype)."""
+        anchor = self._anchor_for(averaged)
+        for i, (a, d) in enumerate(zip(anchor, averaged)):
+            d = d.to(torch.float32)
+            if self.velocity is not None:
+                v = self.velocity[i]
+                v.mul_(self.momentum).add_(d)
+                d = d.add(v, alpha=self.momentum)
+            a.sub_(d, alpha=self.lr)
+        self.rounds += 1
+
+    @torch.no_grad()
+    def restart_(self, masters: Sequence[torch.Tensor]) -> None:
+        """``masters ← θ_outer`` in place (every rank starts the next round from the same weights)."""
+        for a, m in zip(self._anchor_for(masters), masters):
+            m.copy_(a)
+
+    def _anchor_for(self, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        if self.anchor is None:
+            raise RuntimeError("the outer step has no θ_outer yet (start() was not called)")
+        if len(tensors) != len(self.anchor) or any(t.shape != a.shape for t, a in zip(tensors, self.anchor)):
+            raise ValueError(f"{len(tensors)} tensors of shapes {[tuple(t.shape) for t in tensors][:4]} do not match "
+                             f"θ_outer's {len(self.anchor)} of {[tuple(a.shape) for a in self.anchor][:4]}")
+        return self.anchor
+
+    def state_dict(self) -> dict:
+        """``{"anchor", "velocity", "rounds", "lr", "momentum"}`` (tensors cloned; None before :meth:`start`)."""
+        clone = (lambda ts: None if ts is None else [t.detach().clone() for t in ts])
+        return {"anchor": clone(self.anchor), "velocity": clone(self.velocity), "rounds": self.rounds,
+                "lr": self.lr, "momentum": self.momentum}
+
+    def load_state_dict(self, state: dict, masters: Sequence[torch.Tensor]) -> None:
+        """Restore :meth:`state_dict` for ``masters`` (their devices).
+
+        Raises:
+            ValueError: the saved anchor or velocity does not match the masters (count, shapes), or is not finite.
+        """
+        anchor = state.get("anchor")
+        if anchor is None:
+            self.anchor, self.velocity, self.rounds = None, None, int(state.get("rounds", 0))
+            return
+        self._check(anchor, masters, "θ_outer")
+        velocity = state.get("velocity")
+        if self.momentum > 0.0 and velocity is not None:
+            self._check(velocity, masters, "the outer velocity")
+        self.anchor = [a.to(device=m.device, dtype=torch.float32).clone() for a, m in zip(anchor, masters)]
+        if self.momentum > 0.0:
+            self.velocity = ([v.to(device=m.device, dtype=torch.float32).clone() for v, m in zip(velocity, masters)]
+                             if velocity is not None else [torch.zeros_like(a) for a in self.anchor])
+        else:
+            self.velocity = None
+        self.rounds = int(state.get("rounds", 0))
+
+    @staticmethod
+    def _check(saved, masters, what: str) -> None:
+        if not isinstance(saved, (list, tuple)) or len(saved) != len(masters) or any(
+                not isinstance(s, torch.Tensor) or s.shape != m.shape for s, m in zip(saved, masters)):
+            raise ValueError(f"saved {what} does not match the master weights ({len(masters)} tensors)")
+        if any(s.numel() and not bool(torch.isfinite(s).all()) for s in saved):
+            raise ValueError(f"saved {what} holds NaN or Inf")
+
+
+__all__ = ["OuterStep"]

@@ -1,0 +1,170 @@
+"""Rank functions for tests/test_local_steps.py (``sync: local_steps``), run by ``tests.multiproc.run_ranks``."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ds_dragonn.exchange.ownership import HashedOwnership
+from tests.engines import init_distributed
+
+LAYERS = (32, 64, 10)  # 2762 parameters: not divisible by 4 ranks, k = 28 at density 0.01
+
+
+def config(dragonn: dict | None, bf16: bool = False, gas: int = 1, optimizer: dict | None = None,
+           clip: float = 0.0, schedule: bool = False, stage: int = 0) -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": gas,
+           "optimizer": optimizer or {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1, "torch_adam": True}},
+           "zero_optimization": {"stage": stage}, "gradient_clipping": clip, "steps_per_print": 10**6}
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    if schedule:
+        cfg["scheduler"] = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01,
+                                                                "warmup_num_steps": 3, "total_num_steps": 40}}
+    if dragonn is not None:
+        cfg["dragonn"] = {"enabled": True, "sync": "local_steps", "warmup_steps": 2, "local_steps": 3,
+                          "density": 0.1, **dragonn}
+    return cfg
+
+
+def build(cfg: dict):
+    import ds_dragonn
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(LAYERS[0], LAYERS[1]), torch.nn.Tanh(),
+                                torch.nn.Linear(LAYERS[1], LAYERS[2]))
+    engine, *_ = ds_dragonn.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    return engine
+
+
+def micro_batches(rank: int, count: int, dtype: torch.dtype):
+    """The rank's own stream of ``count`` micro batches (8 samples each)."""
+    g = torch.Generator().manual_seed(1000 + rank)
+    return [(torch.randn(8, LAYERS[0], generator=g).to(dtype), torch.randint(0, LAYERS[2], (8,), generator=g))
+            for _ in range(count)]
+
+
+def train(engine, batches, on_step=None) -> None:
+    for i, (x, y) in enumerate(batches):
+        loss = torch.nn.functional.cross_entropy(engine(x).float(), y)
+        engine.backward(loss)
+        engine.step()
+        if on_step is not None and engine.is_gradient_accumulation_boundary() is False and \
+                (i + 1) % engine.gradient_accumulation_steps() == 0:
+            on_step(engine)
+
+
+def weights(engine) -> list:
+    return [p.detach().float().clone() for p in engine.module.parameters()]
+
+
+def record_rounds(engine) -> dict:
+    """Capture every round's pseudo-gradient (this rank's) and the averaged one applied (float64 copies)."""
+    hook, log = engine.dragonn, {"delta": [], "applied": [], "anchor0": None, "weights": []}
+    pseudo, apply_, sync = hook.outer.pseudo_gradient, hook.outer.apply_, hook.sync
+
+    def pseudo_gradient(masters):
+        if log["anchor0"] is None:
+            log["anchor0"] = torch.cat([a.flatten().double() for a in hook.outer.anchor])
+        out = pseudo(masters)
+        log["delta"].append(torch.cat([d.flatten().double() for d in out]))
+        return out
+
+    def apply(averaged):
+        log["applied"].append(torch.cat([d.flatten().double() for d in averaged]))
+        return apply_(averaged)
+
+    def synced(steps):
+        sync(steps)
+        log["weights"].append(weights(engine))
+
+    hook.outer.pseudo_gradient, hook.outer.apply_, hook.sync = pseudo_gradient, apply, synced
+    return log
+
+
+#: name -> (dragonn block, config kwargs, optimizer steps)
+RUNS = {
+    "allgather_fp32": ({}, {}, 11),
+    "partitioned_fp32": ({"exchange": "partitioned"}, {}, 11),
+    "bf16_gas2_clip_sched": ({"density": 0.01}, {"bf16": True, "gas": 2, "clip": 1.0, "schedule": True}, 11),
+    "nesterov": ({"outer_lr": 0.7, "outer_momentum": 0.9}, {}, 11),
+    "decay": ({"outer_feedback_decay": 0.5}, {}, 11),
+    "dense_delta": ({"density": 1.0}, {"bf16": True}, 8),
+    "no_warmup_h1": ({"warmup_steps": 0, "local_steps": 1}, {}, 4),
+}
+
+
+def rounds(rank: int, world: int, out_dir: str) -> None:
+    init_distributed()
+    out = {}
+    for name, (dragonn, kwargs, steps) in RUNS.items():
+        engine = build(config(dragonn, **kwargs))
+        log = record_rounds(engine)
+        gas = engine.gradient_accumulation_steps()
+        train(engine, micro_batches(rank, steps * gas, next(engine.module.parameters()).dtype))
+        hook = engine.dragonn
+        residuals = [r.double().clone() for r in hook.error_feedback.residuals.values()]
+        server = torch.zeros(sum(p.numel() for p in engine.module.parameters()), dtype=torch.float64)
+        for pipe in hook.pipelines:  # the partitioned exchange's owner residuals, at their global indices
+            for part in (getattr(getattr(pipe.exchange, "server", None), "residuals", None) or {}).values():
+                own = HashedOwnership(server.numel(), world)
+                server.index_add_(0, own.to_index(rank, torch.arange(part.numel())), part.double())
+        out[name] = {**log, "final": weights(engine), "anchor": [a.clone() for a in hook.outer.anchor],
+                     "residual": residuals[0] if residuals else None,
+                     "server": server,
+                     "telemetry": hook.telemetry.summary(), "steps": int(engine.global_steps),
+                     "numel": sum(p.numel() for p in engine.module.parameters()),
+                     "itemsize": engine.communication_data_type.itemsize}
+    torch.save(out, Path(out_dir) / f"rounds_rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+def sgd_equivalence(rank: int, world: int, out_dir: str) -> None:
+    """Plain SGD, density 1.0, one local step per round, outer lr 1: the dense engine's trajectory."""
+    init_distributed()
+    sgd = {"type": "SGD", "params": {"lr": 0.1}}
+    out = {}
+    for name, dragonn in (("dense", None), ("local", {"density": 1.0, "local_steps": 1, "warmup_steps": 0})):
+        engine = build(config(dragonn, optimizer=sgd))
+        train(engine, micro_batches(rank, 6, torch.float32))
+        out[name] = weights(engine)
+    torch.save(out, Path(out_dir) / f"sgd_rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+def resume(rank: int, world: int, out_dir: str) -> None:
+    """Save mid-round (step 7: rounds end at 5 and 8), resume in a fresh engine: bit-exact at step 12."""
+    init_distributed()
+    ckpt = str(Path(out_dir) / "ckpt")
+    out = {}
+    for name, kwargs in (("fp32", {}), ("bf16_gas2", {"bf16": True, "gas": 2, "clip": 1.0, "schedule": True})):
+        dragonn = {"outer_momentum": 0.9, "outer_lr": 0.7, "density": 0.05}
+        cfg = config(dragonn, **kwargs)
+        engine = build(cfg)
+        gas = engine.gradient_accumulation_steps()
+        batches = micro_batches(rank, 12 * gas, next(engine.module.parameters()).dtype)
+        train(engine, batches[:7 * gas])
+        engine.save_checkpoint(ckpt + "/" + name, tag="mid")
+        train(engine, batches[7 * gas:])
+        straight = weights(engine)
+        fresh = build(cfg)
+        fresh.load_checkpoint(ckpt + "/" + name, tag="mid")
+        train(fresh, batches[7 * gas:])
+        out[name] = {"straight": straight, "resumed": weights(fresh),
+                     "anchor": [a.clone() for a in engine.dragonn.outer.anchor],
+                     "anchor_resumed": [a.clone() for a in fresh.dragonn.outer.anchor]}
+    torch.save(out, Path(out_dir) / f"resume_rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+def refusals(rank: int, world: int, out_dir: str) -> None:
+    init_distributed()
+    import ds_dragonn
+    out = {}
+    for name, cfg in (("zero1", config({}, stage=1)), ("zero2", config({}, stage=2))):
+        try:
+            build(cfg)
+            out[name] = None
+        except ds_dragonn.DragonnUnsupportedError as err:
+            out[name] = str(err)
+    torch.save(out, Path(out_dir) / f"refusals_rank{rank}.pt")
+    torch.distributed.destroy_process_group()

@@ -1,0 +1,167 @@
+"""``sync: local_steps`` (DiLoCo / SparseLoCo rounds with a DRAGONN-compressed pseudo-gradient): the outer step
+against float64 references, the engine at 2 and 3 ranks (bit-identical ranks at every round's end, nothing
+lost, telemetry against dense data-parallel training), the dense engine's trajectory as a limit case, exact
+resume mid-round, and the refusals."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ds_dragonn.config import DragonnConfig, DragonnConfigError
+from ds_dragonn.exchange.wire import dense_allreduce_bytes
+from ds_dragonn.outer import OuterStep
+from tests.local_steps_cases import RUNS
+from tests.multiproc import load_rank_files, run_ranks
+
+
+# -- the outer step alone -------------------------------------------------------------------------------
+@pytest.mark.parametrize("lr,momentum", [(1.0, 0.0), (0.7, 0.9), (0.3, 0.5)])
+def test_outer_step_is_torch_sgd_on_the_pseudo_gradient(lr, momentum):
+    """θ_outer follows torch.optim.SGD(nesterov) fed the averaged pseudo-gradients as gradients (float64)."""
+    gen = torch.Generator().manual_seed(7)
+    shapes = [(3, 5), (1,), (0,), (7,)]
+    start = [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
+    ref = [torch.nn.Parameter(t.clone()) for t in start]
+    sgd = torch.optim.SGD(ref, lr=lr, momentum=momentum, nesterov=momentum > 0)
+    outer = OuterStep(lr, momentum)
+    outer.start(start)
+    for _ in range(4):
+        averaged = [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
+        outer.apply_(averaged)
+        for p, d in zip(ref, averaged):
+            p.grad = d.clone()
+        sgd.step()
+    for a, p in zip(outer.anchor, ref):
+        torch.testing.assert_close(a.double(), p.detach(), rtol=1e-6, atol=1e-6)
+    assert outer.rounds == 4
+
+
+def test_pseudo_gradient_restart_and_state():
+    masters = [torch.arange(6.0).view(2, 3), torch.ones(1)]
+    outer = OuterStep(0.5, 0.9)
+    outer.start(masters)
+    moved = [m - 0.25 for m in masters]
+    deltas = outer.pseudo_gradient(moved)
+    assert all(torch.equal(d, torch.full_like(d, 0.25)) for d in deltas)
+    outer.apply_(deltas)
+    outer.restart_(moved)
+    assert all(torch.equal(m, a) for m, a in zip(moved, outer.anchor))
+    saved = outer.state_dict()
+    other = OuterStep(0.5, 0.9)
+    other.load_state_dict(saved, moved)
+    assert all(torch.equal(a, b) for a, b in zip(other.anchor, outer.anchor))
+    assert all(torch.equal(a, b) for a, b in zip(other.velocity, outer.velocity)) and other.rounds == 1
+    with pytest.raises(ValueError, match="do not match"):
+        outer.pseudo_gradient([torch.ones(6)])
+    with pytest.raises(ValueError, match="does not match the master weights"):
+        other.load_state_dict(saved, [torch.ones(3)])
+    bad = {**saved, "anchor": [torch.full((2, 3), float("nan")), torch.ones(1)]}
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        other.load_state_dict(bad, moved)
+    with pytest.raises(RuntimeError, match="start"):
+        OuterStep().pseudo_gradient(masters)
+    for lr, mom in ((0.0, 0.0), (1.0, 1.0), (1.0, -0.1)):
+        with pytest.raises(ValueError):
+            OuterStep(lr, mom)
+
+
+@pytest.mark.parametrize("block,key", [({"local_steps": 0}, "local_steps"), ({"sync": "sometimes"}, "sync"),
+                                       ({"outer_momentum": 1.0}, "outer_momentum"), ({"outer_lr": 0.0}, "outer_lr"),
+                                       ({"outer_feedback_decay": 1.5}, "outer_feedback_decay"),
+                                       ({"local_steps": 3.0}, "local_steps")])
+def test_config_names_the_bad_key(block, key):
+    with pytest.raises(DragonnConfigError, match=f"dragonn.{key}"):
+        DragonnConfig.from_ds_config({"dragonn": {"enabled": True, "sync": "local_steps", **block}})
+
+
+def test_config_refuses_the_momentum_mode_with_local_steps():
+    with pytest.raises(DragonnConfigError, match="'compress': 'momentum' applies to 'sync': 'every_step'"):
+        DragonnConfig.from_ds_config({"dragonn": {"enabled": True, "sync": "local_steps", "compress": "momentum"}})
+
+
+# -- the engine ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module", params=[2, 3])
+def rounds(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"rounds{request.param}")
+    run_ranks("tests.local_steps_cases:rounds", world_size=request.param, out_dir=out, timeout=400)
+    return load_rank_files(out, "rounds", request.param)
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_ranks_end_every_round_bit_identical(rounds, name):
+    runs = [r[name] for r in rounds]
+    count = len(runs[0]["weights"])
+    assert count >= 2 and all(len(r["weights"]) == count for r in runs)
+    for i in range(count):
+        for other in runs[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(runs[0]["weights"][i], other["weights"][i])), (name, i)
+            assert torch.equal(runs[0]["applied"][i], other["applied"][i])
+    # between syncs the ranks trained apart: their pseudo-gradients differ
+    assert not torch.equal(runs[0]["delta"][0], runs[1]["delta"][0])
+
+
+@pytest.mark.parametrize("name", ["allgather_fp32", "partitioned_fp32", "nesterov", "decay", "no_warmup_h1"])
+def test_nothing_lost_over_the_rounds(rounds, name):
+    """float64: Σ_ranks residual = Σ_rounds decay^(R−r) (Σ_ranks Δ_r − P·Δ̄_r) (decay 1: what was applied × P
+    plus every residual, server residuals included, is every pseudo-gradient); θ_outer = θ_0 minus the outer
+    steps of the applied Δ̄ (a float64 Nesterov reference)."""
+    world = len(rounds)
+    runs = [r[name] for r in rounds]
+    block = RUNS[name][0]
+    decay, lr, mu = block.get("outer_feedback_decay", 1.0), block.get("outer_lr", 1.0), block.get("outer_momentum", 0.0)
+    total = len(runs[0]["applied"])
+    expected = torch.zeros_like(runs[0]["delta"][0])
+    for i in range(total):
+        expected = decay * expected + sum(r["delta"][i] for r in runs) - world * runs[0]["applied"][i]
+    held = sum(r["residual"] + r["server"] for r in runs)
+    if name == "partitioned_fp32":
+        assert any(r["server"].abs().sum() > 0 for r in runs)  # the owners held something back
+    torch.testing.assert_close(held, expected, rtol=1e-5, atol=1e-5)
+    anchor, velocity = runs[0]["anchor0"].clone(), torch.zeros_like(runs[0]["anchor0"])
+    for applied in runs[0]["applied"]:
+        velocity = mu * velocity + applied
+        anchor -= lr * (applied + mu * velocity if mu else applied)
+    torch.testing.assert_close(torch.cat([a.flatten().double() for a in runs[0]["anchor"]]), anchor,
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_bytes_are_counted_against_dense_data_parallel_training(rounds, name):
+    world = len(rounds)
+    run = rounds[0][name]
+    t = run["telemetry"]
+    dense_step = dense_allreduce_bytes(run["numel"], run["itemsize"], world)
+    warmup = RUNS[name][0].get("warmup_steps", 2)
+    assert t["dense_bytes_equivalent"] == run["steps"] * dense_step
+    assert t["dense_reductions"] == warmup and t["local_steps"] == run["steps"] - warmup
+    assert t["outer_syncs"] == len(run["applied"]) == (run["steps"] - warmup) // RUNS[name][0].get("local_steps", 3)
+    assert t["bytes_sent"] == warmup * dense_step + t["outer_bytes_sent"]
+    if RUNS[name][0].get("density") == 1.0:
+        assert t["outer_bytes_sent"] == t["outer_syncs"] * dense_allreduce_bytes(run["numel"], run["itemsize"], world)
+    else:
+        assert 0 < t["outer_bytes_sent"] < t["outer_syncs"] * dense_step
+    assert t["bytes_ratio"] == pytest.approx(t["bytes_sent"] / t["dense_bytes_equivalent"])
+
+
+def test_one_local_sgd_step_per_round_is_dense_training(tmp_path):
+    """SGD, density 1.0, H = 1, outer lr 1: each round applies the mean of the ranks' steps, i.e. dense
+    data-parallel SGD (up to fp32 rounding of θ − (θ − lr·g))."""
+    run_ranks("tests.local_steps_cases:sgd_equivalence", world_size=2, out_dir=tmp_path, timeout=300)
+    for r in load_rank_files(tmp_path, "sgd", 2):
+        for a, b in zip(r["local"], r["dense"]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_resume_mid_round_is_exact(tmp_path):
+    run_ranks("tests.local_steps_cases:resume", world_size=2, out_dir=tmp_path, timeout=400)
+    for r in load_rank_files(tmp_path, "resume", 2):
+        for name, run in r.items():
+            assert all(torch.equal(a, b) for a, b in zip(run["straight"], run["resumed"])), name
+            assert all(torch.equal(a, b) for a, b in zip(run["anchor"], run["anchor_resumed"])), name
+
+
+def test_unsupported_set_ups_are_refused_by_name(tmp_path):
+    run_ranks("tests.local_steps_cases:refusals", world_size=2, out_dir=tmp_path, timeout=300)
+    for r in load_rank_files(tmp_path, "refusals", 2):
+        assert "ZeRO stage 1" in r["zero1"] and "'dragonn.sync': 'local_steps'" in r["zero1"]
+        assert "ZeRO stage 2" in r["zero2"]
