@@ -67,6 +67,7 @@ EVAL_EVERY = 30           # steps between held-out evaluations (80 % of 300 = 24
 TARGET_FRACTION = 0.8     # the target is ds_fp32's held-out loss at this fraction of its run
 TIME_STEPS = 60           # steps of a timing run
 TIME_UNTIMED = 10         # its first steps, not timed (allocations, DDP bucket rebuild, DRAGONN's dense steps)
+TIME_ROUND = 10           # sync: local_steps: steps per round in the timing phase (several outer steps timed)
 LINKS = ("100mbit", "1gbit")   # tc tbf rates of the timing phase
 PLOT_LINK = "100mbit"     # the PNG's wall-clock axis
 REFERENCE = "ds_fp32"     # its curve sets the target
@@ -138,6 +139,20 @@ REGISTRY: Dict[str, Mode] = {m.name: m for m in (
     Mode("dragonn_d0001", "DRAGONN, density 0.001", ds={"dragonn": {**_ON, "density": 0.001}}),
     Mode("dragonn_freeze", "DRAGONN, gradient mode with Adam's variance frozen after the dense warm-up",
          ds={"dragonn": {**_ON, "compress": "gradient", "freeze_adam_variance": True}}),
+    # sync: local_steps (DiLoCo / SparseLoCo): registered, run with --modes (the local-steps sweep)
+    *(Mode(f"local_h{h}_d{d}", f"DRAGONN local steps: an outer step every {h} steps, pseudo-gradient at density {d} "
+           f"(error feedback, outer lr 1, no outer momentum: SparseLoCo's outer step)",
+           ds={"dragonn": {**_ON, "sync": "local_steps", "local_steps": h, "density": d}}, default=False)
+      for h in (8, 30, 100) for d in (0.01,)),
+    *(Mode(f"diloco_h{h}", f"uncompressed DiLoCo: an outer step every {h} steps, dense allreduce of the "
+           f"pseudo-gradient, outer Nesterov lr 0.7 momentum 0.9",
+           ds={"dragonn": {**_ON, "sync": "local_steps", "local_steps": h, "density": 1.0, "outer_lr": 0.7,
+                           "outer_momentum": 0.9}}, default=False)
+      for h in (8, 30, 100)),
+    Mode("local_h30_d0.01_nesterov", "DRAGONN local steps every 30, density 0.01, error feedback plus DiLoCo's "
+         "outer Nesterov (lr 0.7, momentum 0.9)",
+         ds={"dragonn": {**_ON, "sync": "local_steps", "local_steps": 30, "density": 0.01, "outer_lr": 0.7,
+                         "outer_momentum": 0.9}}, default=False),
     Mode("none", "no exchange: each rank steps on its own gradients (the step time's physical limit)",
          build=_build_none, reference=True),
 )}
@@ -212,9 +227,26 @@ def phase_config(cfg: Optional[dict], phase: str, untimed: int) -> Optional[dict
     if phase == "quality":
         cfg["dragonn"]["policy"] = "always"
     else:
-        warm = dragonn_settings(cfg).warmup_steps
-        cfg["dragonn"].update(warmup_steps=min(warm, untimed), density_warmup_steps=0)
+        settings = dragonn_settings(cfg)
+        cfg["dragonn"].update(warmup_steps=min(settings.warmup_steps, untimed), density_warmup_steps=0)
+        if settings.sync.value == "local_steps":  # several outer steps in the window (their cost is not H's)
+            cfg["dragonn"]["local_steps"] = min(settings.local_steps, TIME_ROUND)
     return cfg
+
+
+def round_step_ms(step_ms: Sequence[float], first_timed: int, warmup: int, timed_h: int, real_h: int) -> tuple:
+    """``sync: local_steps``: the mean step time over a round of ``real_h`` steps, from a timing run whose rounds
+    were ``timed_h`` steps: the median local step plus the median extra time of an outer step over ``real_h``
+    (an outer step sends the same bytes whatever H). ``step_ms[i]`` is step ``i + 1``; steps from ``first_timed``
+    (1-based) on are used. Returns (mean ms per step, median local ms, median outer-step overhead ms)."""
+    timed = range(first_timed, len(step_ms) + 1)
+    outer = [s for s in timed if s > warmup and (s - warmup) % timed_h == 0]
+    local = [step_ms[s - 1] for s in timed if s not in outer]
+    local_ms = _median(local)
+    overhead = max(0.0, _median([step_ms[s - 1] for s in outer]) - local_ms) if outer and local else None
+    if local_ms is None or overhead is None:
+        return None, local_ms, overhead
+    return local_ms + overhead / real_h, local_ms, overhead
 
 
 def dragonn_block(cfg: Optional[dict]) -> dict:
@@ -324,7 +356,8 @@ def run_rank(args) -> Optional[dict]:
     # timed window: after the untimed steps, and after DRAGONN's auto probes (its dense warm-up steps count as
     # the dense probes; then as many compressed ones; ZeRO-2 reduces per micro-batch: done sooner)
     first_timed = untimed + 1
-    if dragonn is not None and not quality and dragonn.policy.value == "auto":
+    local = dragonn is not None and dragonn.sync.value == "local_steps"
+    if dragonn is not None and not quality and dragonn.policy.value == "auto" and not local:
         probes = dragonn.auto_probe_steps
         first_timed = max(first_timed, max(dragonn.warmup_steps, probes) + probes + 1)
     if not quality and first_timed > steps:
@@ -365,11 +398,17 @@ def run_rank(args) -> Optional[dict]:
             tx1 = tx_bytes(args.iface)
             warm = dragonn.warmup_steps if dragonn is not None else 0  # the timing run's dense steps
             dense = step_ms[2:warm] if warm > 2 else step_ms[:warm]  # the first two: one-time costs
+            median = _median(step_ms[first_timed - 1:])
+            if local:  # a round's mean: the outer step's time spread over the real H
+                real_h = dragonn_settings(mode.config(base)).local_steps
+                median, local_ms, outer_ms = round_step_ms(step_ms, first_timed, warm, dragonn.local_steps, real_h)
+                record.update(local_step_ms=local_ms, outer_overhead_ms=outer_ms, local_steps=real_h)
+            scale = dragonn.local_steps / real_h if local else 1.0  # bytes per step at the real H
             record.update(link=args.link, untimed_steps=first_timed - 1,
-                          median_step_ms=_median(step_ms[first_timed - 1:]),
+                          median_step_ms=median,
                           dense_step_ms=_median(dense) if dragonn is not None and dense else None,
-                          bytes_per_step=(sent1 - sent0) / timed,
-                          tx_bytes_per_step=(tx1 - tx0) / timed if tx0 is not None and tx1 is not None else None,
+                          bytes_per_step=(sent1 - sent0) / timed * scale,
+                          tx_bytes_per_step=(tx1 - tx0) / timed * scale if tx0 is not None and tx1 is not None else None,
                           timed_telemetry=_delta(tel0, tel1))
     dist.barrier()
     dist.destroy_process_group()
