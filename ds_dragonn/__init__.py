@@ -153,7 +153,10 @@ def _initialize(ds_initialize: Any, *args: Any, **kwargs: Any):
         check_ranks_agree(cfg, stage, refusal=refusal, ds_config=ds_config)
     if refusal is not None:
         raise refusal
-    if cfg.enabled:
+    if cfg.enabled and cfg.sync == SyncMode.local_steps:
+        from .engine.local_steps import check_local_steps_hook_point
+        check_local_steps_hook_point()
+    elif cfg.enabled:
         check_hook_point() if stage == 0 else check_zero_hook_point()
 
     result = ds_initialize(*args, **kwargs)

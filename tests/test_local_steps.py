@@ -79,6 +79,21 @@ def test_config_refuses_the_momentum_mode_with_local_steps():
         DragonnConfig.from_ds_config({"dragonn": {"enabled": True, "sync": "local_steps", "compress": "momentum"}})
 
 
+def test_hook_point_check_fails_loudly_on_a_deepspeed_that_bypasses_it():
+    from ds_dragonn.engine.local_steps import check_local_steps_hook_point
+    check_local_steps_hook_point()  # the installed DeepSpeed
+
+    class Bypassing:
+        def _backward_epilogue(self):
+            self.reduce_everything()
+
+        def _take_model_step(self, lr_kwargs):
+            self.global_steps += 1
+
+    with pytest.raises(RuntimeError, match="allreduce_gradients"):
+        check_local_steps_hook_point(Bypassing)
+
+
 # -- the engine ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module", params=[2, 3])
 def rounds(request, tmp_path_factory):

@@ -165,6 +165,21 @@ def test_phase_configs():
     assert "policy" not in cfg["dragonn"]  # the registry's config is not changed
 
 
+def test_local_steps_modes_time_several_outer_steps_and_charge_them_over_the_real_h():
+    cfg = ttq.REGISTRY["local_h100_d0.01"].config(ttq.lm_config(300))
+    assert cfg["dragonn"]["sync"] == "local_steps" and cfg["dragonn"]["local_steps"] == 100
+    timed = ttq.phase_config(cfg, "timing", 10)["dragonn"]
+    assert timed["local_steps"] == ttq.TIME_ROUND and timed["warmup_steps"] == 10
+    assert ttq.phase_config(cfg, "quality", 10)["dragonn"]["local_steps"] == 100
+    # steps 1..40 of a timing run, warm-up 10, rounds of 10: outer steps at 20, 30, 40 cost 50 ms more
+    ms = [100.0] * 10 + [10.0 if (s - 10) % 10 else 60.0 for s in range(11, 41)]
+    mean, local, overhead = ttq.round_step_ms(ms, first_timed=11, warmup=10, timed_h=10, real_h=100)
+    assert (local, overhead) == (10.0, 50.0) and mean == pytest.approx(10.5)
+    assert ttq.round_step_ms(ms[:15], 11, 10, 10, 100)[0] is None  # no outer step in the window
+    dil = ttq.REGISTRY["diloco_h30"].config({})["dragonn"]
+    assert dil["density"] == 1.0 and dil["outer_momentum"] == 0.9 and dil["outer_lr"] == 0.7
+
+
 def test_bad_flags_are_named(capsys):
     for argv, flag in ((["quality", "--modes", "ds_fp32 bogus"], "bogus"), (["quality", "--eval-every", "0"],
                        "--eval-every"), (["timing", "--link", "1gbit", "--netns", "a b"], "--netns"),

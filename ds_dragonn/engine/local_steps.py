@@ -20,7 +20,8 @@ with its weights (``engine/state.py``: DeepSpeed saves rank 0's only), so a resu
 """
 from __future__ import annotations
 
-from typing import Any, List
+import inspect
+from typing import Any, List, Optional
 
 import torch
 from deepspeed.utils.logging import print_dist
@@ -207,7 +208,7 @@ class LocalStepsHook(HookBase):
         outer = saved.get("outer")
         if outer is not None:
             self.outer.load_state_dict(outer, masters)
-        else:
+        if not self.outer.started:  # none saved (another mode, or saved in the warm-up): from the weights now
             self.reset_extra_state()
 
     def reset_extra_state(self) -> None:
@@ -223,4 +224,19 @@ class LocalStepsHook(HookBase):
         return hashlib.blake2b(repr([tuple(m.shape) for m in masters]).encode(), digest_size=8).hexdigest()
 
 
-__all__ = ["LocalStepsHook", "LocalStepsUnsupported"]
+def check_local_steps_hook_point(engine_cls: Optional[type] = None) -> None:
+    """Fail loudly if a DeepSpeed upgrade no longer reduces gradients through ``allreduce_gradients`` (what
+    :class:`LocalStepsHook` turns off between syncs) or no longer counts ``global_steps`` in ``step``."""
+    if engine_cls is None:
+        from deepspeed.runtime.engine import DeepSpeedEngine as engine_cls
+    backward = inspect.getsource(engine_cls._backward_epilogue) if hasattr(engine_cls, "_backward_epilogue") else ""
+    if "self.allreduce_gradients(" not in backward:
+        raise RuntimeError("this DeepSpeed version no longer reduces gradients through "
+                           "DeepSpeedEngine.allreduce_gradients after backward; 'sync': 'local_steps' could not stop "
+                           "the per-step exchange (tested with 0.19.8)")
+    if "global_steps" not in inspect.getsource(engine_cls._take_model_step):
+        raise RuntimeError("this DeepSpeed version no longer counts global_steps in DeepSpeedEngine._take_model_step; "
+                           "'sync': 'local_steps' counts its rounds by it (tested with 0.19.8)")
+
+
+__all__ = ["LocalStepsHook", "LocalStepsUnsupported", "check_local_steps_hook_point"]
