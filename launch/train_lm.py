@@ -3,6 +3,7 @@ DeepSpeed (+ DRAGONN). The model family whose convergence under compression the 
 
 Launch (2 ranks, CPU or GPU):
     deepspeed --num_gpus 2 launch/train_lm.py --deepspeed_config configs/lm_dragonn.json --summary out.json
+    (configs/lm_local_steps.json: local steps, an outer step every 30 steps with a DRAGONN pseudo-gradient)
 
 Data: every ``*.py`` file of this interpreter's standard library (``sysconfig``'s ``stdlib``; no download),
 sorted by path, read as bytes; every 10th file is held out (a fixed split for a given Python version,
@@ -166,8 +167,11 @@ def main():
                         f"{(time.time() - t0) / step * 1e3:.1f} ms/step")
                 if dragonn:
                     t = dragonn.telemetry
-                    line += (f" | sent {t.bytes_sent / 1e6:.2f} MB vs dense {t.dense_bytes_equivalent / 1e6:.2f} MB"
-                             f" | {t.compressed_reductions} compressed / {t.dense_reductions} dense")
+                    line += f" | sent {t.bytes_sent / 1e6:.2f} MB vs dense {t.dense_bytes_equivalent / 1e6:.2f} MB"
+                    if dragonn.cfg.sync.value == "local_steps":
+                        line += f" | {t.outer_syncs} outer steps, {t.local_steps} local steps"
+                    else:
+                        line += f" | {t.compressed_reductions} compressed / {t.dense_reductions} dense"
                 print(line, flush=True)
             loss_sum, loss_n = 0.0, 0
 
