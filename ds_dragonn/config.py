@@ -197,7 +197,7 @@ class DragonnConfig(DeepSpeedConfigModel):
 
     sync: SyncMode = SyncMode.every_step
     """``every_step``: every optimizer step's gradient is exchanged (compressed after the warm-ups).
-    ``local_steps`` (ZeRO stage 0; fp32 or bf16): after the dense ``warmup_steps`` the ranks exchange nothing
+    ``local_steps`` (ZeRO stage 0; fp32, bf16 or fp16): after the dense ``warmup_steps`` the ranks exchange nothing
     between syncs, each optimizer stepping on its own gradients, and every ``local_steps`` optimizer steps they
     run an outer step on the fp32 master weights (DiLoCo, Douillard et al. 2023; SparseLoCo, 2025): the
     pseudo-gradient ``Δ = θ_outer − θ_local`` plus its residual is DRAGONN-selected at ``density`` (a dense
@@ -220,6 +220,7 @@ class DragonnConfig(DeepSpeedConfigModel):
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "DragonnConfig":
+        self._check_sync()
         if self.selection == SelectionScope.per_tensor and self.exchange == ExchangeScheme.partitioned:
             raise ValueError("'selection': 'per_tensor' does not combine with 'exchange': 'partitioned' (its owners "
                              "re-select their part with one global threshold, so neither the per-tensor budgets nor "
@@ -238,6 +239,26 @@ class DragonnConfig(DeepSpeedConfigModel):
             raise ValueError(f"'cuda_aware': true only applies to 'comm_backend': 'mpi' "
                              f"(got 'comm_backend': '{self.comm_backend.value}')")
         return self
+
+    def _check_sync(self) -> None:
+        """Settings of one sync mode set under the other are refused (they would be ignored silently)."""
+        local = self.sync == SyncMode.local_steps
+        if not local:
+            given = [k for k in ("local_steps", "outer_lr", "outer_momentum", "outer_feedback_decay")
+                     if k in self.model_fields_set]
+            if given:
+                raise ValueError(f"'{given[0]}' applies to 'sync': 'local_steps' only; add \"sync\": \"local_steps\" "
+                                 f"or remove it")
+            return
+        if self.freeze_adam_variance:
+            raise ValueError("'freeze_adam_variance' applies to 'sync': 'every_step' only (with local steps each rank's "
+                             "Adam runs unchanged on its own gradients)")
+        if self.selection == SelectionScope.per_tensor:
+            raise ValueError("'selection': 'per_tensor' applies to 'sync': 'every_step' only (the pseudo-gradient is "
+                             "selected with one threshold over all the weights)")
+        if self.outer_feedback_decay != 1.0 and not self.error_feedback:
+            raise ValueError("'outer_feedback_decay' decays the pseudo-gradient residual, but 'error_feedback' is false "
+                             "(there is none); remove one of them")
 
     @classmethod
     def from_ds_config(cls, ds_config: Union[str, os.PathLike, Mapping[str, Any], None]) -> "DragonnConfig":

@@ -168,3 +168,34 @@ def refusals(rank: int, world: int, out_dir: str) -> None:
             out[name] = str(err)
     torch.save(out, Path(out_dir) / f"refusals_rank{rank}.pt")
     torch.distributed.destroy_process_group()
+
+
+def warm_starts(rank: int, world: int, out_dir: str) -> None:
+    """The rounds start from rank 0's weights as they are at the first local step: after a load without the
+    optimizer states (bf16: DeepSpeed leaves each rank's fp32 masters as they were), and after weights set by
+    hand after ``initialize`` (warm-up 0)."""
+    init_distributed()
+    ckpt = str(Path(out_dir) / "ckpt")
+    out = {}
+    cfg = config({"density": 0.05}, bf16=True)
+    engine = build(cfg)
+    batches = micro_batches(rank, 20, torch.bfloat16)
+    train(engine, batches[:7])
+    engine.save_checkpoint(ckpt, tag="mid")
+    other = build(cfg)
+    log = record_rounds(other)
+    train(other, batches[10:13])  # 3 local steps of its own first
+    other.load_checkpoint(ckpt, tag="mid", load_optimizer_states=False)
+    log["weights"].clear()
+    train(other, batches[13:20])
+    out["no_optimizer_states"] = log["weights"]
+    # weights set by hand after initialize, no warm-up: the first round starts from them
+    engine = build(config({"warmup_steps": 0, "local_steps": 2, "density": 0.1}))
+    init = weights(engine)
+    with torch.no_grad():
+        for p in engine.module.parameters():
+            p.fill_(0.5)
+    train(engine, micro_batches(rank, 2, torch.float32))
+    out["by_hand"] = {"init": init, "after": weights(engine)}
+    torch.save(out, Path(out_dir) / f"warm_rank{rank}.pt")
+    torch.distributed.destroy_process_group()

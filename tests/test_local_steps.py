@@ -74,6 +74,29 @@ def test_config_names_the_bad_key(block, key):
         DragonnConfig.from_ds_config({"dragonn": {"enabled": True, "sync": "local_steps", **block}})
 
 
+@pytest.mark.parametrize("block,match", [
+    ({"local_steps": 8}, "'local_steps' applies to 'sync': 'local_steps' only"),
+    ({"outer_lr": 0.7}, "'outer_lr' applies to 'sync': 'local_steps' only"),
+    ({"sync": "local_steps", "freeze_adam_variance": True}, "'freeze_adam_variance' applies to 'sync': 'every_step'"),
+    ({"sync": "local_steps", "selection": "per_tensor"}, "'selection': 'per_tensor' applies to 'sync': 'every_step'"),
+    ({"sync": "local_steps", "outer_feedback_decay": 0.9, "error_feedback": False}, "'error_feedback' is false")])
+def test_settings_of_the_other_sync_mode_are_refused(block, match):
+    with pytest.raises(DragonnConfigError, match=match):
+        DragonnConfig.from_ds_config({"dragonn": {"enabled": True, **block}})
+    DragonnConfig.from_ds_config({"dragonn": {"enabled": True, "sync": "local_steps", "local_steps": 8,
+                                              "exchange": "partitioned", "outer_feedback_decay": 0.9}})
+
+
+def test_a_state_of_the_other_sync_mode_is_reset_naming_sync():
+    from ds_dragonn.engine.state import compare
+    now = {"world_size": 2, "rank": 0, "bucketing": {}, "parameters": [],
+           "dragonn": DragonnConfig(enabled=True, sync="local_steps").model_dump(mode="json"), "exchange": "allgather"}
+    saved = {**now, "dragonn": DragonnConfig(enabled=True).model_dump(mode="json")}
+    reset, _, _ = compare(saved, now)
+    assert any("dragonn.sync every_step (now local_steps)" in r for r in reset)
+    assert compare(now, now) == ([], [], [])
+
+
 def test_config_refuses_the_momentum_mode_with_local_steps():
     with pytest.raises(DragonnConfigError, match="'compress': 'momentum' applies to 'sync': 'every_step'"):
         DragonnConfig.from_ds_config({"dragonn": {"enabled": True, "sync": "local_steps", "compress": "momentum"}})
@@ -173,6 +196,19 @@ def test_resume_mid_round_is_exact(tmp_path):
         for name, run in r.items():
             assert all(torch.equal(a, b) for a, b in zip(run["straight"], run["resumed"])), name
             assert all(torch.equal(a, b) for a, b in zip(run["anchor"], run["anchor_resumed"])), name
+
+
+def test_rounds_start_from_rank_0s_weights_at_the_first_local_step(tmp_path):
+    run_ranks("tests.local_steps_cases:warm_starts", world_size=2, out_dir=tmp_path, timeout=400)
+    ranks = load_rank_files(tmp_path, "warm", 2)
+    rounds = [r["no_optimizer_states"] for r in ranks]
+    assert len(rounds[0]) >= 2
+    for a, b in zip(*rounds):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    for r in ranks:  # trained from the weights set by hand (0.5), not from the initial ones
+        after, init = r["by_hand"]["after"], r["by_hand"]["init"]
+        moved = max(float((w - 0.5).abs().max()) for w in after)
+        assert moved < 0.1 < min(float((w - 0.5).abs().max()) for w in init)
 
 
 def test_unsupported_set_ups_are_refused_by_name(tmp_path):

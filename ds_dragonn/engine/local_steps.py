@@ -20,6 +20,7 @@ with its weights (``engine/state.py``: DeepSpeed saves rank 0's only), so a resu
 """
 from __future__ import annotations
 
+import copy
 import inspect
 from typing import Any, List, Optional
 
@@ -84,8 +85,6 @@ class LocalStepsHook(HookBase):
                    f"step every {cfg.local_steps} optimizer steps (outer_lr={cfg.outer_lr} "
                    f"outer_momentum={cfg.outer_momentum} outer_feedback_decay={cfg.outer_feedback_decay}); the "
                    f"pseudo-gradient goes out {sent}; comm_backend={cfg.comm_backend.value}", ranks=[0])
-        if int(self.engine.global_steps) >= cfg.warmup_steps:
-            self.outer.start(self.masters())
         return self
 
     # -- the weights -------------------------------------------------------------------------------
@@ -126,8 +125,11 @@ class LocalStepsHook(HookBase):
         return None
 
     def step(self, *args, **kwargs):
-        """DeepSpeed's ``step``, then the outer step when this one ends a round."""
+        """DeepSpeed's ``step``, then the outer step when this one ends a round. The first local step starts the
+        first round from the weights as they are then (so weights loaded after ``initialize`` count)."""
         before = int(self.engine.global_steps)
+        if not self.outer.started and before >= self.cfg.warmup_steps:
+            self._start_rounds()
         out = self._engine_step(*args, **kwargs)
         after = int(self.engine.global_steps)
         if after != before:
@@ -136,14 +138,28 @@ class LocalStepsHook(HookBase):
 
     def _after_step(self, steps: int) -> None:
         warmup, rounds = self.cfg.warmup_steps, self.cfg.local_steps
-        if steps < warmup:
-            return
-        if not self.outer.started:  # the end of the dense warm-up (or a state reset): rounds start here
-            self.outer.start(self.masters())
+        if steps <= warmup or not self.outer.started:
             return
         self.reporter.local_step(*self._dense_size())
         if (steps - warmup) % rounds == 0:
             self.sync(steps)
+
+    @torch.no_grad()
+    def _start_rounds(self) -> None:
+        """θ_outer ← rank 0's master weights, on every rank (one dense allreduce of rank 0's weights and zeros), and
+        every rank's weights ← θ_outer: the rounds start from the same weights however the ranks got here (a
+        warm start, weights set by hand on one rank, ``no_sync`` through the warm-up)."""
+        masters = self.masters()
+        backend = self.pipeline(self.group).backend
+        if backend.world_size > 1:
+            flat = torch.cat([m.detach().reshape(-1) for m in masters])
+            if backend.rank != 0:
+                flat.zero_()
+            backend.all_reduce_sum_(flat)  # x + 0 = x: rank 0's weights exactly
+            for m, w in zip(masters, segment_views(flat, masters)):
+                m.copy_(w)
+            self._masters_to_model()
+        self.outer.start(masters)
 
     def _dense_size(self) -> tuple:
         numel = sum(p.numel() for p in self.engine.module.parameters() if p.requires_grad)
@@ -184,7 +200,7 @@ class LocalStepsHook(HookBase):
         from rank 0 only."""
         return {"outer": self.outer.state_dict(),
                 "replica": {"masters": [m.detach().clone() for m in self.masters()],
-                            "optimizer": self.optimizer.state_dict()}}
+                            "optimizer": copy.deepcopy(self.optimizer.state_dict())}}
 
     @torch.no_grad()
     def load_extra_state(self, saved: dict) -> None:
@@ -206,17 +222,12 @@ class LocalStepsHook(HookBase):
             self.optimizer.load_state_dict(replica["optimizer"])
             self._masters_to_model()
         outer = saved.get("outer")
-        if outer is not None:
+        if outer is not None:  # (none saved, or saved in the warm-up: the next step starts the rounds)
             self.outer.load_state_dict(outer, masters)
-        if not self.outer.started:  # none saved (another mode, or saved in the warm-up): from the weights now
-            self.reset_extra_state()
 
     def reset_extra_state(self) -> None:
-        """θ_outer from the weights as they are now (after a load, rank 0's on every rank), or none yet
-        during the warm-up."""
+        """No θ_outer: the next step starts the rounds from rank 0's weights as they are then."""
         self.outer = OuterStep(self.cfg.outer_lr, self.cfg.outer_momentum)
-        if int(self.engine.global_steps) >= self.cfg.warmup_steps:
-            self.outer.start(self.masters())
 
     @staticmethod
     def _layout(masters: List[torch.Tensor]) -> str:

@@ -86,6 +86,8 @@ def compare(saved: Dict[str, Any], current: Dict[str, Any]) -> Tuple[List[str], 
         reset.append("trainable parameters " + ("; ".join(diff[:3]) + (" ..." if len(diff) > 3 else "")
                                                 if diff else "in another order"))
     sd, cd = saved.get("dragonn", {}), current["dragonn"]
+    if sd.get("sync", "every_step") != cd.get("sync", "every_step"):  # a gradient residual is no pseudo-gradient's
+        reset.append(f"dragonn.sync {sd.get('sync', 'every_step')} (now {cd.get('sync', 'every_step')})")
     if sd.get("error_feedback", True) != cd["error_feedback"] and not cd["error_feedback"]:
         reset.append("error_feedback off now")
     ran, runs = saved.get("exchange", sd.get("exchange")), current["exchange"]  # the scheme the hook ran

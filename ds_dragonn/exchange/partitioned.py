@@ -295,8 +295,9 @@ class PartitionedExchange(Exchange):
         world, rank = self.backend.world_size, self.backend.rank
         if (saved_world, saved_rank) != (world, rank):
             from deepspeed.utils import logger
-            logger.warning(f"[rank {rank}] DRAGONN: server residuals saved by rank {saved_rank} of {saved_world} "
-                           f"dropped (this is rank {rank} of {world}): their owner map no longer applies")
+            if (state.get("server") or {}).get("residuals"):  # (an allgather exchange's state holds none)
+                logger.warning(f"[rank {rank}] DRAGONN: server residuals saved by rank {saved_rank} of {saved_world} "
+                               f"dropped (this is rank {rank} of {world}): their owner map no longer applies")
             self.server.reset()
             self._numel = {}
             return
