@@ -143,15 +143,15 @@ REGISTRY: Dict[str, Mode] = {m.name: m for m in (
     *(Mode(f"local_h{h}_d{d}", f"DRAGONN local steps: an outer step every {h} steps, pseudo-gradient at density {d} "
            f"(error feedback, outer lr 1, no outer momentum: SparseLoCo's outer step)",
            ds={"dragonn": {**_ON, "sync": "local_steps", "local_steps": h, "density": d}}, default=False)
-      for h in (8, 30, 100) for d in (0.01,)),
+      for h, d in ((8, 0.01), (30, 0.01), (100, 0.01), (30, 0.1))),
     *(Mode(f"diloco_h{h}", f"uncompressed DiLoCo: an outer step every {h} steps, dense allreduce of the "
            f"pseudo-gradient, outer Nesterov lr 0.7 momentum 0.9",
            ds={"dragonn": {**_ON, "sync": "local_steps", "local_steps": h, "density": 1.0, "outer_lr": 0.7,
                            "outer_momentum": 0.9}}, default=False)
       for h in (8, 30, 100)),
-    Mode("local_h30_d0.01_nesterov", "DRAGONN local steps every 30, density 0.01, error feedback plus DiLoCo's "
+    Mode("local_h30_d0.1_nesterov", "DRAGONN local steps every 30, density 0.1, error feedback plus DiLoCo's "
          "outer Nesterov (lr 0.7, momentum 0.9)",
-         ds={"dragonn": {**_ON, "sync": "local_steps", "local_steps": 30, "density": 0.01, "outer_lr": 0.7,
+         ds={"dragonn": {**_ON, "sync": "local_steps", "local_steps": 30, "density": 0.1, "outer_lr": 0.7,
                          "outer_momentum": 0.9}}, default=False),
     Mode("none", "no exchange: each rank steps on its own gradients (the step time's physical limit)",
          build=_build_none, reference=True),
