@@ -24,7 +24,11 @@ class Telemetry:
     """Running totals on this rank (all buckets, dense and compressed).
 
     ``bytes_sent`` counts the dense allreduces too (warm-up, small buffers, auto policy), so
-    ``bytes_sent / dense_bytes_equivalent`` is the whole run's traffic ratio. Times in ms.
+    ``bytes_sent / dense_bytes_equivalent`` is the whole run's traffic ratio. Times in ms. Under
+    ``sync: local_steps`` each local step adds one dense allreduce's bytes to ``dense_bytes_equivalent``
+    (what dense data-parallel training would have sent) and nothing to ``bytes_sent``; the outer steps add
+    their bytes to ``bytes_sent`` and ``outer_bytes_sent`` (and, compressed, to ``compressed_bytes_sent``, while
+    ``compressed_dense_bytes`` stays 0: they replace no dense collective of their own).
     """
     compressed_reductions: int = 0
     dense_reductions: int = 0
@@ -44,7 +48,7 @@ class Telemetry:
     dense_ms_total: float = 0.0
     bytes_received: int = 0  # compressed reductions only
     max_imbalance: float = 0.0  # partitioned exchange: worst owner max/mean seen
-    local_steps: int = 0  # sync: local_steps: optimizer steps that exchanged nothing
+    local_steps_taken: int = 0  # sync: local_steps: optimizer steps that exchanged nothing
     outer_syncs: int = 0  # sync: local_steps: outer steps (rounds ended)
     outer_bytes_sent: int = 0  # sync: local_steps: bytes of the pseudo-gradient exchanges
 
@@ -61,7 +65,7 @@ class Telemetry:
         """``sync: local_steps``: an optimizer step that exchanged nothing. It counts what dense data-parallel
         training would have sent for it (one allreduce of ``numel`` gradient elements), so that
         :attr:`bytes_ratio` compares with dense synchronous training, not with one dense round."""
-        self.local_steps += 1
+        self.local_steps_taken += 1
         self.dense_bytes_equivalent += dense_allreduce_bytes(numel, itemsize, world_size)
 
     def record_outer(self, bytes_sent: int, s: Optional[ReduceStats] = None) -> None:

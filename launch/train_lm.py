@@ -169,7 +169,7 @@ def main():
                     t = dragonn.telemetry
                     line += f" | sent {t.bytes_sent / 1e6:.2f} MB vs dense {t.dense_bytes_equivalent / 1e6:.2f} MB"
                     if dragonn.cfg.sync.value == "local_steps":
-                        line += f" | {t.outer_syncs} outer steps, {t.local_steps} local steps"
+                        line += f" | {t.outer_syncs} outer steps, {t.local_steps_taken} local steps"
                     else:
                         line += f" | {t.compressed_reductions} compressed / {t.dense_reductions} dense"
                 print(line, flush=True)

@@ -36,6 +36,11 @@ from .bucket import OUTER, BucketKey, bucket_seed
 from .checkpoint import install as install_checkpointing
 
 
+#: keys of the per-step exchange that an outer step does not use (warned about when given)
+IGNORED_KEYS = frozenset({"policy", "auto_probe_steps", "auto_recheck_interval", "min_compress_numel",
+                          "density_warmup_steps", "density_warmup_start", "tensor_min_compress_numel", "compress_1d"})
+
+
 class LocalStepsUnsupported(ValueError):
     """The engine's optimizer does not keep a full fp32 copy of the weights on every rank."""
 
@@ -85,6 +90,11 @@ class LocalStepsHook(HookBase):
                    f"step every {cfg.local_steps} optimizer steps (outer_lr={cfg.outer_lr} "
                    f"outer_momentum={cfg.outer_momentum} outer_feedback_decay={cfg.outer_feedback_decay}); the "
                    f"pseudo-gradient goes out {sent}; comm_backend={cfg.comm_backend.value}", ranks=[0])
+        ignored = sorted(IGNORED_KEYS & cfg.model_fields_set)
+        if ignored:
+            from deepspeed.utils import logger
+            logger.warning("DRAGONN: under 'sync': 'local_steps' these keys have no effect (they shape the per-step "
+                           "exchange): " + ", ".join(f"'dragonn.{k}'" for k in ignored))
         return self
 
     # -- the weights -------------------------------------------------------------------------------
@@ -191,7 +201,7 @@ class LocalStepsHook(HookBase):
         self.outer.apply_(segment_views(out, deltas))
         self.outer.restart_(masters)
         self._masters_to_model()
-        self.reporter.outer(steps, sent, stats, clock.lap())
+        self.reporter.outer(steps, numel, sent, stats, clock.lap())
 
     # -- state (engine/state.py) -------------------------------------------------------------------
     def extra_state(self) -> dict:

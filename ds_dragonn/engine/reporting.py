@@ -75,15 +75,15 @@ class Reporter:
         """``sync: local_steps``: an optimizer step that exchanged nothing (counted against dense training)."""
         self.telemetry.record_local(numel, itemsize, world)
 
-    def outer(self, step: int, bytes_sent: int, stats: Optional[ReduceStats], ms: float) -> None:
-        """``sync: local_steps``: an outer step (logged every ``log_interval`` outer steps, and the first)."""
+    def outer(self, step: int, numel: int, bytes_sent: int, stats: Optional[ReduceStats], ms: float) -> None:
+        """``sync: local_steps``: an outer step of ``numel`` weights (logged every ``log_interval`` outer steps, and
+        the first)."""
         t = self.telemetry
         t.record_outer(bytes_sent, stats)
         if t.outer_syncs == 1 or (self.cfg.log_interval and t.outer_syncs % self.cfg.log_interval == 0):
-            kept = f" kept={stats.kept} k={stats.k}" if stats is not None else " dense"
-            print_dist(f"DRAGONN outer step {t.outer_syncs} at step={step}: numel={stats.numel if stats else '-'}"
-                       f"{kept} bytes={bytes_sent} ms={ms:.1f}; run so far: bytes_ratio={t.bytes_ratio:.5f} "
-                       f"of dense data-parallel training ({t.local_steps} local steps)", ranks=[0])
+            kept = f"kept={stats.kept} k={stats.k}" if stats is not None else "dense allreduce"
+            print_dist(f"DRAGONN outer step {t.outer_syncs} at step={step}: numel={numel} {kept} bytes={bytes_sent} ms={ms:.1f}; run so far: bytes_ratio={t.bytes_ratio:.5f} "
+                       f"of dense data-parallel training ({t.local_steps_taken} local steps)", ranks=[0])
         self._monitor(stats, None if stats is not None else ms)
 
     def decided(self, ordinal: int, numel: int, decision: tuple) -> None:

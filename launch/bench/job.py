@@ -42,6 +42,7 @@ def report(summary: dict, rank: int, line: str, path: Optional[str]) -> None:
     print(f"{line} | bytes_sent {summary['bytes_sent']} | dense_bytes_equivalent "
           f"{summary['dense_bytes_equivalent']}", flush=True)
     if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)  # e.g. runs/lm/ in a fresh clone
         with open(path, "w") as f:
             json.dump(summary, f, indent=2)
 
