@@ -8,7 +8,7 @@
 # Writes: env.txt (nvidia-smi, versions), test_kernels.log, bench.log and selection_gpu.{json,png,md} (the
 # compression benchmark), train_cuda.{log,json} (the main job's DRAGONN run on CUDA, world size 1 over
 # NCCL), fp16_engine.log (skipped steps and the loss scale), train_lm_cuda.{log,json} (the LM with the
-# default warm-ups), phases_gpu.{log,json} (launch/bench_step.py: per-phase step cost on the GPU),
+# default warm-ups), train_lm_local_steps_cuda.{log,json} (local steps), phases_gpu.{log,json} (launch/bench_step.py: per-phase step cost on the GPU),
 # status.txt (one line per step: ok / FAILED rc).
 # Budget: set-up 1-3 min on a fresh machine (torch wheel), tests < 1 min, benchmark ~3-5 min on an H200
 # (--budget-s bounds each method). Set GPU_CHECK_QUICK=1 for the 2^20/2^22/2^24 fp32 benchmark only.
@@ -110,6 +110,12 @@ step train_lm_cuda "$OUTDIR/train_lm_cuda.log" \
   python -m deepspeed.launcher.runner --num_gpus 1 --master_addr 127.0.0.1 --master_port 29537 \
   launch/train_lm.py --deepspeed_config configs/lm_dragonn.json --steps 80 --log-interval 20 \
   --summary "$OUTDIR/train_lm_cuda.json" || rc=1
+# local steps (sync: local_steps) on CUDA: fp32 masters on the GPU, an outer step every 30 steps whose
+# pseudo-gradient goes through the Triton selection and the NCCL exchange (world size 1)
+step train_lm_local_steps_cuda "$OUTDIR/train_lm_local_steps_cuda.log" \
+  python -m deepspeed.launcher.runner --num_gpus 1 --master_addr 127.0.0.1 --master_port 29538 \
+  launch/train_lm.py --deepspeed_config configs/lm_local_steps.json --steps 90 --log-interval 30 \
+  --summary "$OUTDIR/train_lm_local_steps_cuda.json" || rc=1
 # per-phase step cost on the GPU; its +pt rows run per-tensor selection (Triton, one launch set per tensor)
 step bench_step_cuda "$OUTDIR/phases_gpu.log" \
   python launch/bench_step.py --device cuda --steps 20 --json "$OUTDIR/phases_gpu.json" || rc=1
