@@ -149,10 +149,11 @@ REGISTRY: Dict[str, Mode] = {m.name: m for m in (
            ds={"dragonn": {**_ON, "sync": "local_steps", "local_steps": h, "density": 1.0, "outer_lr": 0.7,
                            "outer_momentum": 0.9}}, default=False)
       for h in (8, 30, 100)),
-    Mode("local_h30_d0.1_nesterov", "DRAGONN local steps every 30, density 0.1, error feedback plus DiLoCo's "
-         "outer Nesterov (lr 0.7, momentum 0.9)",
-         ds={"dragonn": {**_ON, "sync": "local_steps", "local_steps": 30, "density": 0.1, "outer_lr": 0.7,
-                         "outer_momentum": 0.9}}, default=False),
+    *(Mode(f"local_h{h}_d{d}_nesterov", f"DRAGONN local steps every {h}, density {d}, error feedback plus DiLoCo's "
+           f"outer Nesterov (lr 0.7, momentum 0.9)",
+           ds={"dragonn": {**_ON, "sync": "local_steps", "local_steps": h, "density": d, "outer_lr": 0.7,
+                           "outer_momentum": 0.9}}, default=False)
+      for h, d in ((30, 0.01), (30, 0.1), (8, 0.01), (100, 0.01))),
     Mode("none", "no exchange: each rank steps on its own gradients (the step time's physical limit)",
          build=_build_none, reference=True),
 )}
