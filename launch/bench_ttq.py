@@ -144,6 +144,10 @@ REGISTRY: Dict[str, Mode] = {m.name: m for m in (
            f"(error feedback, outer lr 1, no outer momentum: SparseLoCo's outer step)",
            ds={"dragonn": {**_ON, "sync": "local_steps", "local_steps": h, "density": d}}, default=False)
       for h, d in ((8, 0.01), (30, 0.01), (100, 0.01), (30, 0.1))),
+    Mode("local_h30_d0.01_decay", "DRAGONN local steps every 30, density 0.01, SparseLoCo's decaying error-feedback "
+         "accumulator (outer_feedback_decay 0.95, outer lr 1)",
+         ds={"dragonn": {**_ON, "sync": "local_steps", "local_steps": 30, "density": 0.01,
+                         "outer_feedback_decay": 0.95}}, default=False),
     *(Mode(f"diloco_h{h}", f"uncompressed DiLoCo: an outer step every {h} steps, dense allreduce of the "
            f"pseudo-gradient, outer Nesterov lr 0.7 momentum 0.9",
            ds={"dragonn": {**_ON, "sync": "local_steps", "local_steps": h, "density": 1.0, "outer_lr": 0.7,
