@@ -598,7 +598,8 @@ def build_rows(quality: Sequence[dict], timing: Sequence[dict], fraction: float 
             choice = None
             if t and t.get("timed_telemetry"):
                 c, d = t["timed_telemetry"]["compressed_reductions"], t["timed_telemetry"]["dense_reductions"]
-                choice = "compressed" if c and not d else "dense" if d and not c else "mixed"
+                choice = (None if not (c or d) else  # (local steps' dense outer steps: no per-step reductions)
+                          "compressed" if c and not d else "dense" if d and not c else "mixed")
             rows.append({
                 "mode": q["mode"], "link": link, "link_mbit": link_mbit(link), "reference": q.get("reference", False),
                 "target_loss": target, "target_step": target_step, "target_fraction": fraction,
