@@ -180,6 +180,23 @@ def test_local_steps_modes_time_several_outer_steps_and_charge_them_over_the_rea
     assert dil["density"] == 1.0 and dil["outer_momentum"] == 0.9 and dil["outer_lr"] == 0.7
 
 
+def test_untimed_local_steps_modes_borrow_the_outer_overhead_over_their_own_h(tmp_path):
+    sys.path.insert(0, str(REPO / "launch" / "bench"))
+    import borrow_timing
+    (tmp_path / "records" / "quality").mkdir(parents=True)
+    (tmp_path / "records" / "timing").mkdir(parents=True)
+    cfg = lambda h, d: {"dragonn": {"sync": "local_steps", "local_steps": h, "density": d}}  # noqa: E731
+    for mode, h, d in (("a_h30", 30, 0.01), ("b_h100", 100, 0.01), ("c_d01", 30, 0.1)):
+        (tmp_path / "records" / "quality" / f"{mode}.json").write_text(json.dumps({"mode": mode, "config": cfg(h, d)}))
+    src = {"mode": "a_h30", "link": "100mbit", "config": cfg(10, 0.01), "local_steps": 30, "local_step_ms": 10.0,
+           "outer_overhead_ms": 50.0, "median_step_ms": 10.0 + 50 / 30, "bytes_per_step": 300.0, "tx_bytes_per_step": None}
+    (tmp_path / "records" / "timing" / "a_h30@100mbit.json").write_text(json.dumps(src))
+    assert borrow_timing.borrow(tmp_path) == ["b_h100@100mbit.json"]  # not c_d01: another density
+    got = json.loads((tmp_path / "records" / "timing" / "b_h100@100mbit.json").read_text())
+    assert got["median_step_ms"] == pytest.approx(10.5) and got["bytes_per_step"] == pytest.approx(90.0)
+    assert got["timing_from"] == "a_h30" and got["local_steps"] == 100
+
+
 def test_bad_flags_are_named(capsys):
     for argv, flag in ((["quality", "--modes", "ds_fp32 bogus"], "bogus"), (["quality", "--eval-every", "0"],
                        "--eval-every"), (["timing", "--link", "1gbit", "--netns", "a b"], "--netns"),
