@@ -19,6 +19,10 @@ SCHEME_CASES = [dict(exchange=x, numel=n, dtype=d, density=dens, compressor=c)
 # ties everywhere (all ±1): the selection is cut to max_pairs(k) (bounded bytes)
 SCHEME_CASES += [dict(exchange=x, numel=n, dtype=torch.float64, density=0.01, compressor="dragonn", ties=True)
                  for x in ("allgather", "partitioned", "reduce_scatter") for n in (1000, 20_011)]
+# several 65 536-element chunks: the packed positions' per-chunk counts (exchange/wire.py)
+SCHEME_CASES += [dict(exchange=x, numel=150_001, dtype=d, density=dens, compressor="dragonn")
+                 for x in ("allgather", "partitioned", "reduce_scatter")
+                 for d, dens in ((torch.float32, 0.01), (torch.bfloat16, 0.05))]
 SCHEME_STEPS = 4
 
 

@@ -5,9 +5,11 @@ Wire format per rank, one ``all_gather`` of bytes after one small header ``all_g
 * header: ``[count, numel, dtype code, whole]`` (int64 × 4). It sizes the payload and lets every rank
   check that all ranks reduce the same buffer — a mismatch raises the same error on every rank instead of
   hanging in a collective of unequal size.
-* payload: ``C`` indices then ``V`` values as raw bytes, ``V`` = the largest count over ranks and ``C``
+* payload: ``C`` positions then ``V`` values as raw bytes, ``V`` = the largest count over ranks and ``C``
   the largest count less ``whole``, each rounded up to a multiple of 8 (keeps every block aligned for a
-  zero-copy view). Shorter lists are padded. The last ``whole`` values of a list are the elements of
+  zero-copy view). Shorter lists are padded. Positions are packed where that is smaller
+  (``wire.write_indices``): sorted, as 16-bit offsets in chunks of 65 536 elements after one int32 count
+  per chunk, so a bf16 pair costs 4 bytes instead of 6. The last ``whole`` values of a list are the elements of
   the tensors sent whole (per-tensor selection, ``Selection.whole``): the same positions on every rank,
   so their indices are not sent.
 
@@ -24,7 +26,7 @@ import torch
 from ..comm.base import CommBackend
 from ..compress.base import Selection, index_dtype
 from .base import Exchange, BufferMismatchError, Gathered, check_agreement
-from .wire import align, dtype_code
+from .wire import align, dtype_code, index_block_bytes, read_indices, write_indices
 
 HEADER_INTS = 4  # [count, numel, dtype code, whole]
 
@@ -42,12 +44,17 @@ def exchange_header(count: int, numel: int, wire_dtype: torch.dtype, backend: Co
     return [h[0] for h in header]
 
 
-def gather_pairs(indices: torch.Tensor, values: torch.Tensor, counts: List[int], idx_dtype: torch.dtype,
-                 wire_dtype: torch.dtype, backend: CommBackend, whole: int = 0
+def gather_pairs(indices: torch.Tensor, values: torch.Tensor, counts: List[int], numel: int,
+                 idx_dtype: torch.dtype, wire_dtype: torch.dtype, backend: CommBackend, whole: int = 0
                  ) -> Tuple[List[torch.Tensor], List[torch.Tensor], int]:
     """Allgather every rank's ``counts[r]`` pairs (counts from :func:`exchange_header`); the last ``whole``
     pairs of every list (the same positions on every rank) travel without their indices.
 
+    A row is ``[positions][values]``; the positions travel packed (``wire.write_indices``: sorted, 16-bit
+    offsets after per-chunk counts, the values in the same order) where that is smaller than plain indices.
+
+    Args:
+        numel: the buffer's length (fixes the chunk grid of the packed positions).
     Returns:
         (indices per rank in ``idx_dtype``, values per rank in ``wire_dtype``, payload bytes per rank).
     """
@@ -57,17 +64,21 @@ def gather_pairs(indices: torch.Tensor, values: torch.Tensor, counts: List[int],
                 [torch.empty(0, dtype=wire_dtype, device=device)] * world, 0)
     vcap = align(max(counts))
     icap = align(max(counts) - whole)
-    ib, vb = idx_dtype.itemsize, wire_dtype.itemsize
-    payload = torch.zeros(icap * ib + vcap * vb, dtype=torch.uint8, device=device)
+    ib, vb = index_block_bytes(icap, numel, idx_dtype), wire_dtype.itemsize
+    payload = torch.zeros(ib + vcap * vb, dtype=torch.uint8, device=device)
     c = indices.numel()
-    payload[:(c - whole) * ib].view(idx_dtype).copy_(indices[:c - whole].to(idx_dtype))
-    payload[icap * ib:icap * ib + c * vb].view(wire_dtype).copy_(values.to(wire_dtype))
+    head = c - whole
+    order = write_indices(payload[:ib], indices[:head], icap, numel, idx_dtype)
+    wire = values.to(wire_dtype)
+    if order is not None:  # packed positions travel sorted: their values follow them
+        wire = torch.cat([wire[:head][order], wire[head:]])
+    payload[ib:ib + c * vb].view(wire_dtype).copy_(wire)
     rows = backend.all_gather_bytes(payload)
-    tail = indices[c - whole:].to(idx_dtype)
-    idx = [rows[r, :(counts[r] - whole) * ib].view(idx_dtype) for r in range(world)]
+    tail = indices[head:].to(idx_dtype)
+    idx = [read_indices(rows[r, :ib], counts[r] - whole, icap, numel, idx_dtype) for r in range(world)]
     if whole:
         idx = [torch.cat([i, tail]) for i in idx]
-    val = [rows[r, icap * ib:icap * ib + counts[r] * vb].view(wire_dtype) for r in range(world)]
+    val = [rows[r, ib:ib + counts[r] * vb].view(wire_dtype) for r in range(world)]
     return idx, val, payload.numel()
 
 
@@ -84,8 +95,8 @@ def allgather_exchange(selection: Selection, numel: int, wire_dtype: torch.dtype
         BufferMismatchError: on every rank, when ranks disagree on ``numel`` or ``wire_dtype``.
     """
     counts = exchange_header(selection.count, numel, wire_dtype, backend, selection.values.device, selection.whole)
-    idx, val, payload = gather_pairs(selection.indices, selection.values, counts, index_dtype(numel), wire_dtype,
-                                     backend, selection.whole)
+    idx, val, payload = gather_pairs(selection.indices, selection.values, counts, numel, index_dtype(numel),
+                                     wire_dtype, backend, selection.whole)
     moved = (backend.world_size - 1) * (HEADER_INTS * 8 + payload)
     return Gathered(idx, val, counts, moved, moved)
 
@@ -101,4 +112,6 @@ class AllgatherExchange(Exchange):
 
     def max_bytes(self, numel: int, pairs: int, wire_dtype: torch.dtype, world_size: int) -> int:
         """``(P − 1) × (header + padded pairs)``: every rank's list goes to every other rank."""
-        return (world_size - 1) * (HEADER_INTS * 8 + align(pairs) * (index_dtype(numel).itemsize + wire_dtype.itemsize))
+        cap = align(pairs)
+        return (world_size - 1) * (HEADER_INTS * 8 + index_block_bytes(cap, numel, index_dtype(numel))
+                                   + cap * wire_dtype.itemsize)

@@ -8,13 +8,13 @@ The two-phase scheme of DeepSpeed's former compressed backends (``runtime/comm/n
    owner of its index (:class:`~ds_dragonn.exchange.ownership.HashedOwnership`: every owner holds n/P
    indices and receives about k/P pairs from every rank). Counts go first in one small allgather (which
    also carries the agreement check), then one ``all_to_all`` of bytes; pairs travel as (slot in the
-   owner's part, value).
+   owner's part, value), the slots packed to 16 bits where that is smaller (``wire.write_indices``).
 2. **Owner reduce + re-sparsify.** The owner adds the pairs into its part's *second residual* (the server
    error, a persistent (n/P,) buffer), rank after rank so that the sum is deterministic, and selects
    ``ceil(density · n/P)`` entries of it with the same compressor. What it does not send stays in the
    server residual: nothing is lost, only delayed.
-3. **Allgather of the owners' results**, as pairs (global index, value) or — when it is smaller, i.e.
-   above ~3 % density — as a bitmap over the owner's part plus the values in slot order (Zen). Every rank
+3. **Allgather of the owners' results**, as pairs (global index packed to 16 bits, value; see
+   ``wire.pack_indices``) or — when it is smaller, i.e. above ~6 % density — as a bitmap over the owner's part plus the values in slot order (Zen). Every rank
    decodes the same lists, so all ranks end bit-identical.
 
 Traffic per rank: phase 1 sends ≈ k(P−1)/P pairs and phase 2 ≈ k(P−1)/P, together the lower bound
@@ -38,7 +38,8 @@ from ..compress.base import Compressor, Selection, index_dtype, max_pairs, targe
 from ..feedback import ErrorFeedback
 from .allgather import HEADER_INTS, exchange_header, gather_pairs
 from .base import Exchange, Gathered, check_agreement
-from .wire import ALIGN, align, block_bytes, counts_header_bytes, dtype_code, to_wire
+from .wire import (ALIGN, align, block_bytes, counts_header_bytes, dtype_code, index_block_bytes, read_indices, to_wire,
+                   write_indices)
 from .ownership import HashedOwnership, Ownership
 
 _BIT_WEIGHTS = [1 << b for b in range(8)]
@@ -98,25 +99,31 @@ def sparse_reduce_scatter(selection: Selection, numel: int, wire_dtype: torch.dt
     check_agreement([h[world] for h in header], [h[world + 1] for h in header], rank)
     matrix = [h[:world] for h in header]
 
-    sdt = index_dtype(numel)  # slots < numel
-    send_sizes = [block_bytes(c, sdt, wire_dtype) for c in counts]
+    sdt = index_dtype(numel)  # slots < numel; a block's slots travel packed where smaller (wire.write_indices)
+
+    def size(c: int) -> int:
+        return index_block_bytes(c, numel, sdt) + align(c * wire_dtype.itemsize) if c else 0
+
+    send_sizes = [size(c) for c in counts]
     recv_counts = [matrix[src][rank] for src in range(world)]
-    recv_sizes = [block_bytes(c, sdt, wire_dtype) for c in recv_counts]
+    recv_sizes = [size(c) for c in recv_counts]
     payload = torch.zeros(sum(send_sizes), dtype=torch.uint8, device=device)
     slot, values = slot[order], selection.values[order]
     off = first = 0
     for dst, c in enumerate(counts):
         if c:
-            ib = align(c * sdt.itemsize)
-            payload[off:off + c * sdt.itemsize].view(sdt).copy_(slot[first:first + c])
-            payload[off + ib:off + ib + c * wire_dtype.itemsize].view(wire_dtype).copy_(values[first:first + c])
+            ib = index_block_bytes(c, numel, sdt)
+            packed = write_indices(payload[off:off + ib], slot[first:first + c], c, numel, sdt)
+            block = values[first:first + c]
+            payload[off + ib:off + ib + c * wire_dtype.itemsize].view(wire_dtype).copy_(
+                block if packed is None else block[packed])
         off, first = off + send_sizes[dst], first + c
     recv = backend.all_to_all_bytes(payload, send_sizes, recv_sizes)
 
     slots, vals, off = [], [], 0
     for src, c in enumerate(recv_counts):
-        ib = align(c * sdt.itemsize)
-        slots.append(recv[off:off + c * sdt.itemsize].view(sdt))
+        ib = index_block_bytes(c, numel, sdt)
+        slots.append(read_indices(recv[off:off + ib], c, c, numel, sdt))
         vals.append(recv[off + ib:off + ib + c * wire_dtype.itemsize].view(wire_dtype))
         off += recv_sizes[src]
     header_bytes = counts_header_bytes(world)
@@ -206,8 +213,7 @@ class PartitionedExchange(Exchange):
             return 0
         part = -(-numel // world_size)
         owner = align(max_pairs(target_k(part, self.compressor.density)))
-        idt = index_dtype(numel)
-        gathered = min(owner * (idt.itemsize + wire_dtype.itemsize), align(-(-part // 8)) + owner * wire_dtype.itemsize)
+        gathered = min(index_block_bytes(owner, numel, index_dtype(numel)), align(-(-part // 8))) + owner * wire_dtype.itemsize
         return max_scatter_bytes(numel, pairs, wire_dtype, world_size) + (world_size - 1) * (HEADER_INTS * 8 + gathered)
 
     def _gather(self, own: Ownership, slots: torch.Tensor, wire: torch.Tensor, counts: List[int], numel: int,
@@ -219,8 +225,8 @@ class PartitionedExchange(Exchange):
         idt = index_dtype(numel)
         cap = align(max(counts, default=0))
         bitmap_bytes = align(-(-max(own.size(r) for r in range(world)) // 8))
-        if max(counts, default=0) == 0 or cap * (idt.itemsize + wire_dtype.itemsize) <= bitmap_bytes + cap * wire_dtype.itemsize:
-            idx, val, payload = gather_pairs(own.to_index(rank, slots).to(idt), wire, counts, idt, wire_dtype,
+        if max(counts, default=0) == 0 or index_block_bytes(cap, numel, idt) <= bitmap_bytes:
+            idx, val, payload = gather_pairs(own.to_index(rank, slots).to(idt), wire, counts, numel, idt, wire_dtype,
                                              self.backend)
             return idx, val, (world - 1) * payload
         # bitmap over the owner's part (bit s = slot s sent), then the values in slot order

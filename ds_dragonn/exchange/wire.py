@@ -8,7 +8,7 @@ sent bytes, ring algorithms (NCCL's and gloo's default for large buffers).
 from __future__ import annotations
 
 import hashlib
-from typing import Hashable
+from typing import Hashable, Optional
 
 import torch
 
@@ -51,6 +51,109 @@ def counts_header_bytes(world: int) -> int:
 def block_bytes(count: int, idx_dtype: torch.dtype, wire_dtype: torch.dtype) -> int:
     """Bytes of one block of ``count`` (index, value) pairs: each array aligned to :data:`ALIGN`."""
     return align(count * idx_dtype.itemsize) + align(count * wire_dtype.itemsize)
+
+
+#: Positions travel packed: as 16-bit offsets inside chunks of ``2^CHUNK_BITS`` elements, after one int32
+#: count per chunk (absent when the buffer is a single chunk): 2 bytes a position plus ``4·ceil(n / 65536)``
+#: per block, instead of 4 for an int32 index, so a bf16 pair costs 4 bytes instead of 6. A block whose
+#: chunk counts would cost more than they save (a few positions in a huge buffer) stays plain int32/int64:
+#: every rank decides the same from the block's capacity and the buffer's length (:func:`packs`).
+CHUNK_BITS = 16
+_OFFSET_BIAS = 1 << (CHUNK_BITS - 1)  # offsets in [0, 2^16) stored as int16 offset − 2^15 (lossless)
+
+
+def num_chunks(numel: int) -> int:
+    """Chunks of ``2^CHUNK_BITS`` elements covering a buffer of ``numel`` (at least 1)."""
+    return max(1, -(-int(numel) // (1 << CHUNK_BITS)))
+
+
+def chunk_counts_bytes(numel: int) -> int:
+    """Bytes of a packed block's per-chunk counts (int32, aligned): 0 for a single-chunk buffer."""
+    chunks = num_chunks(numel)
+    return align(4 * chunks) if chunks > 1 else 0
+
+
+def index_bytes(count: int, numel: int) -> int:
+    """Bytes of ``count`` packed positions of a ``numel``-element buffer (:func:`pack_indices`), aligned."""
+    return chunk_counts_bytes(numel) + align(2 * int(count))
+
+
+def packs(capacity: int, numel: int, idx_dtype: torch.dtype) -> bool:
+    """Whether a block with room for ``capacity`` positions travels packed (strictly fewer bytes than plain)."""
+    return index_bytes(capacity, numel) < align(int(capacity) * idx_dtype.itemsize)
+
+
+def index_block_bytes(capacity: int, numel: int, idx_dtype: torch.dtype) -> int:
+    """Bytes of a block with room for ``capacity`` positions: packed or plain ``idx_dtype``, the smaller."""
+    return index_bytes(capacity, numel) if packs(capacity, numel, idx_dtype) else align(int(capacity) * idx_dtype.itemsize)
+
+
+def pack_indices(indices: torch.Tensor, numel: int) -> tuple:
+    """Sort distinct positions and split them into 16-bit chunk offsets and per-chunk counts.
+
+    Args:
+        indices: (c,) int32/int64 distinct positions in [0, numel).
+        numel: the buffer's length (the same on every rank: it fixes the chunk grid).
+    Returns:
+        ``(order, offsets, chunk_counts)``: (c,) int64 permutation that sorts ``indices`` (apply it to the
+        values), (c,) int16 offsets ``(index mod 2^16) − 2^15`` in sorted order, and
+        (:func:`num_chunks`,) int32 pairs per chunk (None for a single-chunk buffer).
+    """
+    ordered, order = torch.sort(indices.long())
+    offsets = ((ordered & ((1 << CHUNK_BITS) - 1)) - _OFFSET_BIAS).to(torch.int16)
+    chunks = num_chunks(numel)
+    if chunks == 1:
+        return order, offsets, None
+    counts = torch.bincount(ordered >> CHUNK_BITS, minlength=chunks).to(torch.int32)
+    return order, offsets, counts
+
+
+def unpack_indices(offsets: torch.Tensor, chunk_counts, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of :func:`pack_indices`: (c,) positions in ``dtype`` (int32/int64), in sorted order.
+
+    Args:
+        offsets: (c,) int16 offsets from :func:`pack_indices`.
+        chunk_counts: (:func:`num_chunks`,) int32 counts, or None for a single-chunk buffer.
+        numel: the buffer's length.
+        dtype: the index dtype to return (:func:`ds_dragonn.compress.base.index_dtype`).
+    """
+    idx = offsets.to(dtype) + _OFFSET_BIAS
+    if chunk_counts is None or not offsets.numel():
+        return idx
+    starts = torch.arange(chunk_counts.numel(), dtype=dtype, device=offsets.device) << CHUNK_BITS
+    # output_size: no device sync to learn the length on CUDA
+    return idx + torch.repeat_interleave(starts, chunk_counts.long(), output_size=offsets.numel())
+
+
+def write_indices(block: torch.Tensor, indices: torch.Tensor, capacity: int, numel: int,
+                  idx_dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """Write ``indices`` into ``block`` (uint8, :func:`index_block_bytes` long), packed or plain.
+
+    Args:
+        block: (index_block_bytes(capacity, numel, idx_dtype),) uint8, 8-byte aligned.
+        indices: (c,) distinct positions in [0, numel), ``c <= capacity``.
+    Returns:
+        The permutation that sorted the positions (apply it to their values), or None (plain: order kept).
+    """
+    c = indices.numel()
+    if not packs(capacity, numel, idx_dtype):
+        block[:c * idx_dtype.itemsize].view(idx_dtype).copy_(indices.to(idx_dtype))
+        return None
+    order, offsets, counts = pack_indices(indices, numel)
+    cb = chunk_counts_bytes(numel)
+    if counts is not None:
+        block[:4 * counts.numel()].view(torch.int32).copy_(counts)
+    block[cb:cb + 2 * c].view(torch.int16).copy_(offsets)
+    return order
+
+
+def read_indices(block: torch.Tensor, count: int, capacity: int, numel: int, idx_dtype: torch.dtype) -> torch.Tensor:
+    """The ``count`` positions :func:`write_indices` wrote into ``block`` (same capacity): (count,) ``idx_dtype``."""
+    if not packs(capacity, numel, idx_dtype):
+        return block[:count * idx_dtype.itemsize].view(idx_dtype)
+    cb = chunk_counts_bytes(numel)
+    counts = block[:4 * num_chunks(numel)].view(torch.int32) if cb else None
+    return unpack_indices(block[cb:cb + 2 * count].view(torch.int16), counts, numel, idx_dtype)
 
 
 def dtype_code(dtype: torch.dtype) -> int:
