@@ -104,7 +104,9 @@ def pack_indices(indices: torch.Tensor, numel: int) -> tuple:
     chunks = num_chunks(numel)
     if chunks == 1:
         return order, offsets, None
-    counts = torch.bincount(ordered >> CHUNK_BITS, minlength=chunks).to(torch.int32)
+    # chunk edges in the sorted positions: no device sync on CUDA (bincount would read the max)
+    edges = torch.arange(chunks + 1, dtype=torch.int64, device=indices.device) << CHUNK_BITS
+    counts = torch.searchsorted(ordered, edges).diff().to(torch.int32)
     return order, offsets, counts
 
 
