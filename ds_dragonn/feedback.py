@@ -180,12 +180,15 @@ class ErrorFeedback:
                 self.residuals[key], self._work[key] = self._work[key], self.residuals[key]
         self._open.clear()
 
-    def rescale_(self, factor: float) -> None:
-        """Multiply every residual by ``factor`` (a changed fp16 loss scale: residuals stay in the units of
-        the gradients they are added to; a power-of-two factor is exact). One pass, on scale changes only."""
-        if factor != 1.0:
-            for buf in self.residuals.values():
-                buf.mul_(factor)
+    def rescale_(self, factor: float, key: Optional[Hashable] = None) -> None:
+        """Multiply every residual (or only ``key``'s, where it has one) by ``factor``: a changed fp16 loss
+        scale (residuals stay in the units of the gradients they are added to; a power-of-two factor is
+        exact), or the local-steps mode's decaying accumulator. One pass, only when ``factor != 1``."""
+        if factor == 1.0:
+            return
+        for buf in (self.residuals.values() if key is None else
+                    [self.residuals[key]] if key in self.residuals else []):
+            buf.mul_(factor)
 
     def commit(self, key: Hashable, indices: torch.Tensor, kept: torch.Tensor, sent: torch.Tensor) -> None:
         """Residual at the sent positions ``= kept − sent`` (non-finite results → 0); the rest stays compensated.

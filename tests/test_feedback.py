@@ -112,3 +112,16 @@ def test_state_dict_round_trip_and_shape_check():
     assert torch.equal(other.residuals["b"], ef.residuals["b"])
     with pytest.raises(ValueError, match="shape"):
         other.compensate_("b", [torch.randn(11)], torch.float32)
+
+
+def test_rescale_one_key_leaves_the_others():
+    """``rescale_(f, key=...)`` scales that key's residual only; an unknown key is a no-op; no key scales all."""
+    from ds_dragonn.feedback import ErrorFeedback
+    ef = ErrorFeedback()
+    ef.residuals["a"] = torch.tensor([1.0, -2.0])
+    ef.residuals["b"] = torch.tensor([4.0])
+    ef.rescale_(0.5, key="a")
+    assert ef.residuals["a"].tolist() == [0.5, -1.0] and ef.residuals["b"].tolist() == [4.0]
+    ef.rescale_(0.5, key="missing")
+    ef.rescale_(2.0)
+    assert ef.residuals["a"].tolist() == [1.0, -2.0] and ef.residuals["b"].tolist() == [8.0]

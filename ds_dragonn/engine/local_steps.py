@@ -27,6 +27,7 @@ from typing import Any, List, Optional
 import torch
 from deepspeed.utils.logging import print_dist
 
+from ..exchange.wire import dense_allreduce_bytes
 from ..feedback import ErrorFeedback, segment_views
 from ..outer import OuterStep
 from ..pipeline import PhaseClock
@@ -187,12 +188,10 @@ class LocalStepsHook(HookBase):
         deltas = self.outer.pseudo_gradient(masters)
         numel = sum(d.numel() for d in deltas)
         key = BucketKey(OUTER, 0, str(dtype), numel, self._layout(masters))
-        if self.cfg.outer_feedback_decay != 1.0 and key in self.error_feedback.residuals:
-            self.error_feedback.residuals[key].mul_(self.cfg.outer_feedback_decay)
+        self.error_feedback.rescale_(self.cfg.outer_feedback_decay, key=key)
         stats = None
         if self.cfg.density >= 1.0:
             out = pipeline.reduce_dense(deltas, key, 1.0, 1.0 / world, dtype)
-            from ..exchange.wire import dense_allreduce_bytes
             sent = dense_allreduce_bytes(numel, dtype.itemsize, world)
         else:
             self.compressor.density = self.cfg.density
