@@ -9,7 +9,9 @@ import torch
 from tests.engines import init_distributed, train_mlp, zero_config
 
 #: pipeline cases: (exchange, numel, density); float64 buckets, 2 micro steps per step
-PIPE_CASES = [("allgather", 1000, 0.05), ("partitioned", 1001, 0.05), ("allgather", 7, 0.5), ("allgather", 0, 0.1)]
+#: (exchange, numel, density, β2 of select_by update or None)
+PIPE_CASES = [("allgather", 1000, 0.05, None), ("partitioned", 1001, 0.05, None), ("allgather", 7, 0.5, None),
+              ("allgather", 0, 0.1, None), ("allgather", 1000, 0.05, 0.99), ("partitioned", 1001, 0.05, 0.99)]
 PIPE_STEPS = 6
 BETA = 0.9
 
@@ -28,6 +30,10 @@ ENGINE_RUNS = {f"s{s}_bf16_gas2_clip": {**zero_config(s, _M, bf16=True, gas=2), 
 # no clipping here (DeepSpeed's default clips at 1.0): it would clip the momentum here, the gradient there
 ENGINE_RUNS["s0_fp32_d1"] = {**zero_config(0, {**_M, "density": 1.0, "variance_floor": 0.0}), "gradient_clipping": 0.0}
 ENGINE_RUNS["s2_fp32_d1"] = {**zero_config(2, {**_M, "density": 1.0, "variance_floor": 0.0}), "gradient_clipping": 0.0}
+# select_by update: ranked by the pending Adam step (ZeRO 0 and 2, bf16: the transactional second moment)
+for _s in (0, 2):
+    ENGINE_RUNS[f"s{_s}_bf16_update"] = {**zero_config(_s, {**_M, "select_by": "update"}, bf16=True, gas=2),
+                                         "gradient_clipping": 1.0}
 ENGINE_STEPS = 6
 LAYERS = (32, 64, 10)
 
@@ -61,11 +67,11 @@ def pipeline_runs(rank: int, world: int, out_dir: str) -> None:
 
     backend = TorchCommBackend()
     out = []
-    for c, (exchange, numel, density) in enumerate(PIPE_CASES):
+    for c, (exchange, numel, density, beta2) in enumerate(PIPE_CASES):
         comp = DragonnCompressor(density, min_sample=64)
         ex = (PartitionedExchange(backend, DragonnCompressor(density, min_sample=64)) if exchange == "partitioned"
               else AllgatherExchange(backend))
-        ef, mom = ErrorFeedback(True), LocalMomentum(BETA)
+        ef, mom = ErrorFeedback(True), LocalMomentum(BETA, beta2=beta2)
         pipe = CompressedAllreduce(comp, backend, ef, ex, momentum=mom)
         applied = []
         for step in range(PIPE_STEPS):
@@ -93,7 +99,8 @@ def engine_runs(rank: int, world: int, out_dir: str) -> None:
                      "compressed": hook.telemetry.compressed_reductions if hook else 0,
                      "frozen": hook is not None and hook.variance_freeze is not None
                      and hook.variance_freeze.frozen is not None,
-                     "momenta": len(hook.momentum.momenta) if hook and hook.momentum is not None else 0}
+                     "momenta": len(hook.momentum.momenta) if hook and hook.momentum is not None else 0,
+                     "variances": len(hook.momentum.variances) if hook and hook.momentum is not None else 0}
     out["frozen_reference"] = frozen_reference(rank)
     # an optimizer without betas is refused, naming it
     model = torch.nn.Linear(4, 4)
