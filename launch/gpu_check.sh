@@ -5,7 +5,7 @@
 #
 #   bash launch/gpu_check.sh [OUTDIR]        # OUTDIR defaults to $OUT, else runs/gpu_check
 #
-# Writes: env.txt (nvidia-smi, versions), test_kernels.log, bench.log and selection_gpu.{json,png,md} (the
+# Writes: env.txt (nvidia-smi, versions), test_kernels.log, test_wire.log, bench.log and selection_gpu.{json,png,md} (the
 # compression benchmark), train_cuda.{log,json} (the main job's DRAGONN run on CUDA, world size 1 over
 # NCCL), fp16_engine.log (skipped steps and the loss scale), train_lm_cuda.{log,json} (the LM with the
 # default warm-ups), train_lm_local_steps_cuda.{log,json} (local steps), phases_gpu.{log,json} (launch/bench_step.py: per-phase step cost on the GPU),
@@ -81,6 +81,9 @@ step test_kernels "$OUTDIR/test_kernels.log" \
 # also the project's compressor tests on this machine (CPU tensors, reference + cpu kernel)
 step test_compress "$OUTDIR/test_compress.log" \
   python -m pytest tests/test_compress.py -q -p no:cacheprovider || rc=1
+# the packed positions of the wire (sort, searchsorted, repeat_interleave) on CUDA tensors
+step test_wire "$OUTDIR/test_wire.log" \
+  python -m pytest tests/test_wire.py -q -p no:cacheprovider -rs || rc=1
 
 BENCH=(python launch/bench_compress.py --device cuda --json "$OUTDIR/selection_gpu.json"
        --plot "$OUTDIR/selection_gpu.png" --markdown "$OUTDIR/selection_gpu.md" --budget-s 5

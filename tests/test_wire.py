@@ -193,3 +193,17 @@ def test_gather_pairs_whole_tail_travels_without_positions():
     assert idx[0].tolist() == [5, 65_536, 70_000] + tail.tolist()
     assert val[0].tolist() == [1.0, 2.0, 0.0, 3.0, 4.0, 5.0, 6.0]
     assert idx[1].tolist() == [9] + tail.tolist() and val[1].tolist() == [10.0, 11.0, 12.0, 13.0, 14.0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (launch/gpu_check.sh runs it)")
+@pytest.mark.parametrize("n", [CHUNK - 1, 3 * CHUNK + 5, 1 << 24])
+def test_pack_round_trip_on_cuda(n):
+    """The same packing on CUDA tensors, against the CPU's (no device sync is needed to size the output)."""
+    gen = torch.Generator().manual_seed(n)
+    idx = _positions(n, min(n, 50_000), gen)
+    order, offsets, counts = pack_indices(idx.cuda(), n)
+    c_order, c_offsets, c_counts = pack_indices(idx, n)
+    assert torch.equal(offsets.cpu(), c_offsets) and torch.equal(order.cpu(), c_order)
+    assert (counts is None and c_counts is None) or torch.equal(counts.cpu(), c_counts)
+    back = unpack_indices(offsets, counts, n, torch.int32)
+    assert back.is_cuda and torch.equal(back.cpu(), torch.sort(idx).values)
