@@ -28,6 +28,9 @@ from .buffers import persistent_zeros
 from .feedback import residual_dtype, segment_views
 
 
+_MIN_EPS = 1e-20  # an optimizer eps of 0 would score 0/0 = NaN where nothing moved yet (NaN ranks first)
+
+
 class LocalMomentum:
     """Each bucket's local momentum ``M`` (this rank's, never exchanged), in :func:`residual_dtype`.
 
@@ -45,7 +48,7 @@ class LocalMomentum:
             raise ValueError(f"second-moment coefficient must be in [0, 1), got {beta2}")
         self.beta = float(beta)
         self.beta2 = None if beta2 is None else float(beta2)
-        self.eps = float(eps)
+        self.eps = max(float(eps), _MIN_EPS)
         self.transactional = transactional
         self.momenta: Dict[Hashable, torch.Tensor] = {}  # the momentum after the last applied step
         self.variances: Dict[Hashable, torch.Tensor] = {}  # beta2: the local second moment, likewise
@@ -109,7 +112,8 @@ class LocalMomentum:
     def scores(self, key: Hashable, compensated: torch.Tensor) -> Optional[torch.Tensor]:
         """What the selection ranks under ``select_by: update``: ``compensated / (sqrt(ν) + eps)``, the Adam
         step each element has pending, with ``ν`` this rank's second moment of its gradients (this step's,
-        after :meth:`update`). None without ``beta2``, or before ``key`` has one.
+        after :meth:`update`; ``eps`` at least 1e-20). None without ``beta2``, or before ``key`` has one.
+        Two temporaries of the bucket's size (the root and the quotient).
 
         Args:
             compensated: (n,) the residual plus this step's momentum, in bucket order.

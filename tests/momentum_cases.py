@@ -112,3 +112,27 @@ def engine_runs(rank: int, world: int, out_dir: str) -> None:
         out["sgd_error"] = str(err)
     torch.save(out, Path(out_dir) / f"momengine_rank{rank}.pt")
     torch.distributed.destroy_process_group()
+
+
+def resume_runs(rank: int, world: int, out_dir: str) -> None:
+    """``select_by: update`` at ZeRO 0 and 2: a second engine with the same history loads the first's DRAGONN
+    state (momenta and second moments) and both train on: the parameters stay bit-identical."""
+    init_distributed()
+    out = {}
+    for stage in (0, 2):
+        cfg = {**zero_config(stage, {**_M, "warmup_steps": 1, "select_by": "update"}), "gradient_clipping": 0.0}
+        a, ha = train_mlp(cfg, rank, LAYERS, 4)
+        state = ha.state_dict()
+        b, hb = train_mlp(cfg, rank, LAYERS, 4)
+        hb.momentum.reset()  # nothing of b's own may survive the load
+        hb.load_state_dict(state)
+        g = torch.Generator().manual_seed(100 + rank)
+        for _ in range(3):
+            x, y = torch.randn(8, LAYERS[0], generator=g), torch.randint(0, LAYERS[2], (8,), generator=g)
+            for engine in (a, b):
+                engine.backward(torch.nn.functional.cross_entropy(engine(x).float(), y))
+                engine.step()
+        out[stage] = {"saved": len(state["momentum"]["variances"]), "loaded": len(hb.momentum.variances),
+                      "same": all(torch.equal(p, q) for p, q in zip(a.module.parameters(), b.module.parameters()))}
+    torch.save(out, Path(out_dir) / f"momresume_rank{rank}.pt")
+    torch.distributed.destroy_process_group()

@@ -337,3 +337,25 @@ def test_second_moment_is_transactional_and_saved():
     assert not plain.variances and plain.scores("b", torch.ones(3)) is None
     with pytest.raises(ValueError, match=r"second-moment coefficient must be in \[0, 1\)"):
         LocalMomentum(0.9, beta2=1.0)
+
+
+def test_select_by_update_resumes_exactly(tmp_path):
+    """The second moments travel with the per-rank state: a resumed run is bit-identical (ZeRO 0 and 2)."""
+    run_ranks("tests.momentum_cases:resume_runs", 2, tmp_path, timeout=300)
+    for r, res in enumerate(load_rank_files(tmp_path, "momresume", 2)):
+        for stage, got in res.items():
+            assert got["saved"] > 0 and got["loaded"] == got["saved"] and got["same"], (r, stage, got)
+
+
+def test_an_optimizer_eps_of_zero_still_ranks():
+    """eps 0 (torch allows it): elements with ν = 0 and nothing pending must not score 0/0 = NaN (NaN ranks
+    first and would take the whole budget)."""
+    from ds_dragonn.compress import TopKCompressor
+    from ds_dragonn.pipeline import CompressedAllreduce
+    from tests.test_policy import LocalBackend
+    mom = LocalMomentum(0.9, beta2=0.999, eps=0.0)
+    pipe = CompressedAllreduce(TopKCompressor(0.1), LocalBackend(), ErrorFeedback(True), momentum=mom)
+    g = torch.zeros(1000)
+    g[:100] = torch.linspace(1, 2, 100)
+    out, _ = pipe.reduce([g], "b", seed=0)
+    assert set(out.nonzero().flatten().tolist()) == set(range(100))

@@ -38,8 +38,8 @@ from ..compress.base import Compressor, Selection, index_dtype, max_pairs, targe
 from ..feedback import ErrorFeedback
 from .allgather import HEADER_INTS, exchange_header, gather_pairs
 from .base import Exchange, Gathered, check_agreement
-from .wire import (ALIGN, align, block_bytes, counts_header_bytes, dtype_code, index_block_bytes, read_indices, to_wire,
-                   write_indices)
+from .wire import (ALIGN, align, block_bytes, chunk_counts_bytes, counts_header_bytes, dtype_code, index_block_bytes,
+                   read_indices, to_wire, write_indices)
 from .ownership import HashedOwnership, Ownership
 
 _BIT_WEIGHTS = [1 << b for b in range(8)]
@@ -138,7 +138,10 @@ def max_scatter_bytes(numel: int, pairs: int, wire_dtype: torch.dtype, world_siz
     if world_size <= 1:
         return 0
     padding = 2 * ALIGN * (world_size - 1)  # each destination's block is aligned
-    return counts_header_bytes(world_size) + block_bytes(pairs, index_dtype(numel), wire_dtype) + padding
+    plain = block_bytes(pairs, index_dtype(numel), wire_dtype)
+    # a block's positions are packed where smaller: at most its chunk counts + 2 bytes a position
+    packed = (world_size - 1) * chunk_counts_bytes(numel) + align(2 * pairs) + align(pairs * wire_dtype.itemsize)
+    return counts_header_bytes(world_size) + min(plain, packed) + padding
 
 
 def owner_seed(seed: int, owner: int) -> int:
