@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 __version__ = "0.1.0"
 
-from .config import DragonnConfig, DragonnConfigError, SelectBy, SyncMode, load_ds_config  # noqa: E402
+from .config import DragonnConfig, DragonnConfigError, SyncMode, load_ds_config  # noqa: E402
 from .engine.checkpoint import CheckpointError, CheckpointMismatchError  # noqa: E402
 
 
@@ -213,9 +213,6 @@ def _resolve_compress(cfg: DragonnConfig, engine: Any) -> DragonnConfig:
     resolved = CompressTarget.momentum if fits else CompressTarget.gradient
     reason = "an Adam-type optimizer" if fits else (f"the momentum mode {why}" if why else "; ".join(unmet))
     print_dist(f"DRAGONN: compress 'auto' -> '{resolved.value}' ({reason})", ranks=[0])
-    if not fits and cfg.select_by == SelectBy.update:
-        raise DragonnUnsupportedError(f"'dragonn.select_by': 'update' needs the momentum mode, but 'compress': 'auto' "
-                                      f"resolved to 'gradient' ({reason}); remove 'select_by' or fix that")
     return cfg.model_copy(update={"compress": resolved})
 
 

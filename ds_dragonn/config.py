@@ -59,11 +59,6 @@ class CompressTarget(str, Enum):
     momentum = "momentum"  # each rank's local momentum, with error feedback; Adam's variance frozen (1-bit Adam)
 
 
-class SelectBy(str, Enum):
-    magnitude = "magnitude"  # |residual + this step's momentum or gradient| (DGC, the DRAGONN paper)
-    update = "update"  # that / (sqrt(local second moment) + eps): the Adam step each element has pending
-
-
 class SyncMode(str, Enum):
     every_step = "every_step"  # every optimizer step's gradient is exchanged (compressed or dense)
     local_steps = "local_steps"  # ranks step alone; every local_steps steps the pseudo-gradient is exchanged (DiLoCo)
@@ -133,15 +128,6 @@ class DragonnConfig(DeepSpeedConfigModel):
     with its variance frozen from the warm-up (floored: ``variance_floor``). Delays then stay linear: a
     burst is not divided away by a variance it inflated. Costs one more fp32 buffer per gradient element
     (two with fp16, or bf16 with ``check_grad_overflow``)."""
-
-    select_by: SelectBy = SelectBy.magnitude
-    """What the selection ranks (``compress: momentum`` only). ``magnitude`` (default): the compensated
-    momentum ``|residual + M|`` (DGC, the DRAGONN paper). ``update``: the Adam step each element has pending,
-    ``|residual + M| / (sqrt(ν) + eps)``, with ``ν`` this rank's own running average of its squared gradients
-    (the optimizer's β2 and eps): Adam moves every element about one learning rate whatever its gradient's
-    scale, so ranking raw momenta starves the tensors whose gradients are small. Only the ranking changes:
-    what is sent, kept and applied is the momentum, as with ``magnitude``. Costs one more fp32 buffer per
-    gradient element (two with fp16, or bf16 with ``check_grad_overflow``) and one pass over the bucket."""
 
     variance_floor: float = Field(0.01, ge=0.0, le=1.0, strict=True)
     """Where Adam's variance is frozen (``compress: momentum``, ``freeze_adam_variance``): each parameter
@@ -246,10 +232,6 @@ class DragonnConfig(DeepSpeedConfigModel):
         if self.compress == CompressTarget.momentum and self.warmup_steps < 1:
             raise ValueError("'compress': 'momentum' needs 'warmup_steps' >= 1: Adam's variance is frozen from the "
                              "dense warm-up steps")
-        if self.select_by == SelectBy.update and (self.compress == CompressTarget.gradient
-                                                  or self.sync == SyncMode.local_steps):
-            raise ValueError("'select_by': 'update' ranks the momentum mode's pending Adam steps; it needs 'compress': "
-                             "'momentum' (or 'auto' with an Adam-type optimizer) and 'sync': 'every_step'")
         if self.sync == SyncMode.local_steps and self.compress == CompressTarget.momentum:
             raise ValueError("'sync': 'local_steps' compresses the pseudo-gradient of each round; 'compress': "
                              "'momentum' applies to 'sync': 'every_step' only (remove it or use 'auto')")

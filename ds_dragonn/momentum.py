@@ -28,9 +28,6 @@ from .buffers import persistent_zeros
 from .feedback import residual_dtype, segment_views
 
 
-_MIN_EPS = 1e-20  # an optimizer eps of 0 would score 0/0 = NaN where nothing moved yet (NaN ranks first)
-
-
 class LocalMomentum:
     """Each bucket's local momentum ``M`` (this rank's, never exchanged), in :func:`residual_dtype`.
 
@@ -40,50 +37,20 @@ class LocalMomentum:
             DeepSpeed applied the step.
     """
 
-    def __init__(self, beta: float, transactional: bool = False, beta2: Optional[float] = None,
-                 eps: float = 1e-8):
+    def __init__(self, beta: float, transactional: bool = False):
         if not 0.0 <= beta < 1.0:
             raise ValueError(f"momentum coefficient must be in [0, 1), got {beta}")
-        if beta2 is not None and not 0.0 <= beta2 < 1.0:
-            raise ValueError(f"second-moment coefficient must be in [0, 1), got {beta2}")
         self.beta = float(beta)
-        self.beta2 = None if beta2 is None else float(beta2)
-        self.eps = max(float(eps), _MIN_EPS)
         self.transactional = transactional
         self.momenta: Dict[Hashable, torch.Tensor] = {}  # the momentum after the last applied step
-        self.variances: Dict[Hashable, torch.Tensor] = {}  # beta2: the local second moment, likewise
         self._work: Dict[Hashable, torch.Tensor] = {}
-        self._vwork: Dict[Hashable, torch.Tensor] = {}
         self._open: set = set()  # keys already updated in the open step
-
-    def _target(self, store: dict, work: dict, key: Hashable, numel: int, rdt: torch.dtype, device: torch.device,
-                decay: float, first: bool, what: str) -> torch.Tensor:
-        """The buffer this step writes for ``key``: ``store[key]`` (decayed on the step's first reduction), or,
-        transactional, a working copy that :meth:`end_step` keeps only for an applied step."""
-        base = store.get(key)
-        if base is None:
-            base = store[key] = persistent_zeros(numel, rdt, device)
-        elif base.shape != (numel,) or base.dtype != rdt or base.device != device:
-            raise ValueError(f"{what} for bucket {key} has shape {tuple(base.shape)}, dtype {base.dtype} on "
-                             f"{base.device}; the buffer has ({numel},) of {rdt} on {device}")
-        if not self.transactional:
-            if first:
-                base.mul_(decay)
-            return base
-        buf = work.get(key)
-        if buf is None or buf.shape != base.shape or buf.dtype != base.dtype or buf.device != device:
-            buf = work[key] = persistent_zeros(numel, rdt, device)
-        if first:
-            torch.mul(base, decay, out=buf)
-        return buf
 
     def update(self, key: Hashable, tensors: Sequence[torch.Tensor], dtype: torch.dtype,
                prescale: float = 1.0) -> tuple:
         """Fold this reduction's gradients into the key's momentum; returns ``(tensors, prescale)`` for
         :meth:`ErrorFeedback.compensate_ <ds_dragonn.feedback.ErrorFeedback.compensate_>`: ``([M], 1.0)`` on
-        the step's first reduction of ``key``, ``(tensors, (1 − β1)·prescale)`` on later ones. With ``beta2``
-        the step's first reduction also folds ``(prescale·g)²`` into the local second moment (later
-        reductions of a step, ZeRO stage 2's micro steps, are not: it only ranks elements, see :meth:`scores`).
+        the step's first reduction of ``key``, ``(tensors, (1 − β1)·prescale)`` on later ones.
 
         Args:
             tensors: the bucket's gradients in bucket order (their concatenation is the (n,) bucket).
@@ -96,72 +63,57 @@ class LocalMomentum:
         numel = sum(t.numel() for t in tensors)
         device = tensors[0].device if tensors else torch.device("cpu")
         rdt = residual_dtype(dtype)
+        base = self.momenta.get(key)
+        if base is None:
+            base = self.momenta[key] = persistent_zeros(numel, rdt, device)
+        elif base.shape != (numel,) or base.dtype != rdt or base.device != device:
+            raise ValueError(f"momentum for bucket {key} has shape {tuple(base.shape)}, dtype {base.dtype} on "
+                             f"{base.device}; the buffer has ({numel},) of {rdt} on {device}")
         c = (1.0 - self.beta) * prescale
         first = key not in self._open
         self._open.add(key)
-        m = self._target(self.momenta, self._work, key, numel, rdt, device, self.beta, first, "momentum")
+        if self.transactional:
+            work = self._work.get(key)
+            if work is None or work.shape != base.shape or work.dtype != base.dtype or work.device != device:
+                work = self._work[key] = persistent_zeros(numel, rdt, device)
+            if first:
+                torch.mul(base, self.beta, out=work)
+            m = work
+        else:
+            m = base
+            if first:
+                m.mul_(self.beta)
         if tensors:
             torch._foreach_add_(segment_views(m, tensors), tensors, alpha=c)
-        if self.beta2 is not None and first:
-            v = self._target(self.variances, self._vwork, key, numel, rdt, device, self.beta2, True, "second moment")
-            if tensors:
-                torch._foreach_addcmul_(segment_views(v, tensors), tensors, tensors,
-                                        value=(1.0 - self.beta2) * prescale * prescale)
         return ([m], 1.0) if first else (tensors, c)
-
-    def scores(self, key: Hashable, compensated: torch.Tensor) -> Optional[torch.Tensor]:
-        """What the selection ranks under ``select_by: update``: ``compensated / (sqrt(ν) + eps)``, the Adam
-        step each element has pending, with ``ν`` this rank's second moment of its gradients (this step's,
-        after :meth:`update`; ``eps`` at least 1e-20). None without ``beta2``, or before ``key`` has one.
-        Two temporaries of the bucket's size (the root and the quotient).
-
-        Args:
-            compensated: (n,) the residual plus this step's momentum, in bucket order.
-        Returns:
-            (n,) float tensor of the same sign as ``compensated`` (a new buffer), or None.
-        """
-        if self.beta2 is None:
-            return None
-        v = (self._vwork if self.transactional else self.variances).get(key)
-        if v is None or v.shape != compensated.shape:
-            return None
-        return compensated / v.sqrt().add_(self.eps)
 
     def end_step(self, applied: bool) -> None:
         """The step ended: transactional, an applied step's momenta replace the old (a swap), a skipped
         step's are discarded. Either way the next reduction starts a new step."""
         if self.transactional and applied:
-            for store, work in ((self.momenta, self._work), (self.variances, self._vwork)):
-                for key in self._open & work.keys():
-                    store[key], work[key] = work[key], store[key]
+            for key in self._open:
+                self.momenta[key], self._work[key] = self._work[key], self.momenta[key]
         self._open.clear()
 
     def rescale_(self, factor: float) -> None:
-        """Multiply every momentum by ``factor`` and every second moment by ``factor²`` (a changed fp16 loss
-        scale, as the residuals)."""
+        """Multiply every momentum by ``factor`` (a changed fp16 loss scale, as the residuals)."""
         if factor != 1.0:
             for m in self.momenta.values():
                 m.mul_(factor)
-            for v in self.variances.values():
-                v.mul_(factor * factor)
 
     def state_dict(self) -> dict:
-        return {"beta": self.beta, "momenta": {k: v.detach().clone() for k, v in self.momenta.items()},
-                "variances": {k: v.detach().clone() for k, v in self.variances.items()}}
+        return {"beta": self.beta, "momenta": {k: v.detach().clone() for k, v in self.momenta.items()}}
 
     def load_state_dict(self, state: dict, device: Optional[torch.device] = None) -> None:
-        """Restore :meth:`state_dict` (tensors onto ``device`` if given); β1 and β2 stay as configured."""
-        def restore(d):
-            return {k: v.to(device).clone() if device is not None else v.clone() for k, v in d.items()}
-        self.momenta = restore(state.get("momenta", {}))
-        self.variances = restore(state.get("variances", {}) if self.beta2 is not None else {})
+        """Restore :meth:`state_dict` (tensors onto ``device`` if given); β1 stays as configured."""
+        self.momenta = {k: v.to(device).clone() if device is not None else v.clone()
+                        for k, v in state.get("momenta", {}).items()}
         self._work.clear()
-        self._vwork.clear()
         self._open.clear()
 
     def reset(self) -> None:
-        for d in (self.momenta, self.variances, self._work, self._vwork):
-            d.clear()
+        self.momenta.clear()
+        self._work.clear()
         self._open.clear()
 
 

@@ -158,12 +158,7 @@ class CompressedAllreduce:
             tensors, prescale = self.momentum.update(key, tensors, dtype, prescale)
         compensated = self.error_feedback.compensate_(key, tensors, dtype, prescale, zero_inputs=into_inputs)
         compensate_ms = clock.lap()
-        scores = self.momentum.scores(key, compensated) if self.momentum is not None else None
-        if scores is None:
-            sel = self.compressor.compress(compensated, seed, segments)
-        else:  # select_by update: rank by the pending Adam step, send the momentum itself
-            sel = self.compressor.compress(scores, seed, segments)
-            sel = sel._replace(values=compensated[sel.indices])
+        sel = self.compressor.compress(compensated, seed, segments)
         wire_values = to_wire(sel.values, dtype)
         select_ms = clock.lap()
 

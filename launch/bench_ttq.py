@@ -137,8 +137,6 @@ REGISTRY: Dict[str, Mode] = {m.name: m for m in (
     Mode("dragonn_zero2", "DRAGONN under ZeRO-2 (sparse reduce-scatter of each micro-batch's gradients)",
          ds={"zero_optimization": {"stage": 2}, "dragonn": dict(_ON)}),
     Mode("dragonn_d0001", "DRAGONN, density 0.001", ds={"dragonn": {**_ON, "density": 0.001}}),
-    Mode("dragonn_update", "DRAGONN, momentum mode ranked by the pending Adam step (select_by: update)",
-         ds={"dragonn": {**_ON, "select_by": "update"}}, default=False),
     Mode("dragonn_freeze", "DRAGONN, gradient mode with Adam's variance frozen after the dense warm-up",
          ds={"dragonn": {**_ON, "compress": "gradient", "freeze_adam_variance": True}}),
     # sync: local_steps (DiLoCo / SparseLoCo): registered, run with --modes (the local-steps sweep)

@@ -58,8 +58,6 @@ RUNS = {
     "gradient_0.001": {"density": 0.001, "compress": "gradient"},
     "momentum_0.01": {"density": 0.01, "compress": "momentum"},
     "momentum_0.001": {"density": 0.001, "compress": "momentum"},
-    "update_0.01": {"density": 0.01, "compress": "momentum", "select_by": "update"},
-    "update_0.001": {"density": 0.001, "compress": "momentum", "select_by": "update"},
     "per_tensor_0.01": {"density": 0.01, "selection": "per_tensor", "compress": "gradient"},
     "freeze_0.01": {"density": 0.01, "freeze_adam_variance": True, "compress": "gradient"},
     "legacy_0.01": {"density": 0.01, "selection": "global", "warmup_steps": 0, "density_warmup_steps": 0,

@@ -41,23 +41,10 @@ def base_optimizer(engine: Any) -> Optional[torch.optim.Optimizer]:
 def adam_beta1(engine: Any) -> Optional[float]:
     """β1 of the engine's Adam-type optimizer (``betas[0]`` of its first parameter group), or None where the
     innermost optimizer has no ``betas`` (SGD, Adagrad, ...)."""
-    return _first_group(engine, "betas", 0)
-
-
-def adam_beta2_eps(engine: Any) -> tuple:
-    """``(β2, eps)`` of the engine's Adam-type optimizer's first parameter group; (None, 1e-8) without
-    ``betas`` (and eps 1e-8 where the group has none)."""
-    eps = _first_group(engine, "eps")
-    return _first_group(engine, "betas", 1), 1e-8 if eps is None else eps
-
-
-def _first_group(engine: Any, name: str, item: Optional[int] = None) -> Optional[float]:
     opt = base_optimizer(engine)
     groups = getattr(opt, "param_groups", None) or []
-    value = groups[0].get(name) if groups else None
-    if value is None:
-        return None
-    return float(value[item] if item is not None else value)
+    betas = groups[0].get("betas") if groups else None
+    return float(betas[0]) if betas is not None else None
 
 
 def _adam_classes() -> tuple:

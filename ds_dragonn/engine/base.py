@@ -16,7 +16,7 @@ from deepspeed.utils.logging import print_dist
 from ..comm import build_backend
 from ..comm.base import CommBackend
 from ..compress import build_compressor
-from ..config import CompressTarget, DragonnConfig, SelectBy
+from ..config import CompressTarget, DragonnConfig
 from ..exchange import Exchange, build_exchange
 from ..feedback import ErrorFeedback
 from ..momentum import LocalMomentum
@@ -25,7 +25,7 @@ from ..policy import AutoPolicy
 from ..schedule import DensitySchedule
 from ..telemetry import Telemetry
 from . import state
-from .adam import VarianceFreeze, adam_beta1, adam_beta2_eps
+from .adam import VarianceFreeze, adam_beta1
 from .decision import BucketDecision
 from .reporting import Reporter
 from .steps import StepGuard, loss_scale, may_skip_steps
@@ -68,11 +68,7 @@ class HookBase:
         has_optimizer = engine is not None and hasattr(engine, "optimizer")
         if cfg.compress == CompressTarget.momentum:
             beta1 = adam_beta1(engine) if has_optimizer else None
-            beta2, eps = adam_beta2_eps(engine) if has_optimizer else (None, 1e-8)
-            if cfg.select_by == SelectBy.update and beta2 is None:
-                beta2 = 0.999  # no optimizer to read it from (a bare pipeline): Adam's default
-            self.momentum = LocalMomentum(0.9 if beta1 is None else beta1, transactional=self.transactional,
-                                          beta2=beta2 if cfg.select_by == SelectBy.update else None, eps=eps)
+            self.momentum = LocalMomentum(0.9 if beta1 is None else beta1, transactional=self.transactional)
             if has_optimizer:
                 self.variance_freeze = VarianceFreeze(engine, cfg.warmup_steps, cfg.variance_floor, momentum=True)
         # only where gradients are delayed (density below 1, error feedback on: bursts), and only after dense

@@ -40,7 +40,7 @@ FORMAT = 1
 _KEPT_FIELDS = ("density", "compressor", "kernel", "sample_ratio", "min_sample", "table_factor", "warmup_steps",
                 "policy", "auto_probe_steps", "auto_recheck_interval", "min_compress_numel", "seed",
                 "density_warmup_steps", "density_warmup_start", "selection", "tensor_min_compress_numel",
-                "compress_1d", "freeze_adam_variance", "compress", "variance_floor", "select_by")
+                "compress_1d", "freeze_adam_variance", "compress", "variance_floor")
 
 
 def describe(hook: Any) -> Dict[str, Any]:
@@ -138,12 +138,10 @@ def validate(state: Any, where: str) -> None:
     if not isinstance(state.get("telemetry", {}), dict):
         raise bad("'telemetry' is not a dict")
     momentum = state.get("momentum")
-    if momentum is not None and (not isinstance(momentum, dict) or not isinstance(momentum.get("momenta", {}), dict)
-                                 or not isinstance(momentum.get("variances", {}), dict)):
-        raise bad("'momentum' is not a dict with a 'momenta' dict (and a 'variances' dict)")
+    if momentum is not None and (not isinstance(momentum, dict) or not isinstance(momentum.get("momenta", {}), dict)):
+        raise bad("'momentum' is not a dict with a 'momenta' dict")
     _check_buffers(bad, "residual", ef.get("residuals", {}))
     _check_buffers(bad, "momentum", (momentum or {}).get("momenta", {}))
-    _check_buffers(bad, "second moment", (momentum or {}).get("variances", {}))
 
 
 def _check_buffers(bad: Any, what: str, buffers: dict) -> None:
@@ -220,10 +218,7 @@ def load_state_dict(hook: Any, state: dict, source: str = "the state") -> None:
         saved_m = state.get("momentum") or {}
         if not saved_m.get("momenta") and state["error_feedback"].get("residuals"):
             kept.append("no local momentum (compress: gradient), so the momentum starts at zero")
-        if hook.momentum.beta2 is not None and saved_m.get("momenta") and not saved_m.get("variances"):
-            kept.append("no second moment (select_by: magnitude), so the ranking's second moment starts at zero")
-        hook.momentum.load_state_dict({"momenta": {_key(k): v for k, v in saved_m.get("momenta", {}).items()},
-                                       "variances": {_key(k): v for k, v in saved_m.get("variances", {}).items()}},
+        hook.momentum.load_state_dict({"momenta": {_key(k): v for k, v in saved_m.get("momenta", {}).items()}},
                                       device)
     exchanges = [_exchange_state(ex) for ex in state.get("exchange", [])]
     pipes = hook.pipelines
