@@ -70,3 +70,15 @@ def test_bench_scaling_records_both_schemes(tmp_path):
         assert r["bytes_sent_per_rank"] > 0 and r["bytes_received_per_rank"] > 0
         if r["exchange"] == "partitioned":
             assert r["imbalance"] >= 1.0
+
+
+def test_variance_drift_ratios_start_at_one(tmp_path):
+    """launch/variance_drift.py: the ratio is 1 at the freeze step for every tensor, then moves; JSON and PNG."""
+    out, png = tmp_path / "v.json", tmp_path / "v.png"
+    text = _run(["launch/variance_drift.py", "--steps", "4", "--freeze-step", "2", "--at", "2,4",
+                 "--json", str(out), "--plot", str(png)])
+    assert "tensors off by more than 2x" in text and png.stat().st_size > 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["step"] for r in rows] == [2, 4]
+    assert all(abs(v - 1.0) < 1e-6 for v in rows[0]["per_tensor"].values() if v == v)
+    assert any(abs(v - 1.0) > 1e-4 for v in rows[1]["per_tensor"].values() if v == v)

@@ -1,0 +1,122 @@
+"""How far Adam's variance drifts from a variance frozen after the dense warm-up (the momentum mode's).
+
+The momentum mode (``"compress": "momentum"``, 1-bit Adam's structure) applies every step with the
+bias-corrected variance ``V̂`` frozen at the end of the dense warm-up (``warmup_steps``, default 30). This
+script trains the byte-level GPT of ``launch/train_lm.py`` densely, in one process, with the optimizer and
+schedule of ``configs/lm_dense.json`` (AdamW lr 1e-3, weight decay 0.01, clipping 1.0, WarmupDecayLR's log
+warm-up over 50 steps and linear decay to 0 at ``--total-steps``; batch = micro-batch × accumulation × ranks of
+that config at 2 ranks), and records, per parameter tensor, the median over its elements of
+``sqrt(V̂_t) / sqrt(V̂_freeze)``: how much larger (>1) or smaller (<1) dense Adam's step denominator is at
+step t than the frozen one. A frozen-variance step is ``1 / ratio`` times the dense Adam step.
+
+    python launch/variance_drift.py                       # ~4 min on 2 cores: steps 30..600 of a 2000-step schedule
+    python launch/variance_drift.py --steps 200 --at 30,100,200 --json /tmp/v.json --plot /tmp/v.png
+
+Prints a table; writes JSON (per tensor and step) and a PNG (the spread of the per-tensor ratios by step).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench.common import pyplot, save_figure, write_json  # noqa: E402
+from train_lm import CTX, D_MODEL, N_HEAD, N_LAYER, SEED, ByteGPT, stdlib_corpus, windows  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def lr_at(step: int, peak: float, warmup: int, total: int) -> float:
+    """DeepSpeed's WarmupDecayLR (log warm-up, then linear decay to 0 at ``total``) at 0-based ``step``."""
+    if step < warmup:
+        return peak * math.log(step + 1) / math.log(warmup)
+    return peak * max(0.0, (total - step) / max(1, total - warmup))
+
+
+def get_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=600, help="optimizer steps to run (default 600)")
+    p.add_argument("--total-steps", type=int, default=2000, help="the schedule's length (decay to 0 there)")
+    p.add_argument("--freeze-step", type=int, default=30, help="the step the momentum mode freezes at (warmup_steps)")
+    p.add_argument("--at", default="30,60,100,200,300,400,600", help="steps to record (comma-separated)")
+    p.add_argument("--ranks", type=int, default=2, help="data-parallel ranks the batch stands for")
+    p.add_argument("--seed", type=int, default=SEED)
+    p.add_argument("--json", default=str(REPO / "runs" / "variance_drift.json"))
+    p.add_argument("--plot", default=str(REPO / "runs" / "variance_drift.png"))
+    a = p.parse_args(argv)
+    a.at = sorted({int(s) for s in a.at.split(",") if s.strip()} | {a.freeze_step})
+    if a.freeze_step < 1 or a.steps < a.freeze_step:
+        p.error(f"--freeze-step must be in [1, --steps]; got {a.freeze_step} with --steps {a.steps}")
+    return a
+
+
+def main(argv=None) -> int:
+    args = get_args(argv)
+    cfg = json.loads((REPO / "configs" / "lm_dense.json").read_text())
+    opt_cfg, sched = cfg["optimizer"]["params"], cfg["scheduler"]["params"]
+    batch = cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * args.ranks
+    torch.manual_seed(args.seed)
+    train, _ = stdlib_corpus()
+    model = ByteGPT(N_LAYER, D_MODEL, N_HEAD, CTX)
+    opt = torch.optim.AdamW(model.parameters(), lr=opt_cfg["lr"], weight_decay=opt_cfg.get("weight_decay", 0.01))
+    names = [n for n, _ in model.named_parameters()]
+    gen = torch.Generator().manual_seed(args.seed)
+    frozen, rows, t0 = None, [], time.time()
+    for step in range(1, args.steps + 1):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step - 1, sched["warmup_max_lr"], sched["warmup_num_steps"], args.total_steps)
+        x, y = windows(train, torch.randint(0, len(train) - CTX - 1, (batch,), generator=gen), CTX)
+        loss = F.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.get("gradient_clipping", 1.0))
+        opt.step()
+        if step not in args.at:
+            continue
+        beta2 = opt.param_groups[0]["betas"][1]
+        root = [(opt.state[p]["exp_avg_sq"] / (1 - beta2 ** float(opt.state[p]["step"]))).sqrt()
+                for p in model.parameters()]
+        if step == args.freeze_step:
+            frozen = [r.clone() for r in root]
+        if frozen is None:
+            continue
+        # elements with no variance at the freeze (bytes never seen yet) have no ratio: left out
+        ratios = {n: float((r / f)[f > 0].median()) if bool((f > 0).any()) else float("nan")
+                  for n, r, f in zip(names, root, frozen)}
+        finite = [v for v in ratios.values() if math.isfinite(v)]
+        rows.append({"step": step, "loss": float(loss), "per_tensor": ratios, "min": min(finite), "max": max(finite),
+                     "median": statistics.median(finite),
+                     "outside_2x": sum(1 for v in finite if v > 2 or v < 0.5) / len(finite)})
+        print(f"step {step:5d} | loss {float(loss):.3f} | per-tensor median sqrt(V)/sqrt(V_{args.freeze_step}): "
+              f"min {rows[-1]['min']:.2f} median {rows[-1]['median']:.2f} max {rows[-1]['max']:.2f} | "
+              f"tensors off by more than 2x: {100 * rows[-1]['outside_2x']:.0f} % | {time.time() - t0:.0f} s",
+              flush=True)
+    write_json(Path(args.json), {"freeze_step": args.freeze_step, "total_steps": args.total_steps, "batch": batch,
+                                 "params": sum(p.numel() for p in model.parameters()), "rows": rows})
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    steps = [r["step"] for r in rows]
+    for n in names:
+        ax.plot(steps, [r["per_tensor"][n] for r in rows], color="grey", lw=0.6, alpha=0.6)
+    ax.plot(steps, [r["median"] for r in rows], color="black", lw=2, label="median over tensors")
+    ax.axhline(1.0, color="tab:red", lw=1, ls="--", label="frozen")
+    ax.set(yscale="log", xlabel="optimizer step", ylabel=f"sqrt(V̂_t) / sqrt(V̂_{args.freeze_step}) (per-tensor median)",
+           title=f"Adam's variance drift after a freeze at step {args.freeze_step} (byte GPT, dense)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    save_figure(fig, Path(args.plot), dpi=110)
+    print(f"wrote {args.json} and {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
