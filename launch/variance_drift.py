@@ -7,7 +7,7 @@ schedule of ``configs/lm_dense.json`` (AdamW lr 1e-3, weight decay 0.01, clippin
 warm-up over 50 steps and linear decay to 0 at ``--total-steps``; batch = micro-batch × accumulation × ranks of
 that config at 2 ranks), and records, per parameter tensor, the median over its elements of
 ``sqrt(V̂_t) / sqrt(V̂_freeze)``: how much larger (>1) or smaller (<1) dense Adam's step denominator is at
-step t than the frozen one. A frozen-variance step is ``1 / ratio`` times the dense Adam step.
+step t than the frozen one. A frozen-variance step is ``ratio`` times the dense Adam step.
 
     python launch/variance_drift.py                       # ~4 min on 2 cores: steps 30..600 of a 2000-step schedule
     python launch/variance_drift.py --steps 200 --at 30,100,200 --json /tmp/v.json --plot /tmp/v.png
