@@ -39,7 +39,7 @@ from ..feedback import ErrorFeedback
 from .allgather import HEADER_INTS, exchange_header, gather_pairs
 from .base import Exchange, Gathered, check_agreement
 from .wire import (ALIGN, align, block_bytes, chunk_counts_bytes, counts_header_bytes, dtype_code, index_block_bytes,
-                   read_indices, to_wire, write_indices)
+                   pair_block_bytes, read_indices, to_wire, write_indices)
 from .ownership import HashedOwnership, Ownership
 
 _BIT_WEIGHTS = [1 << b for b in range(8)]
@@ -100,13 +100,9 @@ def sparse_reduce_scatter(selection: Selection, numel: int, wire_dtype: torch.dt
     matrix = [h[:world] for h in header]
 
     sdt = index_dtype(numel)  # slots < numel; a block's slots travel packed where smaller (wire.write_indices)
-
-    def size(c: int) -> int:
-        return index_block_bytes(c, numel, sdt) + align(c * wire_dtype.itemsize) if c else 0
-
-    send_sizes = [size(c) for c in counts]
+    send_sizes = [pair_block_bytes(c, numel, sdt, wire_dtype) for c in counts]
     recv_counts = [matrix[src][rank] for src in range(world)]
-    recv_sizes = [size(c) for c in recv_counts]
+    recv_sizes = [pair_block_bytes(c, numel, sdt, wire_dtype) for c in recv_counts]
     payload = torch.zeros(sum(send_sizes), dtype=torch.uint8, device=device)
     slot, values = slot[order], selection.values[order]
     off = first = 0

@@ -88,6 +88,12 @@ def index_block_bytes(capacity: int, numel: int, idx_dtype: torch.dtype) -> int:
     return index_bytes(capacity, numel) if packs(capacity, numel, idx_dtype) else align(int(capacity) * idx_dtype.itemsize)
 
 
+def pair_block_bytes(count: int, numel: int, idx_dtype: torch.dtype, wire_dtype: torch.dtype) -> int:
+    """Bytes of one block of ``count`` (position, value) pairs as :func:`write_indices` lays it out: the
+    positions (packed or plain, :func:`index_block_bytes`) then the values, each aligned; 0 for no pairs."""
+    return index_block_bytes(count, numel, idx_dtype) + align(count * wire_dtype.itemsize) if count else 0
+
+
 def pack_indices(indices: torch.Tensor, numel: int) -> tuple:
     """Sort distinct positions and split them into 16-bit chunk offsets and per-chunk counts.
 
