@@ -134,6 +134,20 @@ class DragonnConfig(DeepSpeedConfigModel):
     tensor's frozen ``sqrt(v)`` is at least this fraction of the tensor's mean ``sqrt(v)``, so that an element
     whose gradient was ~0 during the warm-up cannot take huge steps later. 0: no floor."""
 
+    variance_refresh_steps: int = Field(100, ge=0, strict=True)
+    """``compress: momentum``: every this many steps after the dense warm-up, one step reduces the raw
+    gradient densely (DeepSpeed's own collective) instead of the momentum, and Adam's frozen variance moves
+    towards its square: ``V̂ ← ρ·V̂ + (1 − ρ)·ḡ²`` (``variance_refresh_decay``). That step applies no Adam
+    update (its momentum stays in the residual, sent later: nothing is lost). 0/1 Adam's variance updates
+    (Lu et al., ICLR 2022): a variance frozen after the warm-up drifts up to ~10x per tensor from Adam's
+    over a run (docs/results/convergence/momentum/variance_drift.json). 0: never (1-bit Adam's freeze);
+    1 is refused (nothing would be sent). Costs one dense reduction per ``variance_refresh_steps`` steps."""
+
+    variance_refresh_decay: Optional[float] = Field(None, ge=0.0, lt=1.0, strict=True)
+    """``ρ`` of each variance refresh: the weight the frozen variance keeps. None (default):
+    ``max(β2^variance_refresh_steps, 0.5)``, Adam's own decay over the interval, but at least 0.5 so that
+    one step's squared gradient (a noisy, one-sample estimate) cannot lower ``sqrt(V̂)`` by more than ~30 %."""
+
     selection: SelectionScope = SelectionScope.global_
     """``global``: one threshold over the whole flattened bucket, so the budget goes where the gradient mass
     is (measured better on the LM task: docs/results/convergence); tensors with small gradients are updated late.
@@ -232,6 +246,14 @@ class DragonnConfig(DeepSpeedConfigModel):
         if self.compress == CompressTarget.momentum and self.warmup_steps < 1:
             raise ValueError("'compress': 'momentum' needs 'warmup_steps' >= 1: Adam's variance is frozen from the "
                              "dense warm-up steps")
+        if self.variance_refresh_steps == 1:
+            raise ValueError("'variance_refresh_steps': 1 would refresh at every step and send no momentum; use 0 "
+                             "(never) or at least 2")
+        if self.compress == CompressTarget.gradient:
+            given = [k for k in ("variance_refresh_steps", "variance_refresh_decay") if k in self.model_fields_set]
+            if given:
+                raise ValueError(f"'{given[0]}' applies to 'compress': 'momentum' (or 'auto') only; remove it or "
+                                 f"change 'compress'")
         if self.sync == SyncMode.local_steps and self.compress == CompressTarget.momentum:
             raise ValueError("'sync': 'local_steps' compresses the pseudo-gradient of each round; 'compress': "
                              "'momentum' applies to 'sync': 'every_step' only (remove it or use 'auto')")
@@ -250,6 +272,10 @@ class DragonnConfig(DeepSpeedConfigModel):
                 raise ValueError(f"'{given[0]}' applies to 'sync': 'local_steps' only; add \"sync\": \"local_steps\" "
                                  f"or remove it")
             return
+        refresh = [k for k in ("variance_refresh_steps", "variance_refresh_decay") if k in self.model_fields_set]
+        if refresh:
+            raise ValueError(f"'{refresh[0]}' applies to 'sync': 'every_step' with 'compress': 'momentum' only; "
+                             f"remove it")
         if self.freeze_adam_variance:
             raise ValueError("'freeze_adam_variance' applies to 'sync': 'every_step' only (with local steps each rank's "
                              "Adam runs unchanged on its own gradients)")

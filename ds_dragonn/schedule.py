@@ -9,6 +9,9 @@ Step ``t`` (DeepSpeed's ``global_steps``, the same on every rank):
   ``warmup_steps + j`` (DGC, Lin et al., ICLR 2018, Sec. 3.3: 25 %, 6.25 %, 1.5625 %, ... per epoch);
 * then ``density``.
 
+Momentum mode (``compress: momentum``): every ``refresh_steps`` steps after the warm-up, one step is a
+variance refresh (:meth:`DensitySchedule.refresh`: a dense reduction of the raw gradient, ``engine/adam.py``).
+
 The error-feedback residual is what makes a sudden drop in density harmful early in training (it holds
 many steps of small gradients at once); the warm-up keeps it small while the weights move fastest.
 """
@@ -21,20 +24,28 @@ class DensitySchedule:
     """Density of each step (None: a dense warm-up step). Pure function of the step and the config."""
 
     def __init__(self, density: float, warmup_steps: int = 0, density_warmup_steps: int = 0,
-                 density_warmup_start: float = 0.25):
+                 density_warmup_start: float = 0.25, refresh_steps: int = 0):
         self.density = float(density)
         self.warmup_steps = int(warmup_steps)
+        # a refresh step applies no update: pointless (and not Adam) where nothing is delayed
+        self.refresh_steps = int(refresh_steps) if self.density < 1.0 and refresh_steps >= 2 else 0
         self.start = float(density_warmup_start)
         # no warm-up when it would not lower the density
         self.steps = int(density_warmup_steps) if self.start > self.density else 0
 
     @classmethod
     def from_config(cls, cfg) -> "DensitySchedule":
-        return cls(cfg.density, cfg.warmup_steps, cfg.density_warmup_steps, cfg.density_warmup_start)
+        refresh = cfg.variance_refresh_steps if cfg.compress.value == "momentum" else 0
+        return cls(cfg.density, cfg.warmup_steps, cfg.density_warmup_steps, cfg.density_warmup_start, refresh)
 
     def dense(self, step: int) -> bool:
         """True in the dense warm-up."""
         return step < self.warmup_steps
+
+    def refresh(self, step: int) -> bool:
+        """True at the last step of every ``refresh_steps`` steps after the warm-up (momentum mode)."""
+        r = self.refresh_steps
+        return r > 0 and step >= self.warmup_steps and (step - self.warmup_steps) % r == r - 1
 
     def warming(self, step: int) -> bool:
         """True while the density is above its target (compressed steps of the density warm-up)."""
@@ -54,4 +65,6 @@ class DensitySchedule:
         if self.steps:
             parts.append(f"density {self.start:g} -> {self.density:g} over {self.steps} steps (exponential)")
         parts.append(f"then density {self.density:g}")
+        if self.refresh_steps:
+            parts.append(f"Adam's variance refreshed every {self.refresh_steps} steps")
         return ", ".join(parts)

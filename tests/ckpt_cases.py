@@ -16,9 +16,10 @@ RESUME_RUNS = {
     "s2_fp32": zero_config(2, {"enabled": True, "density": 0.01}),
     "s0_bf16_partitioned": engine_config({**_D, "exchange": "partitioned"}, bf16=True),
     "s0_dense": engine_config(None),  # a checkpoint without DRAGONN state
-    # the momentum mode: the local momentum and the frozen variance are in the state too
-    "s0_bf16_momentum": zero_config(0, {"enabled": True, "density": 0.01, "compress": "momentum", "warmup_steps": 1},
-                                    bf16=True),
+    # the momentum mode: the local momentum and the frozen variance are in the state too; the bf16 run refreshes
+    # the variance at steps 2 and 4 (one before the save at K = 3, one after the load)
+    "s0_bf16_momentum": zero_config(0, {"enabled": True, "density": 0.01, "compress": "momentum", "warmup_steps": 1,
+                                        "variance_refresh_steps": 2}, bf16=True),
     "s2_fp32_momentum": zero_config(2, {"enabled": True, "density": 0.01, "compress": "momentum", "warmup_steps": 1}),
 }
 #: a second engine of these runs trains past K, then loads the step-K tag in the same process and trains to 2K:

@@ -29,6 +29,14 @@ ENGINE_RUNS = {f"s{s}_bf16_gas2_clip": {**zero_config(s, _M, bf16=True, gas=2), 
 ENGINE_RUNS["s0_fp32_d1"] = {**zero_config(0, {**_M, "density": 1.0, "variance_floor": 0.0}), "gradient_clipping": 0.0}
 ENGINE_RUNS["s2_fp32_d1"] = {**zero_config(2, {**_M, "density": 1.0, "variance_floor": 0.0}), "gradient_clipping": 0.0}
 ENGINE_STEPS = 6
+_R = {**_M, "variance_refresh_steps": 2}
+_NO_DECAY = {"optimizer": {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True, "weight_decay": 0.0}}}
+#: variance refresh every 2 steps after the warm-up of 2 (steps 3 and 5): the last step is a refresh step, and
+#: without weight decay (DeepSpeed's torch AdamW decays by 0.01 by default) it must not move the weights
+REFRESH_RUNS = {"s0_bf16_gas2_clip_refresh": {**zero_config(0, _R, bf16=True, gas=2), "gradient_clipping": 1.0,
+                                              **_NO_DECAY},
+                "s1_fp32_refresh": {**zero_config(1, _R), **_NO_DECAY},
+                "s2_fp32_refresh": {**zero_config(2, _R), **_NO_DECAY}}
 LAYERS = (32, 64, 10)
 
 
@@ -94,6 +102,21 @@ def engine_runs(rank: int, world: int, out_dir: str) -> None:
                      "frozen": hook is not None and hook.variance_freeze is not None
                      and hook.variance_freeze.frozen is not None,
                      "momenta": len(hook.momentum.momenta) if hook and hook.momentum is not None else 0}
+    for name, cfg in REFRESH_RUNS.items():  # params before and after the last step (a refresh step)
+        gas = cfg["gradient_accumulation_steps"]
+        engine, hook = train_mlp(cfg, rank, LAYERS, (ENGINE_STEPS - 1) * gas)
+        before = [p.detach().float().clone() for p in engine.module.parameters()]
+        dtype = next(engine.module.parameters()).dtype
+        g = torch.Generator().manual_seed(100 + rank)
+        for _ in range(gas):
+            x = torch.randn(8, LAYERS[0], generator=g).to(dtype)
+            y = torch.randint(0, LAYERS[2], (8,), generator=g)
+            engine.backward(torch.nn.functional.cross_entropy(engine(x).float(), y))
+            engine.step()
+        out[name] = {"before": before, "params": [p.detach().float().clone() for p in engine.module.parameters()],
+                     "refreshed": hook.variance_freeze.refreshed, "compressed": hook.telemetry.compressed_reductions,
+                     "dense": hook.telemetry.dense_reductions,
+                     "residual": sum(float(r.double().abs().sum()) for r in hook.error_feedback.residuals.values())}
     out["frozen_reference"] = frozen_reference(rank)
     # an optimizer without betas is refused, naming it
     model = torch.nn.Linear(4, 4)

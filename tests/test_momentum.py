@@ -11,7 +11,7 @@ from ds_dragonn.config import DragonnConfig, DragonnConfigError
 from ds_dragonn.engine.adam import VarianceFreeze
 from ds_dragonn.feedback import ErrorFeedback
 from ds_dragonn.momentum import LocalMomentum
-from tests.momentum_cases import BETA, ENGINE_RUNS, PIPE_CASES, PIPE_STEPS, pipe_input
+from tests.momentum_cases import BETA, ENGINE_RUNS, PIPE_CASES, PIPE_STEPS, REFRESH_RUNS, pipe_input
 from tests.multiproc import load_rank_files, run_ranks
 
 
@@ -85,6 +85,12 @@ def test_momentum_state_round_trip_and_errors():
     ({"compress": "momentum_sgd"}, "compress"),
     ({"variance_floor": -0.1}, "variance_floor"),
     ({"variance_floor": 2}, "variance_floor"),
+    ({"variance_refresh_steps": 1}, "'variance_refresh_steps': 1 would refresh at every step"),
+    ({"variance_refresh_steps": -1}, "variance_refresh_steps"),
+    ({"compress": "gradient", "variance_refresh_steps": 50}, "'variance_refresh_steps' applies to 'compress': 'momentum'"),
+    ({"compress": "gradient", "variance_refresh_decay": 0.5}, "'variance_refresh_decay' applies to"),
+    ({"variance_refresh_decay": 1.0}, "variance_refresh_decay"),
+    ({"sync": "local_steps", "variance_refresh_steps": 50}, "'variance_refresh_steps' applies to 'sync': 'every_step'"),
 ])
 def test_config_refuses_what_cannot_work(block, words):
     with pytest.raises(DragonnConfigError, match=words):
@@ -199,6 +205,16 @@ def test_density_one_is_dense_adam_with_the_variance_frozen(engine_runs, name):
             torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", list(REFRESH_RUNS))
+def test_engines_refresh_the_variance_without_an_update(engine_runs, name):
+    """ZeRO 0 (bf16, accumulation, clipping), 1 and 2: on a refresh step (the last) the weights do not move
+    (torch Adam, no weight decay), the ranks stay in sync, the step's momentum waits in the residual."""
+    a, b = engine_runs[0][name], engine_runs[1][name]
+    assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
+    assert all(torch.equal(x, y) for x, y in zip(a["before"], a["params"])), "a refresh step moved the weights"
+    assert a["refreshed"] == 2 and a["compressed"] > 0 and a["dense"] > 0 and a["residual"] > 0, a
+
+
 def test_an_optimizer_without_betas_is_refused(engine_runs):
     for r in range(2):
         msg = engine_runs[r]["sgd_error"]
@@ -270,3 +286,107 @@ def test_the_local_momentum_follows_a_scheduled_beta1():
     assert hook.momentum.beta == 0.5
     opt.param_groups[0]["betas"] = (0.95, 0.99)  # e.g. OneCycle's cycle_momentum
     assert hook._carries_momentum(step=5) and hook.momentum.beta == 0.95
+
+
+# -- the variance refresh (0/1 Adam's variance updates) ------------------------------------------------------
+
+def test_the_refresh_schedule():
+    from ds_dragonn.schedule import DensitySchedule
+    s = DensitySchedule(0.01, warmup_steps=30, density_warmup_steps=100, refresh_steps=100)
+    assert [t for t in range(400) if s.refresh(t)] == [129, 229, 329]
+    assert not any(DensitySchedule(0.01, 30, refresh_steps=0).refresh(t) for t in range(300))
+    assert not any(DensitySchedule(1.0, 30, refresh_steps=2).refresh(t) for t in range(300))  # nothing delayed
+    assert [t for t in range(8) if DensitySchedule(0.1, 2, refresh_steps=2).refresh(t)] == [3, 5, 7]
+    momentum = DragonnConfig(enabled=True, compress="momentum")
+    assert DensitySchedule.from_config(momentum).refresh_steps == 100
+    assert DensitySchedule.from_config(DragonnConfig(enabled=True, compress="gradient")).refresh_steps == 0
+    assert "refreshed every 100 steps" in DensitySchedule.from_config(momentum).describe()
+
+
+def _reference_refreshed_adamw(p0, grads, freeze_at, refresh_at, rho, lr=0.01, b1=0.9, b2=0.999, eps=1e-8, wd=0.1,
+                               floor=0.0):
+    """float64 AdamW: dense for ``freeze_at`` steps, then the momentum mode's update with the frozen variance;
+    on a step in ``refresh_at`` V̂ ← ρ·V̂ + (1 − ρ)·g² (floored) and only the weight decay."""
+    p, m, v = p0.clone(), torch.zeros_like(p0), torch.zeros_like(p0)
+
+    def floored(x):
+        return x.clamp_min((floor * float(x.sqrt().mean())) ** 2) if floor else x
+    vhat = None
+    for t, g in enumerate(grads, start=1):
+        p = p * (1 - lr * wd)
+        if t <= freeze_at:
+            m = b1 * m + (1 - b1) * g
+            v = b2 * v + (1 - b2) * g * g
+            p = p - lr * (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt() + eps)
+            continue
+        if vhat is None:
+            vhat = floored(v / (1 - b2 ** freeze_at))
+        if t - 1 in refresh_at:
+            vhat = floored(rho * vhat + (1 - rho) * g * g)
+            continue
+        p = p - lr * (g / (1 - b1 ** t)) / (vhat.sqrt() + eps)
+    return p
+
+
+@pytest.mark.parametrize("floor, decay", [(0.0, None), (0.5, 0.7)])
+def test_a_refresh_moves_the_frozen_variance_and_applies_no_update(floor, decay):
+    """Against float64 AdamW: refresh steps move V̂ towards g² and only decay the weights; the steps after
+    them divide by the refreshed V̂. The default ρ is max(β2^R, 0.5)."""
+    p = torch.nn.Parameter(torch.randn(50, dtype=torch.float64))
+    p0 = p.detach().clone()
+    opt = torch.optim.AdamW([p], lr=0.01, weight_decay=0.1)
+    engine = SimpleNamespace(optimizer=opt, global_steps=0)
+    refresh_at = {5, 8}
+    freeze = VarianceFreeze(engine, freeze_step=3, floor=floor, momentum=True, refresh=lambda t: t in refresh_at,
+                            refresh_steps=3, refresh_decay=decay)
+    rho = decay if decay is not None else max(0.999 ** 3, 0.5)
+    assert freeze.decay(0.999) == rho and VarianceFreeze(engine, 3, refresh_steps=100).decay(0.95) == 0.5
+    gen = torch.Generator().manual_seed(5)
+    grads = [torch.randn(50, generator=gen, dtype=torch.float64) * (1 + 10 * (t > 5)) for t in range(10)]
+    grads[1][:4] = 0.0  # awkward entries: 0 in one warm-up step, then large after the refresh
+    for g in grads:
+        if engine.global_steps == 3:
+            freeze.arm()
+        before = p.detach().clone()
+        p.grad = g.clone()
+        opt.step()
+        if engine.global_steps in refresh_at:  # AdamW's decay, exactly, and nothing else
+            torch.testing.assert_close(p.detach(), before * (1 - 0.01 * 0.1), rtol=0, atol=0)
+        engine.global_steps += 1
+    assert freeze.refreshed == 2
+    ref = _reference_refreshed_adamw(p0, grads, 3, refresh_at, rho, floor=floor)
+    torch.testing.assert_close(p.detach(), ref, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("transactional", [False, True])
+def test_a_refresh_step_holds_the_momentum_in_the_residual(transactional):
+    """Nothing lost: after a refresh step the residual is the old residual plus this step's momentum
+    (float64), the bucket owes a flush, and a skipped step leaves residual and momentum as they were."""
+    from ds_dragonn.engine.base import HookBase
+    from tests.fakes import fake_engine
+    p = torch.nn.Parameter(torch.ones(7, dtype=torch.float64))
+    opt = torch.optim.AdamW([p], lr=0.1, betas=(0.8, 0.99))
+    hook = HookBase(fake_engine(optimizer=opt), DragonnConfig(enabled=True, compress="momentum", warmup_steps=1,
+                                                             variance_refresh_steps=2))
+    hook.error_feedback.transactional = hook.momentum.transactional = transactional
+    gen = torch.Generator().manual_seed(1)
+    g1, g2, g3 = (torch.randn(7, generator=gen, dtype=torch.float64) for _ in range(3))
+    hook.momentum.update("b", [g1], torch.float64, 0.5)
+    hook.error_feedback.compensate_("b", [hook.momentum.momenta["b"] if not transactional else hook.momentum._work["b"]],
+                                    torch.float64)
+    for store in (hook.momentum, hook.error_feedback):
+        store.end_step(True)
+    m1, r1 = hook.momentum.momenta["b"].clone(), hook.error_feedback.residuals["b"].clone()
+    assert hook._refreshes(2) and not hook._refreshes(1) and not hook._refreshes(3)
+    if transactional:  # a skipped refresh step: as before
+        hook._hold_momentum("b", [g2 * 3], torch.float64, 0.5)
+        for store in (hook.momentum, hook.error_feedback):
+            store.end_step(False)
+        assert torch.equal(hook.momentum.momenta["b"], m1) and torch.equal(hook.error_feedback.residuals["b"], r1)
+    hook._hold_momentum("b", [g2, g3[:0]], torch.float64, 0.5)
+    for store in (hook.momentum, hook.error_feedback):
+        store.end_step(True)
+    m2 = 0.8 * m1 + 0.2 * 0.5 * g2
+    torch.testing.assert_close(hook.momentum.momenta["b"], m2, rtol=1e-15, atol=1e-15)
+    torch.testing.assert_close(hook.error_feedback.residuals["b"], r1 + m2, rtol=1e-15, atol=1e-15)
+    assert "b" in hook.pending and hook.variance_freeze.armed

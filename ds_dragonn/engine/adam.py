@@ -17,11 +17,18 @@ denominator is ``sqrt(V̂)`` whatever this step's gradient (the burst included) 
 A few vector passes over the variance per step. A skipped step (fp16 overflow) runs no optimizer step.
 After a checkpoint load the next step records ``V̂`` again from the loaded state (the same value: the
 variance is kept on target).
+
+Variance refresh (momentum mode, ``variance_refresh_steps``; 0/1 Adam, Lu et al., ICLR 2022): a frozen
+``V̂`` drifts from Adam's, up to ~10x per tensor over a 2000-step GPT run (``launch/variance_drift.py``). On a
+refresh step the hooks reduce the raw gradient densely, so the optimizer receives ``ḡ`` (averaged, clipped
+as Adam would see it); the pre-hook moves ``V̂ ← ρ·V̂ + (1 − ρ)·ḡ²`` (floored again) and zeroes the gradient
+and ``exp_avg``, so Adam applies no update (AdamW still decays the weights once). That step's momentum was
+added to the residual, unsent (``engine/base.py``): it goes out with later steps, nothing is lost.
 """
 from __future__ import annotations
 
 import math
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 from deepspeed.utils.logging import print_dist
@@ -112,13 +119,23 @@ class VarianceFreeze:
             momenta ``β1·M + (1 − β1)·g``, tracked from the first step): before each frozen step ``exp_avg``
             is set to the gradient, so that Adam's first moment is that momentum and Adam applies
             ``lr · (g / (1 − β1^t)) / (sqrt(V̂) + eps)``, its own bias correction included (1-bit Adam).
+        refresh: ``refresh(step)`` is True on a variance-refresh step (momentum mode; the gradient is then
+            the dense raw gradient): ``V̂ ← ρ·V̂ + (1 − ρ)·g²`` and no update (module docstring).
+        refresh_steps: the interval between refreshes (for the default ``ρ``).
+        refresh_decay: ``ρ``; None: ``max(β2^refresh_steps, 0.5)`` of each parameter group's β2.
     """
 
-    def __init__(self, engine: Any, freeze_step: int, floor: float = 0.0, momentum: bool = False):
+    def __init__(self, engine: Any, freeze_step: int, floor: float = 0.0, momentum: bool = False,
+                 refresh: Optional[Callable[[int], bool]] = None, refresh_steps: int = 0,
+                 refresh_decay: Optional[float] = None):
         self.engine = engine
         self.freeze_step = int(freeze_step)
         self.floor = float(floor)
         self.momentum = bool(momentum)
+        self.refresh = refresh if momentum else None
+        self.refresh_steps = int(refresh_steps)
+        self.refresh_decay = refresh_decay
+        self.refreshed = 0  # refreshes applied (this process)
         self.optimizer = base_optimizer(engine)
         self.frozen: Optional[List[torch.Tensor]] = None  # V̂ per entry of self.params
         self.params: List[torch.nn.Parameter] = []
@@ -141,6 +158,7 @@ class VarianceFreeze:
         if self.frozen is None and not self._record(optimizer):
             return
         late = 0
+        refreshing = self.refresh is not None and self.refresh(int(self.engine.global_steps))
         for group in optimizer.param_groups:
             beta1, beta2 = float(group["betas"][0]), float(group["betas"][1])
             corrected = group.get("bias_correction", True)  # DeepSpeed's FusedAdam may turn it off
@@ -157,12 +175,22 @@ class VarianceFreeze:
                 t = _step_count(state) + 1.0  # the step count Adam is about to use
                 v, g = state["exp_avg_sq"], p.grad
                 c2 = (1.0 - beta2 ** t) if corrected else 1.0
+                if refreshing:
+                    self._refresh_step(state, g, i, self.decay(beta2), beta2, c2)
+                    continue
                 if self.momentum:
                     self._momentum_step(state, g, self.frozen[i], beta1, beta2, c2, float(group.get("eps", 1e-8)))
                     continue
                 target = self.frozen[i] * (c2 / beta2)
                 v.copy_(target.addcmul_(g, g, value=-(1.0 - beta2) / beta2))
 
+        if refreshing:
+            self.refreshed += 1
+            if self.refreshed == 1:
+                rho = sorted({self.decay(float(g["betas"][1])) for g in optimizer.param_groups})
+                print_dist(f"DRAGONN: Adam's frozen variance refreshed from the dense gradient of step "
+                           f"{int(self.engine.global_steps) + 1} (decay {', '.join(f'{r:.3g}' for r in rho)}; "
+                           f"every {self.refresh_steps} steps, no update on those steps)", ranks=[0])
         if late:
             print_dist(f"DRAGONN: Adam's variance frozen at step {int(self.engine.global_steps) + 1} for {late} "
                        f"parameter tensor(s) that started training after the freeze", ranks=[0])
@@ -175,11 +203,31 @@ class VarianceFreeze:
             return None
         corrected = group.get("bias_correction", True)
         v = state["exp_avg_sq"].detach() / ((1.0 - float(betas[1]) ** t) if corrected else 1.0)
-        if self.floor > 0.0 and v.numel():  # sqrt(V̂) >= floor × its tensor's mean sqrt(V̂)
+        return self._floored_(v)
+
+    def _floored_(self, v: torch.Tensor) -> torch.Tensor:
+        """``v`` raised in place to ``(floor × mean sqrt(v))²`` (its tensor's), where that is finite and > 0."""
+        if self.floor > 0.0 and v.numel():
             low = (self.floor * float(v.sqrt().mean())) ** 2
             if math.isfinite(low) and low > 0.0:
-                v = v.clamp_min(low)
+                v.clamp_min_(low)
         return v
+
+    def decay(self, beta2: float) -> float:
+        """``ρ`` of a refresh for a parameter group with this β2 (``refresh_decay``, or the default rule)."""
+        if self.refresh_decay is not None:
+            return float(self.refresh_decay)
+        return max(beta2 ** max(self.refresh_steps, 1), 0.5)
+
+    def _refresh_step(self, state: dict, g: torch.Tensor, i: int, rho: float, beta2: float, c2: float) -> None:
+        """A refresh step: ``V̂ ← ρ·V̂ + (1 − ρ)·g²`` (floored), then Adam's moments and the gradient set so
+        that this step's update is exactly 0 (``m_t = β1·0 + (1 − β1)·0``) and ``v_t = V̂·c2``."""
+        frozen = self.frozen[i]
+        frozen.mul_(rho).addcmul_(g.to(frozen.dtype), g.to(frozen.dtype), value=1.0 - rho)
+        self._floored_(frozen)
+        state["exp_avg_sq"].copy_(frozen).mul_(c2 / beta2)
+        state["exp_avg"].zero_()
+        g.zero_()
 
     def _add(self, p: torch.Tensor, state: dict, group: dict) -> Optional[int]:
         """Freeze the variance of ``p`` now (index into ``frozen``), or None where there is none yet."""
@@ -260,5 +308,6 @@ class VarianceFreeze:
                                              for v, p in zip(frozen, params)):
             return
         self.params = params
-        self.frozen = [v.to(device=p.device, dtype=self.optimizer.state[p]["exp_avg_sq"].dtype) for v, p in zip(frozen, params)]
+        self.frozen = [v.to(device=p.device, dtype=self.optimizer.state[p]["exp_avg_sq"].dtype, copy=True)
+                       for v, p in zip(frozen, params)]  # a copy: refreshes change V̂ in place
         self._index = {id(p): i for i, p in enumerate(params)}

@@ -70,7 +70,10 @@ class HookBase:
             beta1 = adam_beta1(engine) if has_optimizer else None
             self.momentum = LocalMomentum(0.9 if beta1 is None else beta1, transactional=self.transactional)
             if has_optimizer:
-                self.variance_freeze = VarianceFreeze(engine, cfg.warmup_steps, cfg.variance_floor, momentum=True)
+                schedule = self.decision.schedule
+                self.variance_freeze = VarianceFreeze(engine, cfg.warmup_steps, cfg.variance_floor, momentum=True,
+                                                      refresh=schedule.refresh, refresh_steps=schedule.refresh_steps,
+                                                      refresh_decay=cfg.variance_refresh_decay)
         # only where gradients are delayed (density below 1, error feedback on: bursts), and only after dense
         # warm-up steps: a variance estimated from sparse steps is ~0 where nothing arrived yet (measured:
         # the LM diverges when frozen at the end of the density warm-up without dense steps)
@@ -178,6 +181,21 @@ class HookBase:
         if self.variance_freeze is not None:
             self.variance_freeze.arm()
         return True
+
+    def _refreshes(self, step: int) -> bool:
+        """Momentum mode: ``step`` refreshes Adam's frozen variance (``schedule.refresh``): every bucket is
+        reduced densely as the raw gradient (:meth:`_hold_momentum` first), whatever the decision."""
+        return self.variance_freeze is not None and self.momentum is not None and self.decision.schedule.refresh(step)
+
+    def _hold_momentum(self, key: Hashable, tensors, dtype: torch.dtype, prescale: float) -> None:
+        """A variance-refresh step, before DeepSpeed's dense reduction of the raw gradients: fold them into the
+        local momentum and add this step's momentum to the residual, unsent (it goes out with later steps;
+        transactional like every residual update)."""
+        self._follow_beta()
+        self.variance_freeze.arm()
+        held, pre = self.momentum.update(key, tensors, dtype, prescale)
+        self.error_feedback.compensate_(key, held, dtype, pre)
+        self.pending.add(key)
 
     def _follow_beta(self) -> None:
         """The local momentum's β1 is the optimizer's current one (a scheduler may cycle it, e.g. OneCycle)."""

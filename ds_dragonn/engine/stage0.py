@@ -91,6 +91,12 @@ class Stage0Hook(HookBase):
         if dp_world_size is None:
             dp_world_size = world
         key = BucketKey(ALLREDUCE, ordinal, str(comm_dtype), numel, self._layout(bucket))
+        if self._refreshes(step):  # momentum mode: the raw gradient, densely, refreshes Adam's variance
+            clock = PhaseClock(bucket[0].device)
+            self._hold_momentum(key, bucket, comm_dtype, reduction_scales(engine, dp_world_size).prescale)
+            out = self._dense_allreduce_bucket(bucket, dp_group, dp_world_size)
+            self._record_dense(key, numel, comm_dtype.itemsize, world, clock.lap(), True)
+            return out
         segments = self.decision.segments(key, numel, lambda: [t.shape for t in bucket])
         dense, fixed = self.decision.choose(key, numel, step, pipeline, comm_dtype)
         if dense:

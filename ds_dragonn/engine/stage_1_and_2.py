@@ -90,6 +90,12 @@ class Stage12Hook(HookBase):
         world = pipeline.backend.world_size
         dt = communication_data_type
         key = BucketKey(REDUCE_SCATTER, ordinal, str(dt), numel, self._layout(dt))
+        if self._refreshes(step):  # momentum mode: the raw gradient, densely, refreshes Adam's variance
+            clock = PhaseClock(tensor.device)
+            self._hold_momentum(key, [tensor], dt, 1.0 / world)  # in the units DeepSpeed divides to
+            self._dense_average_tensor(tensor, dt)
+            dense_bytes = self._dense_bytes(numel, dt.itemsize, world)
+            return self._record_dense(key, numel, dt.itemsize, world, clock.lap(), True, dense_bytes)
         segments = self.decision.segments(key, numel, lambda: self._shapes(dt))
         dense, fixed = self.decision.choose(key, numel, step, pipeline, dt, self._dense_bytes(numel, dt.itemsize, world))
         flush = dense and (key in self.pending or self._carries_momentum(step))  # residual (and momentum) go out
