@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import re
 import signal
@@ -397,7 +398,8 @@ def run_rank(args) -> Optional[dict]:
         if quality:
             record.update(eval_every=args.eval_every, eval_windows=args.eval_windows, curve=curve,
                           final_loss=curve[-1]["loss"], bytes_per_step=sent1 / steps,
-                          dense_warmup_steps=dragonn.warmup_steps if dragonn is not None else 0)
+                          dense_warmup_steps=dragonn.warmup_steps if dragonn is not None else 0,
+                          variance_refresh_steps=_refresh_steps(engine))
         else:
             timed = steps - first_timed + 1
             tx1 = tx_bytes(args.iface)
@@ -418,6 +420,12 @@ def run_rank(args) -> Optional[dict]:
     dist.barrier()
     dist.destroy_process_group()
     return record
+
+
+def _refresh_steps(engine) -> int:
+    """The momentum mode's variance-refresh interval of this run (0: none, or not the momentum mode)."""
+    hook = getattr(engine, "dragonn", None)
+    return hook.schedule.refresh_steps if hook is not None and getattr(hook, "momentum", None) is not None else 0
 
 
 def model_device(module):
@@ -551,11 +559,18 @@ def steps_to_target(curve: Sequence[dict], target: float) -> Optional[float]:
     return None
 
 
-def seconds_at(step: float, ms: float, dense_ms: Optional[float] = None, dense_steps: int = 0) -> float:
+def seconds_at(step: float, ms: float, dense_ms: Optional[float] = None, dense_steps: int = 0,
+               refresh_steps: int = 0) -> float:
     """Training seconds of the first ``step`` steps: the first ``dense_steps`` at ``dense_ms`` (DRAGONN's dense
-    warm-up), the others at ``ms`` (median ms per step)."""
-    warm = min(step, dense_steps) if dense_ms is not None else 0
-    return (warm * dense_ms + (step - warm) * ms) / 1e3 if warm else step * ms / 1e3
+    warm-up), and after them every ``refresh_steps``-th step too (the momentum mode's variance refreshes: a
+    dense reduction, steps ``dense_steps + R − 1``, ``+ 2R − 1``, ...), the others at ``ms`` (median ms per step;
+    a timing run is too short to contain a refresh)."""
+    if dense_ms is None:
+        return step * ms / 1e3
+    warm = min(step, dense_steps)
+    refreshes = math.floor((step - dense_steps) / refresh_steps) if refresh_steps and step > dense_steps else 0
+    dense = warm + refreshes
+    return (dense * dense_ms + (step - dense) * ms) / 1e3
 
 
 def link_mbit(link: Optional[str]) -> Optional[float]:
@@ -595,6 +610,7 @@ def build_rows(quality: Sequence[dict], timing: Sequence[dict], fraction: float 
             reach = steps_to_target(q["curve"], target)
             ms = t["median_step_ms"] if t else None
             dense_ms, dense_steps = (t.get("dense_step_ms") if t else None), q.get("dense_warmup_steps", 0)
+            refresh = q.get("variance_refresh_steps", 0)
             choice = None
             if t and t.get("timed_telemetry"):
                 c, d = t["timed_telemetry"]["compressed_reductions"], t["timed_telemetry"]["dense_reductions"]
@@ -604,8 +620,9 @@ def build_rows(quality: Sequence[dict], timing: Sequence[dict], fraction: float 
                 "mode": q["mode"], "link": link, "link_mbit": link_mbit(link), "reference": q.get("reference", False),
                 "target_loss": target, "target_step": target_step, "target_fraction": fraction,
                 "steps_to_target": reach, "median_step_ms": ms, "dense_step_ms": dense_ms,
-                "dense_warmup_steps": dense_steps,
-                "time_to_target_s": seconds_at(reach, ms, dense_ms, dense_steps) if reach is not None and ms else None,
+                "dense_warmup_steps": dense_steps, "variance_refresh_steps": refresh,
+                "time_to_target_s": (seconds_at(reach, ms, dense_ms, dense_steps, refresh)
+                                     if reach is not None and ms else None),
                 "final_loss": q["final_loss"],
                 "gap_vs_dense_pct": 100 * (q["final_loss"] - ref["final_loss"]) / ref["final_loss"],
                 "final_gap_to_target_pct": None if reach is not None else 100 * (q["final_loss"] - target) / target,
@@ -613,7 +630,7 @@ def build_rows(quality: Sequence[dict], timing: Sequence[dict], fraction: float 
                 "bytes_source": "timing" if t else "quality",
                 "tx_bytes_per_step": t.get("tx_bytes_per_step") if t else None,
                 "timed_choice": choice, "steps": q["steps"], "about": q.get("about", ""),
-                "curve": [dict(c, seconds=seconds_at(c["step"], ms, dense_ms, dense_steps) if ms else None)
+                "curve": [dict(c, seconds=seconds_at(c["step"], ms, dense_ms, dense_steps, refresh) if ms else None)
                           for c in q["curve"]]})
     for link in links:
         base = next((r for r in rows if r["link"] == link and r["mode"] == baseline), None)
@@ -718,7 +735,8 @@ def plot(rows: Sequence[dict], path, link: str = PLOT_LINK) -> str:
         w = r["dense_warmup_steps"]
         if chosen and pts and r["dense_step_ms"] is not None and 0 < w < r["curve"][-1]["step"]:
             # the end of the dense warm-up: where seconds per step change (the line bends there)
-            pts = sorted(pts + [(seconds_at(w, r["median_step_ms"], r["dense_step_ms"], w), loss_at(r["curve"], w))])
+            pts = sorted(pts + [(seconds_at(w, r["median_step_ms"], r["dense_step_ms"], w,
+                                            r.get("variance_refresh_steps", 0)), loss_at(r["curve"], w))])
         if pts:
             line, = ax.plot(*zip(*pts), marker=".", linestyle="--" if r["reference"] else "-", label=r["mode"])
             at = r["time_to_target_s"] if chosen else r["steps_to_target"]

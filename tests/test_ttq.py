@@ -60,6 +60,11 @@ def test_seconds_charge_the_dense_warm_up_at_its_own_step_time():
     assert ttq.seconds_at(100, 50.0, dense_ms=200.0, dense_steps=30) == pytest.approx((30 * 200 + 70 * 50) / 1e3)
     assert ttq.seconds_at(20, 50.0, dense_ms=200.0, dense_steps=30) == pytest.approx(20 * 200 / 1e3)
     assert ttq.seconds_at(100, 50.0, dense_ms=None, dense_steps=30) == 5.0
+    # variance refreshes after the warm-up (steps 30 + 9, + 19, ...): 30 + 7 dense steps among the first 100
+    assert ttq.seconds_at(100, 50.0, dense_ms=200.0, dense_steps=30, refresh_steps=10) == pytest.approx(
+        (37 * 200 + 63 * 50) / 1e3)
+    assert ttq.seconds_at(39, 50.0, 200.0, 30, 10) == pytest.approx((30 * 200 + 9 * 50) / 1e3)  # before the first
+    assert ttq.seconds_at(40, 50.0, 200.0, 30, 10) == pytest.approx((31 * 200 + 9 * 50) / 1e3)  # step 39 counted
 
 
 def synthetic_records():
