@@ -76,9 +76,14 @@ def test_variance_drift_ratios_start_at_one(tmp_path):
     """launch/variance_drift.py: the ratio is 1 at the freeze step for every tensor, then moves; JSON and PNG."""
     out, png = tmp_path / "v.json", tmp_path / "v.png"
     text = _run(["launch/variance_drift.py", "--steps", "4", "--freeze-step", "2", "--at", "2,4",
+                 "--refresh-steps", "2", "--refresh-decay", "0.5", "--floor", "0",
                  "--json", str(out), "--plot", str(png)])
-    assert "tensors off by more than 2x" in text and png.stat().st_size > 0
+    assert "off >2x" in text and "refreshed every 2" in text and png.stat().st_size > 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["step"] for r in rows] == [2, 4]
-    assert all(abs(v - 1.0) < 1e-6 for v in rows[0]["per_tensor"].values() if v == v)
-    assert any(abs(v - 1.0) > 1e-4 for v in rows[1]["per_tensor"].values() if v == v)
+    for key in ("per_tensor", "refreshed_per_tensor"):
+        assert all(abs(v - 1.0) < 1e-6 for v in rows[0][key].values() if v == v)
+        assert any(abs(v - 1.0) > 1e-4 for v in rows[1][key].values() if v == v)
+    # the refresh at step 4 (0-based 3 = freeze + R - 1) moved the reference: the ratios differ from the frozen's
+    assert any(abs(a - b) > 1e-4 for a, b in zip(rows[1]["per_tensor"].values(), rows[1]["refreshed_per_tensor"].values())
+               if a == a and b == b)
