@@ -143,10 +143,11 @@ class DragonnConfig(DeepSpeedConfigModel):
     over a run (docs/results/convergence/momentum/variance_drift.json). 0: never (1-bit Adam's freeze);
     1 is refused (nothing would be sent). Costs one dense reduction per ``variance_refresh_steps`` steps."""
 
-    variance_refresh_decay: Optional[float] = Field(None, ge=0.0, lt=1.0, strict=True)
-    """``ρ`` of each variance refresh: the weight the frozen variance keeps. None (default):
-    ``max(β2^variance_refresh_steps, 0.5)``, Adam's own decay over the interval, but at least 0.5 so that
-    one step's squared gradient (a noisy, one-sample estimate) cannot lower ``sqrt(V̂)`` by more than ~30 %."""
+    variance_refresh_decay: Optional[float] = Field(None, ge=0.5, lt=1.0, strict=True)
+    """``ρ`` of each variance refresh, in [0.5, 1): the weight the frozen variance keeps. None (default):
+    ``max(β2^variance_refresh_steps, 0.5)``, Adam's own decay over the interval. At least 0.5, so that one
+    step's squared gradient (a noisy, one-sample estimate, 0 where the step's gradient is) cannot lower
+    ``sqrt(V̂)`` by more than ~30 % per refresh."""
 
     selection: SelectionScope = SelectionScope.global_
     """``global``: one threshold over the whole flattened bucket, so the budget goes where the gradient mass

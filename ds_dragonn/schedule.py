@@ -27,8 +27,7 @@ class DensitySchedule:
                  density_warmup_start: float = 0.25, refresh_steps: int = 0):
         self.density = float(density)
         self.warmup_steps = int(warmup_steps)
-        # a refresh step applies no update: pointless (and not Adam) where nothing is delayed
-        self.refresh_steps = int(refresh_steps) if self.density < 1.0 and refresh_steps >= 2 else 0
+        self.refresh_steps = int(refresh_steps) if refresh_steps >= 2 else 0
         self.start = float(density_warmup_start)
         # no warm-up when it would not lower the density
         self.steps = int(density_warmup_steps) if self.start > self.density else 0

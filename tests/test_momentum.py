@@ -90,6 +90,8 @@ def test_momentum_state_round_trip_and_errors():
     ({"compress": "gradient", "variance_refresh_steps": 50}, "'variance_refresh_steps' applies to 'compress': 'momentum'"),
     ({"compress": "gradient", "variance_refresh_decay": 0.5}, "'variance_refresh_decay' applies to"),
     ({"variance_refresh_decay": 1.0}, "variance_refresh_decay"),
+    ({"variance_refresh_decay": 0.0}, "variance_refresh_decay"),  # V̂ = 0 where one step's gradient is 0
+    ({"variance_refresh_decay": 0.49}, "variance_refresh_decay"),
     ({"sync": "local_steps", "variance_refresh_steps": 50}, "'variance_refresh_steps' applies to 'sync': 'every_step'"),
 ])
 def test_config_refuses_what_cannot_work(block, words):
@@ -243,6 +245,15 @@ def test_which_optimizers_the_momentum_mode_serves(make, words):
     assert (why is None) if words is None else (words in why and type(opt).__name__ in why), why
 
 
+def test_an_optimizer_without_a_step_pre_hook_is_refused():
+    from ds_dragonn.engine.adam import momentum_refusal
+
+    class NoHooks(torch.optim.AdamW):
+        register_step_pre_hook = None
+    opt = NoHooks([torch.nn.Parameter(torch.ones(3))], lr=0.1)
+    assert "register_step_pre_hook" in momentum_refusal(SimpleNamespace(optimizer=opt))
+
+
 def test_no_variance_to_freeze_where_beta2_is_zero():
     """torch accepts betas[1] = 0 (no variance memory): the freeze holds nothing there instead of dividing by 0."""
     p = torch.nn.Parameter(torch.randn(5, dtype=torch.float64))
@@ -295,7 +306,8 @@ def test_the_refresh_schedule():
     s = DensitySchedule(0.01, warmup_steps=30, density_warmup_steps=100, refresh_steps=100)
     assert [t for t in range(400) if s.refresh(t)] == [129, 229, 329]
     assert not any(DensitySchedule(0.01, 30, refresh_steps=0).refresh(t) for t in range(300))
-    assert not any(DensitySchedule(1.0, 30, refresh_steps=2).refresh(t) for t in range(300))  # nothing delayed
+    assert DensitySchedule(1.0, 30, refresh_steps=2).refresh(31)  # the variance is frozen at density 1.0 too
+    assert not any(DensitySchedule(0.01, 30, refresh_steps=1).refresh(t) for t in range(300))  # (refused by config)
     assert [t for t in range(8) if DensitySchedule(0.1, 2, refresh_steps=2).refresh(t)] == [3, 5, 7]
     momentum = DragonnConfig(enabled=True, compress="momentum")
     assert DensitySchedule.from_config(momentum).refresh_steps == 100
@@ -390,3 +402,78 @@ def test_a_refresh_step_holds_the_momentum_in_the_residual(transactional):
     torch.testing.assert_close(hook.momentum.momenta["b"], m2, rtol=1e-15, atol=1e-15)
     torch.testing.assert_close(hook.error_feedback.residuals["b"], r1 + m2, rtol=1e-15, atol=1e-15)
     assert "b" in hook.pending and hook.variance_freeze.armed
+
+
+def _adamw_run(freeze, engine, opt, params, grads_of, steps, arm_at):
+    """Train ``steps`` optimizer steps; ``grads_of(step)`` gives each parameter's gradient (None: no grad).
+    Returns each step's parameter values after it."""
+    after = []
+    for step in range(steps):
+        if step == arm_at:
+            freeze.arm()
+        for p, g in zip(params, grads_of(step)):
+            p.grad = None if g is None else g.clone()
+        opt.step()
+        engine.global_steps += 1
+        after.append([p.detach().clone() for p in params])
+    return after
+
+
+def test_a_parameter_first_trained_on_a_refresh_step_gets_its_variance_from_it():
+    """Frozen at step 2, refresh at step 4: ``b`` trains from step 4 on. It does not move on the refresh step,
+    its V̂ is that step's g² (floor 0), and the next step divides by it (float64)."""
+    a = torch.nn.Parameter(torch.randn(6, dtype=torch.float64))
+    b = torch.nn.Parameter(torch.randn(5, dtype=torch.float64))
+    opt = torch.optim.AdamW([a, b], lr=0.01, weight_decay=0.0)
+    engine = SimpleNamespace(optimizer=opt, global_steps=0)
+    freeze = VarianceFreeze(engine, freeze_step=2, momentum=True, refresh=lambda t: t == 4, refresh_steps=3)
+    gen = torch.Generator().manual_seed(9)
+    grads = [[torch.randn(6, generator=gen, dtype=torch.float64),
+              torch.randn(5, generator=gen, dtype=torch.float64) if t >= 4 else None] for t in range(6)]
+    b0 = b.detach().clone()
+    after = _adamw_run(freeze, engine, opt, [a, b], lambda t: grads[t], 6, arm_at=2)
+    assert torch.equal(after[4][1], b0) and torch.equal(after[4][0], after[3][0])  # the refresh step: no update
+    i = freeze._index[id(b)]
+    torch.testing.assert_close(freeze.frozen[i], grads[4][1] ** 2, rtol=0, atol=0)
+    t = 2.0  # b's own Adam step count at step 5 (its state was created, zero, on the refresh step)
+    expect = b0 - 0.01 * (grads[5][1] / (1 - 0.9 ** t)) / (grads[4][1].abs() + 1e-8)
+    torch.testing.assert_close(after[5][1], expect, rtol=1e-10, atol=1e-12)
+
+
+def test_without_adam_state_at_the_freeze_the_first_refresh_freezes_one():
+    """A warm start without optimizer state (armed past the freeze step, Adam has nothing yet): Adam's own
+    steps until the refresh, which sets every V̂ from its g² and moves nothing; the hook stays on."""
+    p = torch.nn.Parameter(torch.randn(8, dtype=torch.float64))
+    opt = torch.optim.AdamW([p], lr=0.01, weight_decay=0.0)
+    engine = SimpleNamespace(optimizer=opt, global_steps=10)
+    freeze = VarianceFreeze(engine, freeze_step=2, momentum=True, refresh=lambda t: t == 12, refresh_steps=5)
+    gen = torch.Generator().manual_seed(4)
+    grads = [[torch.randn(8, generator=gen, dtype=torch.float64)] for _ in range(4)]
+    p0 = p.detach().clone()
+    after = _adamw_run(freeze, engine, opt, [p], lambda t: grads[t], 4, arm_at=0)
+    assert freeze.active and freeze.frozen is not None
+    assert not torch.equal(after[0][0], p0)  # Adam's own step (no variance to freeze yet)
+    assert torch.equal(after[2][0], after[1][0])  # step 12: the refresh, no update
+    torch.testing.assert_close(freeze.frozen[0], grads[2][0] ** 2, rtol=0, atol=0)
+
+
+def test_no_refresh_without_the_optimizer_pre_hook():
+    """Where nothing would zero the refresh step's update (the pre-hook is gone), no step is a refresh step."""
+    from ds_dragonn.engine.base import HookBase
+    from tests.fakes import fake_engine
+    p = torch.nn.Parameter(torch.ones(3))
+    hook = HookBase(fake_engine(optimizer=torch.optim.AdamW([p], lr=0.1)),
+                    DragonnConfig(enabled=True, compress="momentum", warmup_steps=1, variance_refresh_steps=2))
+    assert hook._refreshes(2)
+    hook.variance_freeze.handle.remove()
+    hook.variance_freeze.handle = None
+    assert not hook._refreshes(2)
+
+
+def test_a_changed_refresh_setting_is_reported_on_load():
+    from ds_dragonn.engine.state import compare
+    now = {"world_size": 2, "rank": 0, "bucketing": {}, "parameters": [], "exchange": "allgather",
+           "dragonn": DragonnConfig(enabled=True, variance_refresh_steps=50).model_dump(mode="json")}
+    saved = {**now, "dragonn": DragonnConfig(enabled=True).model_dump(mode="json")}
+    _, _, kept = compare(saved, now)
+    assert any("dragonn.variance_refresh_steps 100 (now 50)" in k for k in kept), kept

@@ -80,6 +80,8 @@ def momentum_refusal(engine: Any) -> Optional[str]:
     if not isinstance(opt, _adam_classes()) or not groups or any(g.get("betas") is None for g in groups):
         return (f"needs Adam's update (Adam, AdamW, FusedAdam, DeepSpeedCPUAdam: 'betas' and Adam's moments); "
                 f"this engine's optimizer is {name}")
+    if not callable(getattr(opt, "register_step_pre_hook", None)):
+        return f"needs the optimizer's register_step_pre_hook (torch.optim.Optimizer, torch >= 2.0); {name} has none"
     beta1s = {float(g["betas"][0]) for g in groups}
     if len(beta1s) > 1:
         return f"needs one betas[0] for every parameter group; this {name} has {sorted(beta1s)}"
@@ -97,6 +99,11 @@ def momentum_refusal(engine: Any) -> Optional[str]:
     if coupled:
         return f"needs decoupled weight decay (AdamW); this {name} adds weight_decay={coupled[0]} to the gradient"
     return None
+
+
+def _float_of(t: torch.Tensor) -> torch.dtype:
+    """float32 for 16-bit tensors, the tensor's own dtype otherwise (a variance kept from a gradient)."""
+    return torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype
 
 
 def _step_count(state: dict) -> Optional[float]:
@@ -132,7 +139,7 @@ class VarianceFreeze:
         self.freeze_step = int(freeze_step)
         self.floor = float(floor)
         self.momentum = bool(momentum)
-        self.refresh = refresh if momentum else None
+        self.refresh = refresh if momentum and refresh is not None and refresh_steps >= 2 else None
         self.refresh_steps = int(refresh_steps)
         self.refresh_decay = refresh_decay
         self.refreshed = 0  # refreshes applied (this process)
@@ -166,17 +173,26 @@ class VarianceFreeze:
                 if p.grad is None:
                     continue
                 i = self._index.get(id(p))
-                if i is None:  # a parameter that started training after the freeze: its variance now
-                    i = self._add(p, optimizer.state.get(p, {}), group)
-                    late += i is not None
-                if i is None:
+                state = optimizer.state.get(p, {})
+                if i is None and refreshing:  # no variance frozen yet: this refresh's g² is the estimate
+                    i = self._append(p, self._floored_(p.grad.detach().to(_float_of(p.grad)).square()))
+                    late += 1
+                    self._no_update(state, self.frozen[i], p.grad, beta2, corrected)
                     continue
-                state = optimizer.state[p]
+                if i is None and self.refresh is None:  # started training after the freeze: its variance now
+                    i = self._add(p, state, group)
+                    late += i is not None
+                if i is None:  # (with refreshes: Adam's own steps until the next refresh gives it a variance)
+                    continue
                 t = _step_count(state) + 1.0  # the step count Adam is about to use
                 v, g = state["exp_avg_sq"], p.grad
                 c2 = (1.0 - beta2 ** t) if corrected else 1.0
                 if refreshing:
-                    self._refresh_step(state, g, i, self.decay(beta2), beta2, c2)
+                    frozen = self.frozen[i]
+                    rho = self.decay(beta2)
+                    frozen.mul_(rho).addcmul_(g.to(frozen.dtype), g.to(frozen.dtype), value=1.0 - rho)
+                    self._floored_(frozen)
+                    self._no_update(state, frozen, g, beta2, corrected)
                     continue
                 if self.momentum:
                     self._momentum_step(state, g, self.frozen[i], beta1, beta2, c2, float(group.get("eps", 1e-8)))
@@ -203,6 +219,8 @@ class VarianceFreeze:
             return None
         corrected = group.get("bias_correction", True)
         v = state["exp_avg_sq"].detach() / ((1.0 - float(betas[1]) ** t) if corrected else 1.0)
+        if v.numel() and not bool((v > 0).any()):  # no information (e.g. every warm-up step skipped): none
+            return None
         return self._floored_(v)
 
     def _floored_(self, v: torch.Tensor) -> torch.Tensor:
@@ -219,25 +237,28 @@ class VarianceFreeze:
             return float(self.refresh_decay)
         return max(beta2 ** max(self.refresh_steps, 1), 0.5)
 
-    def _refresh_step(self, state: dict, g: torch.Tensor, i: int, rho: float, beta2: float, c2: float) -> None:
-        """A refresh step: ``V̂ ← ρ·V̂ + (1 − ρ)·g²`` (floored), then Adam's moments and the gradient set so
-        that this step's update is exactly 0 (``m_t = β1·0 + (1 − β1)·0``) and ``v_t = V̂·c2``."""
-        frozen = self.frozen[i]
-        frozen.mul_(rho).addcmul_(g.to(frozen.dtype), g.to(frozen.dtype), value=1.0 - rho)
-        self._floored_(frozen)
-        state["exp_avg_sq"].copy_(frozen).mul_(c2 / beta2)
-        state["exp_avg"].zero_()
+    @staticmethod
+    def _no_update(state: dict, frozen: torch.Tensor, g: torch.Tensor, beta2: float, corrected: bool) -> None:
+        """A refresh step: the gradient and ``exp_avg`` zeroed, so that this step's update is exactly 0
+        (``m_t = β1·0 + (1 − β1)·0``), and the variance set so that it lands on ``V̂·c2``. A parameter without
+        Adam state yet gets it from Adam itself, zero (its first update is then 0 too)."""
+        if "exp_avg_sq" in state and "exp_avg" in state:
+            t = _step_count(state)
+            c2 = (1.0 - beta2 ** (t + 1.0)) if corrected and t is not None else 1.0
+            state["exp_avg_sq"].copy_(frozen).mul_(c2 / beta2)
+            state["exp_avg"].zero_()
         g.zero_()
+
+    def _append(self, p: torch.Tensor, frozen: torch.Tensor) -> int:
+        self.params.append(p)
+        self.frozen.append(frozen)
+        self._index[id(p)] = len(self.params) - 1
+        return self._index[id(p)]
 
     def _add(self, p: torch.Tensor, state: dict, group: dict) -> Optional[int]:
         """Freeze the variance of ``p`` now (index into ``frozen``), or None where there is none yet."""
         v = self._frozen_of(state, group)
-        if v is None:
-            return None
-        self.params.append(p)
-        self.frozen.append(v)
-        self._index[id(p)] = len(self.params) - 1
-        return self._index[id(p)]
+        return None if v is None else self._append(p, v)
 
     @staticmethod
     def _momentum_step(state: dict, g: torch.Tensor, frozen: torch.Tensor, beta1: float, beta2: float, c2: float,
@@ -263,9 +284,18 @@ class VarianceFreeze:
                     params.append(p)
                     frozen.append(v)
         if not params:
-            self.handle.remove()
-            self.handle = None
-            return False
+            if self.refresh is not None:  # Adam has no variance yet (a warm start without optimizer state, a
+                # warm-up whose steps were all skipped): each parameter gets one at the next refresh
+                print_dist("DRAGONN: warning: Adam has no variance to freeze at step "
+                           f"{int(self.engine.global_steps) + 1}; Adam's own steps until the next variance refresh "
+                           f"(variance_refresh_steps={self.refresh_steps}) freezes one", ranks=[0])
+                self.params, self.frozen, self._index = [], [], {}
+                return True
+            if (any("betas" not in g for g in optimizer.param_groups)
+                    or (optimizer.state and not any("exp_avg_sq" in s for s in optimizer.state.values()))):
+                self.handle.remove()  # not Adam's state: nothing to freeze, ever
+                self.handle = None
+            return False  # (no variance yet: record at a later step)
         self.params, self.frozen = params, frozen
         self._index = {id(p): i for i, p in enumerate(params)}
         what = "the sparse momentum applied as it is" if self.momentum else "1-bit Adam's remedy for error feedback"

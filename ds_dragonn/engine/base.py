@@ -185,7 +185,8 @@ class HookBase:
     def _refreshes(self, step: int) -> bool:
         """Momentum mode: ``step`` refreshes Adam's frozen variance (``schedule.refresh``): every bucket is
         reduced densely as the raw gradient (:meth:`_hold_momentum` first), whatever the decision."""
-        return self.variance_freeze is not None and self.momentum is not None and self.decision.schedule.refresh(step)
+        freeze = self.variance_freeze  # without its optimizer pre-hook nothing would zero the step's update
+        return freeze is not None and freeze.active and self.momentum is not None and self.decision.schedule.refresh(step)
 
     def _hold_momentum(self, key: Hashable, tensors, dtype: torch.dtype, prescale: float) -> None:
         """A variance-refresh step, before DeepSpeed's dense reduction of the raw gradients: fold them into the

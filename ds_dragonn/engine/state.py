@@ -40,7 +40,8 @@ FORMAT = 1
 _KEPT_FIELDS = ("density", "compressor", "kernel", "sample_ratio", "min_sample", "table_factor", "warmup_steps",
                 "policy", "auto_probe_steps", "auto_recheck_interval", "min_compress_numel", "seed",
                 "density_warmup_steps", "density_warmup_start", "selection", "tensor_min_compress_numel",
-                "compress_1d", "freeze_adam_variance", "compress", "variance_floor")
+                "compress_1d", "freeze_adam_variance", "compress", "variance_floor", "variance_refresh_steps",
+                "variance_refresh_decay")
 
 
 def describe(hook: Any) -> Dict[str, Any]:
