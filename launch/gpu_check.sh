@@ -108,10 +108,11 @@ step train_cuda_zero2 "$OUTDIR/train_cuda_zero2.log" \
 step fp16_engine "$OUTDIR/fp16_engine.log" \
   python -m deepspeed.launcher.runner --num_gpus 1 --master_addr 127.0.0.1 --master_port 29536 \
   tests/gpu/fp16_engine.py --precision fp16 || rc=1
-# the LM with the product's defaults (30 dense warm-up steps, then the density warm-up, Adam's variance frozen)
+# the LM with the product's defaults (30 dense warm-up steps, then the density warm-up, Adam's variance frozen,
+# and at step 130 one variance refresh: a dense raw-gradient step through NCCL, no update)
 step train_lm_cuda "$OUTDIR/train_lm_cuda.log" \
   python -m deepspeed.launcher.runner --num_gpus 1 --master_addr 127.0.0.1 --master_port 29537 \
-  launch/train_lm.py --deepspeed_config configs/lm_dragonn.json --steps 80 --log-interval 20 \
+  launch/train_lm.py --deepspeed_config configs/lm_dragonn.json --steps 140 --log-interval 20 \
   --summary "$OUTDIR/train_lm_cuda.json" || rc=1
 # local steps (sync: local_steps) on CUDA: fp32 masters on the GPU, an outer step every 30 steps whose
 # pseudo-gradient goes through the Triton selection and the NCCL exchange (world size 1)
