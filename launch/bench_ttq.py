@@ -698,8 +698,8 @@ def format_rows(rows: Sequence[dict], baseline: str = BASELINE) -> str:
     return format_table(header, body)
 
 
-METHOD = ("time to target = steps to target x median step ms (DRAGONN's dense warm-up steps at its dense step "
-          "time). Target: {ref}'s held-out loss at {pct:.0f} % of its run (step {tstep:g}, linear interpolation "
+METHOD = ("time to target = steps to target x median step ms (DRAGONN's dense warm-up steps and the momentum "
+          "mode's variance-refresh steps at its dense step time). Target: {ref}'s held-out loss at {pct:.0f} % of its run (step {tstep:g}, linear interpolation "
           "between evaluations) = {target:.4f} nats/byte. Steps to target: first evaluation at or below it, "
           "interpolated linearly from the one before; 'not reached': final gap to the target. Quality: one "
           "unthrottled run per mode (DRAGONN policy always); step time: median of a separate timed run on the "
@@ -744,8 +744,8 @@ def plot(rows: Sequence[dict], path, link: str = PLOT_LINK) -> str:
                 ax.plot([at], [r["target_loss"]], marker="x", markersize=9, color=line.get_color())
     ax.axhline(rows[0]["target_loss"], color="black", linestyle=":", label="target (x: each mode's time to it)")
     ax.set_xlim(left=0)
-    ax.set_xlabel(f"training seconds at {chosen}\n(steps x median ms per step; DRAGONN's dense warm-up at its "
-                  f"dense ms per step)" if chosen else "step")
+    ax.set_xlabel(f"training seconds at {chosen}\n(steps x median ms per step; DRAGONN's dense warm-up and "
+                  f"variance refreshes at its dense ms per step)" if chosen else "step")
     ax.set_ylabel("held-out loss (nats/byte)")
     ax.set_title(f"Time to target: byte-level GPT, {rows[0].get('steps')} steps, 2 ranks")
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
