@@ -110,11 +110,11 @@ def main(argv=None) -> int:
             frozen = [r.clone() for r in root]
         if frozen is None:
             continue
-        row = {"step": step, "loss": float(loss)}
+        row = {"step": step, "loss": float(loss.detach())}
         for tag, ref in (("", frozen), ("refreshed_", [v.sqrt() for v in refreshed])):
-            # elements with no variance at the freeze (bytes never seen yet) have no ratio: left out
-            ratios = {n: float((x / f)[f > 0].median()) if bool((f > 0).any()) else float("nan")
-                      for n, x, f in zip(names, root, ref)}
+            # elements with no variance at the freeze (bytes never seen yet) have no ratio: left out of both
+            ratios = {n: float((x / f)[z > 0].median()) if bool((z > 0).any()) else float("nan")
+                      for n, x, f, z in zip(names, root, ref, frozen)}
             finite = [v for v in ratios.values() if math.isfinite(v)]
             row.update({f"{tag}per_tensor": ratios, f"{tag}min": min(finite), f"{tag}max": max(finite),
                         f"{tag}median": statistics.median(finite),
