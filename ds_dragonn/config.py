@@ -17,7 +17,7 @@ import os
 from enum import Enum
 from typing import Any, Mapping, Optional, Union
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 
 DRAGONN_KEY = "dragonn"
@@ -143,7 +143,7 @@ class DragonnConfig(DeepSpeedConfigModel):
     over a run (docs/results/convergence/momentum/variance_drift.json). 0: never (1-bit Adam's freeze);
     1 is refused (nothing would be sent). Costs one dense reduction per ``variance_refresh_steps`` steps."""
 
-    variance_refresh_decay: Optional[float] = Field(None, ge=0.5, lt=1.0, strict=True)
+    variance_refresh_decay: Optional[float] = Field(None, strict=True)
     """``ρ`` of each variance refresh, in [0.5, 1): the weight the frozen variance keeps. None (default):
     ``max(β2^variance_refresh_steps, 0.5)``, Adam's own decay over the interval. At least 0.5, so that one
     step's squared gradient (a noisy, one-sample estimate, 0 where the step's gradient is) cannot lower
@@ -232,6 +232,14 @@ class DragonnConfig(DeepSpeedConfigModel):
     outer_feedback_decay: float = Field(1.0, ge=0.0, le=1.0, strict=True)
     """``sync: local_steps``: the pseudo-gradient residual is multiplied by this before each round's
     pseudo-gradient is added (SparseLoCo's decaying error-feedback accumulator); 1.0: nothing unsent is lost."""
+
+    @field_validator("variance_refresh_decay")
+    @classmethod
+    def _check_refresh_decay(cls, v: Optional[float]) -> Optional[float]:
+        if v is not None and not 0.5 <= v < 1.0:  # (NaN fails too)
+            raise ValueError("must be in [0.5, 1) (the weight the frozen variance keeps at a refresh), or null for "
+                             "max(beta2^variance_refresh_steps, 0.5)")
+        return v
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "DragonnConfig":
@@ -348,6 +356,8 @@ def _format_errors(err: ValidationError) -> str:
             close = difflib.get_close_matches(str(e["loc"][-1]), list(DragonnConfig.model_fields), n=1)
             hint = f"did you mean '{close[0]}'? " if close else ""
             lines.append(f"{where}: unknown key (value {e['input']!r}); {hint}allowed keys: {allowed}")
+        elif not e["loc"]:  # a rule across keys: its message names them (the whole block is noise)
+            lines.append(f"{where}: {e['msg'].removeprefix('Value error, ')}")
         else:
             msg = e["msg"].removeprefix("Value error, ")
             lines.append(f"{where}: invalid value {e['input']!r}: {msg}")
