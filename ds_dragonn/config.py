@@ -145,9 +145,9 @@ class DragonnConfig(DeepSpeedConfigModel):
 
     variance_refresh_decay: Optional[float] = Field(None, strict=True)
     """``ρ`` of each variance refresh, in [0.5, 1): the weight the frozen variance keeps. None (default):
-    ``max(β2^variance_refresh_steps, 0.5)``, Adam's own decay over the interval. At least 0.5, so that one
-    step's squared gradient (a noisy, one-sample estimate, 0 where the step's gradient is) cannot lower
-    ``sqrt(V̂)`` by more than ~30 % per refresh."""
+    ``max(β2^variance_refresh_steps, 0.9)``, Adam's own decay over the interval, but at least 0.9: one step's
+    squared gradient is a noisy, one-sample estimate (0 where that step's gradient is). At least 0.5 when set:
+    ``sqrt(V̂)`` then falls by at most ~30 % per refresh."""
 
     selection: SelectionScope = SelectionScope.global_
     """``global``: one threshold over the whole flattened bucket, so the budget goes where the gradient mass
@@ -238,7 +238,7 @@ class DragonnConfig(DeepSpeedConfigModel):
     def _check_refresh_decay(cls, v: Optional[float]) -> Optional[float]:
         if v is not None and not 0.5 <= v < 1.0:  # (NaN fails too)
             raise ValueError("must be in [0.5, 1) (the weight the frozen variance keeps at a refresh), or null for "
-                             "max(beta2^variance_refresh_steps, 0.5)")
+                             "max(beta2^variance_refresh_steps, 0.9)")
         return v
 
     @model_validator(mode="after")

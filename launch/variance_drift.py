@@ -11,7 +11,7 @@ step t than the frozen one. A frozen-variance step is ``ratio`` times the dense 
 
 With ``--refresh-steps R`` (default 100, the ``variance_refresh_steps`` default) it also follows the momentum
 mode's refreshed variance on the same dense trajectory: every R steps after the freeze
-``V̂ ← ρ·V̂ + (1 − ρ)·g²`` from that step's clipped gradient (``ρ = max(β2^R, 0.5)`` unless ``--refresh-decay``;
+``V̂ ← ρ·V̂ + (1 − ρ)·g²`` from that step's clipped gradient (``ρ = max(β2^R, 0.9)`` unless ``--refresh-decay``;
 floored at ``--floor`` of each tensor's mean ``sqrt(V̂)``, as ``engine/adam.py`` does), and records the same
 per-tensor ratio against it: how far each scheme's denominator is from dense Adam's.
 
@@ -54,7 +54,7 @@ def get_args(argv=None):
     p.add_argument("--freeze-step", type=int, default=30, help="the step the momentum mode freezes at (warmup_steps)")
     p.add_argument("--at", default="30,60,100,200,300,400,600", help="steps to record (comma-separated)")
     p.add_argument("--refresh-steps", type=int, default=100, help="variance refresh interval (0: none)")
-    p.add_argument("--refresh-decay", type=float, default=None, help="rho of a refresh (default max(beta2^R, 0.5))")
+    p.add_argument("--refresh-decay", type=float, default=None, help="rho of a refresh (default max(beta2^R, 0.9))")
     p.add_argument("--floor", type=float, default=0.01, help="variance_floor of the frozen/refreshed variance")
     p.add_argument("--ranks", type=int, default=2, help="data-parallel ranks the batch stands for")
     p.add_argument("--seed", type=int, default=SEED)
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     gen = torch.Generator().manual_seed(args.seed)
     frozen, refreshed, rows, t0 = None, None, [], time.time()
     beta2 = opt.param_groups[0]["betas"][1]
-    rho = args.refresh_decay if args.refresh_decay is not None else max(beta2 ** max(args.refresh_steps, 1), 0.5)
+    rho = args.refresh_decay if args.refresh_decay is not None else max(beta2 ** max(args.refresh_steps, 1), 0.9)
 
     def floored(v):
         low = (args.floor * float(v.sqrt().mean())) ** 2

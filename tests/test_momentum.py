@@ -343,7 +343,7 @@ def _reference_refreshed_adamw(p0, grads, freeze_at, refresh_at, rho, lr=0.01, b
 @pytest.mark.parametrize("floor, decay", [(0.0, None), (0.5, 0.7)])
 def test_a_refresh_moves_the_frozen_variance_and_applies_no_update(floor, decay):
     """Against float64 AdamW: refresh steps move V̂ towards g² and only decay the weights; the steps after
-    them divide by the refreshed V̂. The default ρ is max(β2^R, 0.5)."""
+    them divide by the refreshed V̂. The default ρ is max(β2^R, 0.9)."""
     p = torch.nn.Parameter(torch.randn(50, dtype=torch.float64))
     p0 = p.detach().clone()
     opt = torch.optim.AdamW([p], lr=0.01, weight_decay=0.1)
@@ -351,8 +351,8 @@ def test_a_refresh_moves_the_frozen_variance_and_applies_no_update(floor, decay)
     refresh_at = {5, 8}
     freeze = VarianceFreeze(engine, freeze_step=3, floor=floor, momentum=True, refresh=lambda t: t in refresh_at,
                             refresh_steps=3, refresh_decay=decay)
-    rho = decay if decay is not None else max(0.999 ** 3, 0.5)
-    assert freeze.decay(0.999) == rho and VarianceFreeze(engine, 3, refresh_steps=100).decay(0.95) == 0.5
+    rho = decay if decay is not None else max(0.999 ** 3, 0.9)
+    assert freeze.decay(0.999) == rho and VarianceFreeze(engine, 3, refresh_steps=100).decay(0.95) == 0.9
     gen = torch.Generator().manual_seed(5)
     grads = [torch.randn(50, generator=gen, dtype=torch.float64) * (1 + 10 * (t > 5)) for t in range(10)]
     grads[1][:4] = 0.0  # awkward entries: 0 in one warm-up step, then large after the refresh

@@ -101,6 +101,11 @@ def momentum_refusal(engine: Any) -> Optional[str]:
     return None
 
 
+#: the least weight the frozen variance keeps at a refresh by default: one step's g² is a one-sample estimate,
+#: so it gets at most 10 % (measured: the LM with β2 0.95, 500 steps, ends +2.7 % of dense with 0.5, +1.7 % with 0.9)
+DEFAULT_DECAY_FLOOR = 0.9
+
+
 def _float_of(t: torch.Tensor) -> torch.dtype:
     """float32 for 16-bit tensors, the tensor's own dtype otherwise (a variance kept from a gradient)."""
     return torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype
@@ -129,7 +134,7 @@ class VarianceFreeze:
         refresh: ``refresh(step)`` is True on a variance-refresh step (momentum mode; the gradient is then
             the dense raw gradient): ``V̂ ← ρ·V̂ + (1 − ρ)·g²`` and no update (module docstring).
         refresh_steps: the interval between refreshes (for the default ``ρ``).
-        refresh_decay: ``ρ``; None: ``max(β2^refresh_steps, 0.5)`` of each parameter group's β2.
+        refresh_decay: ``ρ``; None: ``max(β2^refresh_steps, 0.9)`` of each parameter group's β2.
     """
 
     def __init__(self, engine: Any, freeze_step: int, floor: float = 0.0, momentum: bool = False,
@@ -235,7 +240,7 @@ class VarianceFreeze:
         """``ρ`` of a refresh for a parameter group with this β2 (``refresh_decay``, or the default rule)."""
         if self.refresh_decay is not None:
             return float(self.refresh_decay)
-        return max(beta2 ** max(self.refresh_steps, 1), 0.5)
+        return max(beta2 ** max(self.refresh_steps, 1), DEFAULT_DECAY_FLOOR)
 
     @staticmethod
     def _no_update(state: dict, frozen: torch.Tensor, g: torch.Tensor, beta2: float, corrected: bool) -> None:
