@@ -21,6 +21,8 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 
 DRAGONN_KEY = "dragonn"
+#: the momentum mode's variance-refresh settings (refused or ignored where that mode does not run)
+REFRESH_KEYS = ("variance_refresh_steps", "variance_refresh_decay")
 
 
 class DragonnConfigError(ValueError):
@@ -233,6 +235,10 @@ class DragonnConfig(DeepSpeedConfigModel):
     """``sync: local_steps``: the pseudo-gradient residual is multiplied by this before each round's
     pseudo-gradient is added (SparseLoCo's decaying error-feedback accumulator); 1.0: nothing unsent is lost."""
 
+    def given(self, *keys: str) -> list:
+        """Those of ``keys`` the block sets explicitly, in the order given."""
+        return [k for k in keys if k in self.model_fields_set]
+
     @field_validator("variance_refresh_decay")
     @classmethod
     def _check_refresh_decay(cls, v: Optional[float]) -> Optional[float]:
@@ -259,7 +265,7 @@ class DragonnConfig(DeepSpeedConfigModel):
             raise ValueError("'variance_refresh_steps': 1 would refresh at every step and send no momentum; use 0 "
                              "(never) or at least 2")
         if self.compress == CompressTarget.gradient:
-            given = [k for k in ("variance_refresh_steps", "variance_refresh_decay") if k in self.model_fields_set]
+            given = self.given(*REFRESH_KEYS)
             if given:
                 raise ValueError(f"'{given[0]}' applies to 'compress': 'momentum' (or 'auto') only; remove it or "
                                  f"change 'compress'")
@@ -275,13 +281,12 @@ class DragonnConfig(DeepSpeedConfigModel):
         """Settings of one sync mode set under the other are refused (they would be ignored silently)."""
         local = self.sync == SyncMode.local_steps
         if not local:
-            given = [k for k in ("local_steps", "outer_lr", "outer_momentum", "outer_feedback_decay")
-                     if k in self.model_fields_set]
+            given = self.given("local_steps", "outer_lr", "outer_momentum", "outer_feedback_decay")
             if given:
                 raise ValueError(f"'{given[0]}' applies to 'sync': 'local_steps' only; add \"sync\": \"local_steps\" "
                                  f"or remove it")
             return
-        refresh = [k for k in ("variance_refresh_steps", "variance_refresh_decay") if k in self.model_fields_set]
+        refresh = self.given(*REFRESH_KEYS)
         if refresh:
             raise ValueError(f"'{refresh[0]}' applies to 'sync': 'every_step' with 'compress': 'momentum' only; "
                              f"remove it")

@@ -37,6 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench.common import pyplot, save_figure, write_json  # noqa: E402
 from train_lm import CTX, D_MODEL, N_HEAD, N_LAYER, SEED, ByteGPT, stdlib_corpus, windows  # noqa: E402
 
+from ds_dragonn.engine.adam import default_refresh_decay, floor_variance_  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -80,11 +82,7 @@ def main(argv=None) -> int:
     gen = torch.Generator().manual_seed(args.seed)
     frozen, refreshed, rows, t0 = None, None, [], time.time()
     beta2 = opt.param_groups[0]["betas"][1]
-    rho = args.refresh_decay if args.refresh_decay is not None else max(beta2 ** max(args.refresh_steps, 1), 0.9)
-
-    def floored(v):
-        low = (args.floor * float(v.sqrt().mean())) ** 2
-        return v.clamp_min(low) if args.floor > 0 and low > 0 else v
+    rho = args.refresh_decay if args.refresh_decay is not None else default_refresh_decay(beta2, args.refresh_steps)
     for step in range(1, args.steps + 1):
         for g in opt.param_groups:
             g["lr"] = lr_at(step - 1, sched["warmup_max_lr"], sched["warmup_num_steps"], args.total_steps)
@@ -96,12 +94,12 @@ def main(argv=None) -> int:
         # the momentum mode's refresh steps: 0-based steps freeze + R - 1, + 2R - 1, ... (schedule.refresh)
         r = args.refresh_steps
         if refreshed is not None and r and (step - 1 - args.freeze_step) % r == r - 1:
-            refreshed = [floored(rho * v + (1 - rho) * p.grad.detach() ** 2)
+            refreshed = [floor_variance_(rho * v + (1 - rho) * p.grad.detach() ** 2, args.floor)
                          for v, p in zip(refreshed, model.parameters())]
         opt.step()
         if step == args.freeze_step:
-            refreshed = [floored(opt.state[p]["exp_avg_sq"] / (1 - beta2 ** float(opt.state[p]["step"])))
-                         for p in model.parameters()]
+            refreshed = [floor_variance_(opt.state[p]["exp_avg_sq"] / (1 - beta2 ** float(opt.state[p]["step"])),
+                                         args.floor) for p in model.parameters()]
         if step not in args.at:
             continue
         root = [(opt.state[p]["exp_avg_sq"] / (1 - beta2 ** float(opt.state[p]["step"]))).sqrt()

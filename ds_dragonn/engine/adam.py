@@ -106,6 +106,21 @@ def momentum_refusal(engine: Any) -> Optional[str]:
 DEFAULT_DECAY_FLOOR = 0.9
 
 
+def default_refresh_decay(beta2: float, refresh_steps: int) -> float:
+    """The default ``ρ`` of a variance refresh: ``max(β2^refresh_steps, DEFAULT_DECAY_FLOOR)``."""
+    return max(beta2 ** max(refresh_steps, 1), DEFAULT_DECAY_FLOOR)
+
+
+def floor_variance_(v: torch.Tensor, floor: float) -> torch.Tensor:
+    """``v`` (a bias-corrected variance, one parameter tensor) raised in place to ``(floor × mean sqrt(v))²``,
+    where that is finite and > 0 (``variance_floor``); returns ``v``."""
+    if floor > 0.0 and v.numel():
+        low = (floor * float(v.sqrt().mean())) ** 2
+        if math.isfinite(low) and low > 0.0:
+            v.clamp_min_(low)
+    return v
+
+
 def _float_of(t: torch.Tensor) -> torch.dtype:
     """float32 for 16-bit tensors, the tensor's own dtype otherwise (a variance kept from a gradient)."""
     return torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype
@@ -229,18 +244,14 @@ class VarianceFreeze:
         return self._floored_(v)
 
     def _floored_(self, v: torch.Tensor) -> torch.Tensor:
-        """``v`` raised in place to ``(floor × mean sqrt(v))²`` (its tensor's), where that is finite and > 0."""
-        if self.floor > 0.0 and v.numel():
-            low = (self.floor * float(v.sqrt().mean())) ** 2
-            if math.isfinite(low) and low > 0.0:
-                v.clamp_min_(low)
-        return v
+        """``v`` raised in place to ``(floor × mean sqrt(v))²`` (its tensor's): :func:`floor_variance_`."""
+        return floor_variance_(v, self.floor)
 
     def decay(self, beta2: float) -> float:
         """``ρ`` of a refresh for a parameter group with this β2 (``refresh_decay``, or the default rule)."""
         if self.refresh_decay is not None:
             return float(self.refresh_decay)
-        return max(beta2 ** max(self.refresh_steps, 1), DEFAULT_DECAY_FLOOR)
+        return default_refresh_decay(beta2, self.refresh_steps)
 
     @staticmethod
     def _no_update(state: dict, frozen: torch.Tensor, g: torch.Tensor, beta2: float, corrected: bool) -> None:
