@@ -195,7 +195,7 @@ def _resolve_compress(cfg: DragonnConfig, engine: Any) -> DragonnConfig:
     """
     from deepspeed.utils.logging import print_dist
 
-    from .config import REFRESH_KEYS, CompressTarget
+    from .config import MOMENTUM_KEYS, CompressTarget
     from .engine.adam import momentum_refusal
     if cfg.compress == CompressTarget.gradient:
         return cfg
@@ -213,7 +213,7 @@ def _resolve_compress(cfg: DragonnConfig, engine: Any) -> DragonnConfig:
     resolved = CompressTarget.momentum if fits else CompressTarget.gradient
     reason = "an Adam-type optimizer" if fits else (f"the momentum mode {why}" if why else "; ".join(unmet))
     print_dist(f"DRAGONN: compress 'auto' -> '{resolved.value}' ({reason})", ranks=[0])
-    refresh = cfg.given(*REFRESH_KEYS)
+    refresh = cfg.given(*MOMENTUM_KEYS)
     if refresh and resolved == CompressTarget.gradient:
         print_dist(f"DRAGONN: warning: 'dragonn.{refresh[0]}' has no effect: it applies to the momentum mode, and "
                    f"compress 'auto' chose 'gradient' ({reason})", ranks=[0])

@@ -21,8 +21,8 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 
 DRAGONN_KEY = "dragonn"
-#: the momentum mode's variance-refresh settings (refused or ignored where that mode does not run)
-REFRESH_KEYS = ("variance_refresh_steps", "variance_refresh_decay")
+#: the momentum mode's own settings (refused or ignored where that mode does not run)
+MOMENTUM_KEYS = ("variance_refresh_steps", "variance_refresh_decay", "lr_weighted_residual")
 
 
 class DragonnConfigError(ValueError):
@@ -145,6 +145,16 @@ class DragonnConfig(DeepSpeedConfigModel):
     over a run (docs/results/convergence/momentum/variance_drift.json). 0: never (1-bit Adam's freeze);
     1 is refused (nothing would be sent). Costs one dense reduction per ``variance_refresh_steps`` steps."""
 
+    lr_weighted_residual: bool = Field(False, strict=True)
+    """``compress: momentum``: the residual holds each step's momentum weighted by that step's learning rate,
+    ``(lr_t / lr_ref)·M_t``, and the optimizer applies what arrives divided by ``lr_t / lr_ref``, so that a
+    delayed element moves by the learning rates of the steps it waited through, not by the rate of the step
+    it arrives in (the memory of EF-SGD, Karimireddy et al., ICML 2019, and of Stich et al., NeurIPS 2018,
+    holds ``γ_t·g_t``). ``lr_ref``: the first positive learning rate seen (the largest over parameter
+    groups). Matters where the learning rate changes within a delay: a decay to 0 over a short run, or
+    density 0.001 (an element waits ~1000 steps). A step at learning rate 0 applies nothing, as Adam.
+    false: the residual holds ``M_t`` (1-bit Adam, DGC)."""
+
     variance_refresh_decay: Optional[float] = Field(None, strict=True)
     """``ρ`` of each variance refresh, in [0.5, 1): the weight the frozen variance keeps. None (default):
     ``max(β2^variance_refresh_steps, 0.9)``, Adam's own decay over the interval, but at least 0.9: one step's
@@ -265,7 +275,7 @@ class DragonnConfig(DeepSpeedConfigModel):
             raise ValueError("'variance_refresh_steps': 1 would refresh at every step and send no momentum; use 0 "
                              "(never) or at least 2")
         if self.compress == CompressTarget.gradient:
-            given = self.given(*REFRESH_KEYS)
+            given = self.given(*MOMENTUM_KEYS)
             if given:
                 raise ValueError(f"'{given[0]}' applies to 'compress': 'momentum' (or 'auto') only; remove it or "
                                  f"change 'compress'")
@@ -286,7 +296,7 @@ class DragonnConfig(DeepSpeedConfigModel):
                 raise ValueError(f"'{given[0]}' applies to 'sync': 'local_steps' only; add \"sync\": \"local_steps\" "
                                  f"or remove it")
             return
-        refresh = self.given(*REFRESH_KEYS)
+        refresh = self.given(*MOMENTUM_KEYS)
         if refresh:
             raise ValueError(f"'{refresh[0]}' applies to 'sync': 'every_step' with 'compress': 'momentum' only; "
                              f"remove it")

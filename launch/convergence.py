@@ -14,6 +14,7 @@ gradient_0.01         the defaults with ``compress: gradient`` (error feedback o
 gradient_0.001        the same at density 0.001
 momentum_0.01         the defaults with ``compress: momentum`` (1-bit Adam's structure), named explicitly
 momentum_0.001        the same at density 0.001
+no_density_warmup_*   the defaults without the density warm-up (straight from the dense warm-up to the density)
 per_tensor_0.01       gradient mode with per-tensor selection (small and 1-D tensors whole)
 freeze_0.01           gradient mode with Adam's variance frozen after the dense warm-up
 legacy_0.01           gradient mode with the earlier defaults: global selection, no warm-ups, no variance freeze
@@ -58,6 +59,10 @@ RUNS = {
     "gradient_0.001": {"density": 0.001, "compress": "gradient"},
     "momentum_0.01": {"density": 0.01, "compress": "momentum"},
     "momentum_0.001": {"density": 0.001, "compress": "momentum"},
+    "no_density_warmup_0.01": {"density": 0.01, "density_warmup_steps": 0},
+    "no_density_warmup_0.001": {"density": 0.001, "density_warmup_steps": 0},
+    "lrw_0.01": {"density": 0.01, "lr_weighted_residual": True},
+    "lrw_0.001": {"density": 0.001, "lr_weighted_residual": True},
     "per_tensor_0.01": {"density": 0.01, "selection": "per_tensor", "compress": "gradient"},
     "freeze_0.01": {"density": 0.01, "freeze_adam_variance": True, "compress": "gradient"},
     "legacy_0.01": {"density": 0.01, "selection": "global", "warmup_steps": 0, "density_warmup_steps": 0,

@@ -20,7 +20,12 @@ RESUME_RUNS = {
     # the variance at steps 2 and 4 (one before the save at K = 3, one after the load)
     "s0_bf16_momentum": zero_config(0, {"enabled": True, "density": 0.01, "compress": "momentum", "warmup_steps": 1,
                                         "variance_refresh_steps": 2}, bf16=True),
-    "s2_fp32_momentum": zero_config(2, {"enabled": True, "density": 0.01, "compress": "momentum", "warmup_steps": 1}),
+    # ... and the residual's learning-rate weighting, with a learning rate that changes every step: the weights'
+    # reference (the first positive rate, step 1's) is in the state, so the resumed run weights alike
+    "s2_fp32_momentum": {**zero_config(2, {"enabled": True, "density": 0.01, "compress": "momentum", "warmup_steps": 1,
+                                           "lr_weighted_residual": True}),
+                         "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01,
+                                                                           "warmup_num_steps": 3, "total_num_steps": 12}}},
 }
 #: a second engine of these runs trains past K, then loads the step-K tag in the same process and trains to 2K:
 #: the result must be the uninterrupted run's. (steps past K, overflow step or -1): s0_fp32 stops one step

@@ -12,6 +12,13 @@ from tests.engines import init_distributed, train_mlp, zero_config
 PIPE_CASES = [("allgather", 1000, 0.05), ("partitioned", 1001, 0.05), ("allgather", 7, 0.5), ("allgather", 0, 0.1)]
 PIPE_STEPS = 6
 BETA = 0.9
+#: the learning rate of each pipeline step (lr_weighted_residual): the residual gets (lr_t / 0.5)·M_t, lr_ref
+#: being the first positive one; step 2 runs at learning rate 0 (weight 0)
+PIPE_LRS = (0.5, 1.0, 0.0, 0.25, 2.0, 0.05)
+
+
+def pipe_weight(step: int) -> float:
+    return PIPE_LRS[step] / PIPE_LRS[0]
 
 
 def pipe_input(case: int, rank: int, step: int, micro: int, numel: int) -> torch.Tensor:
@@ -19,15 +26,21 @@ def pipe_input(case: int, rank: int, step: int, micro: int, numel: int) -> torch
     return torch.randn(numel, generator=g, dtype=torch.float64) * (1.0 + step)
 
 
-_M = {"enabled": True, "density": 0.05, "compress": "momentum", "warmup_steps": 2}
+_M = {"enabled": True, "density": 0.05, "compress": "momentum", "warmup_steps": 2, "lr_weighted_residual": True}
 #: engine runs: ZeRO 0, 1, 2 in bf16 with accumulation 2 and clipping, and fp32 at density 1.0, where the
 #: momentum mode must move the model as DeepSpeed's dense engine does with Adam's variance frozen after the
 #: warm-up (``frozen_reference``: the dense engine plus the same VarianceFreeze, armed by hand)
 ENGINE_RUNS = {f"s{s}_bf16_gas2_clip": {**zero_config(s, _M, bf16=True, gas=2), "gradient_clipping": 1.0}
                for s in (0, 1, 2)}
 # no clipping here (DeepSpeed's default clips at 1.0): it would clip the momentum here, the gradient there
-ENGINE_RUNS["s0_fp32_d1"] = {**zero_config(0, {**_M, "density": 1.0, "variance_floor": 0.0}), "gradient_clipping": 0.0}
-ENGINE_RUNS["s2_fp32_d1"] = {**zero_config(2, {**_M, "density": 1.0, "variance_floor": 0.0}), "gradient_clipping": 0.0}
+# a learning rate that changes every step: with lr_weighted_residual (default) the residual and the optimizer
+# must use the same step's weight, or density 1.0 would not be the dense engine's update
+_SCHEDULE = {"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01,
+                                                               "warmup_num_steps": 3, "total_num_steps": 8}}}
+ENGINE_RUNS["s0_fp32_d1"] = {**zero_config(0, {**_M, "density": 1.0, "variance_floor": 0.0}), "gradient_clipping": 0.0,
+                             **_SCHEDULE}
+ENGINE_RUNS["s2_fp32_d1"] = {**zero_config(2, {**_M, "density": 1.0, "variance_floor": 0.0}), "gradient_clipping": 0.0,
+                             **_SCHEDULE}
 ENGINE_STEPS = 6
 _R = {**_M, "variance_refresh_steps": 2}
 _NO_DECAY = {"optimizer": {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True, "weight_decay": 0.0}}}
@@ -43,7 +56,7 @@ LAYERS = (32, 64, 10)
 def frozen_reference(rank: int) -> list:
     """DeepSpeed's dense ZeRO-0 Adam engine, its variance frozen after ``_M['warmup_steps']`` steps."""
     from ds_dragonn.engine.adam import VarianceFreeze
-    engine, _ = train_mlp({**zero_config(0, None), "gradient_clipping": 0.0}, rank, LAYERS, 0)
+    engine, _ = train_mlp({**zero_config(0, None), "gradient_clipping": 0.0, **_SCHEDULE}, rank, LAYERS, 0)
     freeze = VarianceFreeze(engine, _M["warmup_steps"], floor=0.0)
     g = torch.Generator().manual_seed(rank)  # train_mlp's sample stream
     for step in range(ENGINE_STEPS):
@@ -73,10 +86,11 @@ def pipeline_runs(rank: int, world: int, out_dir: str) -> None:
         comp = DragonnCompressor(density, min_sample=64)
         ex = (PartitionedExchange(backend, DragonnCompressor(density, min_sample=64)) if exchange == "partitioned"
               else AllgatherExchange(backend))
-        ef, mom = ErrorFeedback(True), LocalMomentum(BETA)
+        ef, mom = ErrorFeedback(True), LocalMomentum(BETA, lr_weighted=True)
         pipe = CompressedAllreduce(comp, backend, ef, ex, momentum=mom)
         applied = []
         for step in range(PIPE_STEPS):
+            mom.follow_lr(PIPE_LRS[step])
             for micro in range(2):  # ZeRO-2 style: a reduction per micro step, decoded sums add up
                 o, _ = pipe.reduce([pipe_input(c, rank, step, micro, numel)], "b", seed=7 * step + micro,
                                    postscale=1.0 / world)

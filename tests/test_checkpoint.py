@@ -134,6 +134,9 @@ def test_load_state_dict_refuses_what_is_not_a_state():
                         ("description", dict(good["description"], parameters=None))):
         with pytest.raises(ValueError, match="not a valid DRAGONN state"):
             hook.load_state_dict(dict(good, **{part: value}))
+    for ref in (0.0, -1.0, float("nan"), float("inf"), "0.1", True):  # the residual weighting's lr_ref
+        with pytest.raises(ValueError, match="'momentum.reference_lr' is"):
+            hook.load_state_dict(dict(good, momentum={"momenta": {}, "reference_lr": ref}))
     newer = dict(good, description=dict(good["description"], format=99))
     with pytest.raises(ValueError, match="format 99"):
         hook.load_state_dict(newer)

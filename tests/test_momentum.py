@@ -11,7 +11,7 @@ from ds_dragonn.config import DragonnConfig, DragonnConfigError
 from ds_dragonn.engine.adam import VarianceFreeze
 from ds_dragonn.feedback import ErrorFeedback
 from ds_dragonn.momentum import LocalMomentum
-from tests.momentum_cases import BETA, ENGINE_RUNS, PIPE_CASES, PIPE_STEPS, REFRESH_RUNS, pipe_input
+from tests.momentum_cases import BETA, ENGINE_RUNS, PIPE_CASES, PIPE_STEPS, REFRESH_RUNS, pipe_input, pipe_weight
 from tests.multiproc import load_rank_files, run_ranks
 
 
@@ -44,6 +44,37 @@ def test_residual_grows_by_the_momentum_each_step(transactional, micro):
         mom.end_step(True)
         ef.end_step(True)
         torch.testing.assert_close(mom.momenta["b"], ref_m, rtol=1e-13, atol=1e-13)
+
+
+def test_the_lr_weighted_residual_grows_by_each_steps_weighted_momentum():
+    """w_t = lr_t / lr_ref (lr_ref: the first positive lr), the residual gets Σ w_t·M_t (float64), the momentum
+    itself is unweighted, and the reference survives a state round trip."""
+    gen = torch.Generator().manual_seed(5)
+    lrs = [0.0, 0.2, 0.4, 0.0, 0.1, 1.0]  # a warm-up from 0, a step at 0
+    grads = [[torch.randn(7, generator=gen, dtype=torch.float64)] for _ in lrs]
+    mom, ef = LocalMomentum(0.9, lr_weighted=True), ErrorFeedback(True)
+    expected = torch.zeros(7, dtype=torch.float64)
+    for lr, g, ref_m in zip(lrs, grads, _reference([[x[0]] for x in grads], 0.9, 1.0)):
+        w = mom.follow_lr(lr)
+        assert w == (lr / 0.2 if mom.reference_lr else 1.0)
+        tensors, pre = mom.update("b", g, torch.float64)
+        buf = ef.compensate_("b", tensors, torch.float64, pre)
+        expected += w * ref_m
+        torch.testing.assert_close(buf, expected, rtol=1e-13, atol=1e-13)
+        torch.testing.assert_close(mom.momenta["b"], ref_m, rtol=1e-13, atol=1e-13)
+        mom.end_step(True)
+        ef.end_step(True)
+    assert mom.reference_lr == 0.2
+    other = LocalMomentum(0.9, lr_weighted=True)
+    other.load_state_dict(mom.state_dict())
+    assert other.reference_lr == 0.2 and other.follow_lr(0.05) == 0.25
+    other.load_state_dict({"momenta": {}})  # saved before the weighting existed: the next lr is the reference
+    assert other.reference_lr is None and other.follow_lr(0.3) == 1.0
+    plain = LocalMomentum(0.9)  # lr_weighted_residual false: always 1
+    assert plain.follow_lr(0.5) == 1.0 and plain.follow_lr(0.0) == 1.0 and plain.reference_lr is None
+    for bad in (-0.1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="learning rate must be finite and >= 0"):
+            mom.follow_lr(bad)
 
 
 def test_a_skipped_step_leaves_the_momentum_as_before():
@@ -89,6 +120,9 @@ def test_momentum_state_round_trip_and_errors():
     ({"variance_refresh_steps": -1}, "variance_refresh_steps"),
     ({"compress": "gradient", "variance_refresh_steps": 50}, "'variance_refresh_steps' applies to 'compress': 'momentum'"),
     ({"compress": "gradient", "variance_refresh_decay": 0.5}, "'variance_refresh_decay' applies to"),
+    ({"compress": "gradient", "lr_weighted_residual": False}, "'lr_weighted_residual' applies to"),
+    ({"lr_weighted_residual": 1}, "lr_weighted_residual"),
+    ({"sync": "local_steps", "lr_weighted_residual": True}, "'lr_weighted_residual' applies to 'sync': 'every_step'"),
     ({"variance_refresh_decay": 1.0}, "variance_refresh_decay"),
     ({"variance_refresh_decay": 0.0}, "variance_refresh_decay"),  # V̂ = 0 where one step's gradient is 0
     ({"variance_refresh_decay": 0.49}, "variance_refresh_decay"),
@@ -143,6 +177,32 @@ def test_adam_applies_the_averaged_momentum_with_the_frozen_floored_variance(flo
     torch.testing.assert_close(p.detach(), ref, rtol=1e-10, atol=1e-12)
 
 
+def test_adam_applies_the_weighted_momentum_at_the_reference_learning_rate():
+    """lr_weighted_residual: with the learning rate changing every step, Adam moves by
+    lr_ref·(a_t/w_t)·w_t... i.e. by lr_t·(a_t/w_t)/(c1·(√V̂+eps)) = lr_ref·a_t/(c1·(√V̂+eps)); at lr 0 not at all
+    (float64 reference)."""
+    p = torch.nn.Parameter(torch.randn(30, dtype=torch.float64))
+    p0 = p.detach().clone()
+    opt = torch.optim.Adam([p], lr=0.01)
+    engine = SimpleNamespace(optimizer=opt, global_steps=0)
+    lr_ref, lrs = 0.01, [0.01, 0.01, 0.01, 0.004, 0.0, 0.02, 0.001]
+    weight = {"w": 1.0}
+    freeze = VarianceFreeze(engine, freeze_step=3, momentum=True, update_weight=lambda: weight["w"])
+    gen = torch.Generator().manual_seed(9)
+    grads = [torch.randn(30, generator=gen, dtype=torch.float64) * (1 + 5 * (i >= 3)) for i in range(len(lrs))]
+    for lr, g in zip(lrs, grads):
+        if engine.global_steps == 3:
+            freeze.arm()
+        opt.param_groups[0]["lr"] = lr
+        weight["w"] = lr / lr_ref
+        p.grad = g.clone()
+        opt.step()
+        engine.global_steps += 1
+    later = [g if lr > 0 else torch.zeros_like(g) for lr, g in zip(lrs[3:], grads[3:])]  # lr 0: no move
+    ref = _reference_momentum_adam(p0, later, 3, grads[:3], lr=lr_ref)
+    torch.testing.assert_close(p.detach(), ref, rtol=1e-10, atol=1e-12)
+
+
 @pytest.fixture(scope="module")
 def pipe_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("mompipe")
@@ -152,7 +212,8 @@ def pipe_runs(tmp_path_factory):
 
 @pytest.mark.parametrize("ci", range(len(PIPE_CASES)), ids=[f"{x}-{n}-{d}" for x, n, d in PIPE_CASES])
 def test_nothing_lost_everything_applied_plus_residuals_is_the_momenta(pipe_runs, ci):
-    """Σ applied × P + all residuals (worker and server) == Σ_steps Σ_ranks M_t (float64 reference)."""
+    """Σ applied × P + all residuals (worker and server) == Σ_steps w_t × Σ_ranks M_t (float64 reference; the
+    residual is learning-rate weighted, one step at weight 0)."""
     from ds_dragonn.exchange import HashedOwnership
     exchange, n, density = PIPE_CASES[ci]
     world = 2
@@ -160,8 +221,8 @@ def test_nothing_lost_everything_applied_plus_residuals_is_the_momenta(pipe_runs
     for r in range(world):
         steps = [[pipe_input(ci, r, s, mi, n) for mi in range(2)] for s in range(PIPE_STEPS)]
         last = None
-        for m in _reference(steps, BETA, 1.0):
-            momenta += m
+        for s, m in enumerate(_reference(steps, BETA, 1.0)):
+            momenta += pipe_weight(s) * m
             last = m
         torch.testing.assert_close(pipe_runs[r][ci]["momentum"], last, rtol=1e-12, atol=1e-12)
     for r in range(world):  # every rank applied the same

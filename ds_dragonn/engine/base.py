@@ -25,7 +25,7 @@ from ..policy import AutoPolicy
 from ..schedule import DensitySchedule
 from ..telemetry import Telemetry
 from . import state
-from .adam import VarianceFreeze, adam_beta1
+from .adam import VarianceFreeze, adam_beta1, optimizer_lr
 from .decision import BucketDecision
 from .reporting import Reporter
 from .steps import StepGuard, loss_scale, may_skip_steps
@@ -68,12 +68,14 @@ class HookBase:
         has_optimizer = engine is not None and hasattr(engine, "optimizer")
         if cfg.compress == CompressTarget.momentum:
             beta1 = adam_beta1(engine) if has_optimizer else None
-            self.momentum = LocalMomentum(0.9 if beta1 is None else beta1, transactional=self.transactional)
+            self.momentum = LocalMomentum(0.9 if beta1 is None else beta1, transactional=self.transactional,
+                                          lr_weighted=cfg.lr_weighted_residual)
             if has_optimizer:
                 schedule = self.decision.schedule
                 self.variance_freeze = VarianceFreeze(engine, cfg.warmup_steps, cfg.variance_floor, momentum=True,
                                                       refresh=schedule.refresh, refresh_steps=schedule.refresh_steps,
-                                                      refresh_decay=cfg.variance_refresh_decay)
+                                                      refresh_decay=cfg.variance_refresh_decay,
+                                                      update_weight=lambda: self.momentum.weight)
         # only where gradients are delayed (density below 1, error feedback on: bursts), and only after dense
         # warm-up steps: a variance estimated from sparse steps is ~0 where nothing arrived yet (measured:
         # the LM diverges when frozen at the end of the density warm-up without dense steps)
@@ -203,6 +205,14 @@ class HookBase:
         beta1 = adam_beta1(self.engine) if hasattr(self.engine, "optimizer") else None
         if beta1 is not None and 0.0 < beta1 < 1.0:
             self.momentum.beta = beta1
+
+    def _follow_lr(self) -> None:
+        """Momentum mode, at every reduction: the residual's weight for this step from the optimizer's learning
+        rate (``LocalMomentum.follow_lr``; the pre-hook divides by the same weight before Adam's step)."""
+        if self.momentum is not None and self.momentum.lr_weighted:
+            lr = optimizer_lr(self.engine)
+            if lr is not None:
+                self.momentum.follow_lr(lr)
 
     def _track_momentum(self, pipeline: CompressedAllreduce, key: Hashable, tensors, dtype: torch.dtype,
                         prescale: float) -> None:

@@ -41,7 +41,7 @@ _KEPT_FIELDS = ("density", "compressor", "kernel", "sample_ratio", "min_sample",
                 "policy", "auto_probe_steps", "auto_recheck_interval", "min_compress_numel", "seed",
                 "density_warmup_steps", "density_warmup_start", "selection", "tensor_min_compress_numel",
                 "compress_1d", "freeze_adam_variance", "compress", "variance_floor", "variance_refresh_steps",
-                "variance_refresh_decay")
+                "variance_refresh_decay", "lr_weighted_residual")
 
 
 def describe(hook: Any) -> Dict[str, Any]:
@@ -141,6 +141,9 @@ def validate(state: Any, where: str) -> None:
     momentum = state.get("momentum")
     if momentum is not None and (not isinstance(momentum, dict) or not isinstance(momentum.get("momenta", {}), dict)):
         raise bad("'momentum' is not a dict with a 'momenta' dict")
+    ref = (momentum or {}).get("reference_lr")
+    if ref is not None and (not isinstance(ref, (int, float)) or isinstance(ref, bool) or not 0.0 < ref < float("inf")):
+        raise bad(f"'momentum.reference_lr' is {ref!r}, not a positive finite number")
     _check_buffers(bad, "residual", ef.get("residuals", {}))
     _check_buffers(bad, "momentum", (momentum or {}).get("momenta", {}))
 
@@ -219,8 +222,8 @@ def load_state_dict(hook: Any, state: dict, source: str = "the state") -> None:
         saved_m = state.get("momentum") or {}
         if not saved_m.get("momenta") and state["error_feedback"].get("residuals"):
             kept.append("no local momentum (compress: gradient), so the momentum starts at zero")
-        hook.momentum.load_state_dict({"momenta": {_key(k): v for k, v in saved_m.get("momenta", {}).items()}},
-                                      device)
+        hook.momentum.load_state_dict({"momenta": {_key(k): v for k, v in saved_m.get("momenta", {}).items()},
+                                       "reference_lr": saved_m.get("reference_lr")}, device)
     exchanges = [_exchange_state(ex) for ex in state.get("exchange", [])]
     pipes = hook.pipelines
     for pipe in pipes:
