@@ -147,8 +147,8 @@ class DragonnConfig(DeepSpeedConfigModel):
 
     lr_weighted_residual: bool = Field(False, strict=True)
     """``compress: momentum``: the residual holds each step's momentum weighted by that step's learning rate,
-    ``(lr_t / lr_ref)·M_t``, and the optimizer applies what arrives divided by ``lr_t / lr_ref``, so that a
-    delayed element moves by the learning rates of the steps it waited through, not by the rate of the step
+    ``(lr_t / lr_ref)·M_t``, and what arrives is handed to the optimizer divided by ``lr_t / lr_ref``, so that
+    a delayed element moves by the learning rates of the steps it waited through, not by the rate of the step
     it arrives in (the memory of EF-SGD, Karimireddy et al., ICML 2019, and of Stich et al., NeurIPS 2018,
     holds ``γ_t·g_t``). ``lr_ref``: the first positive learning rate seen (the largest over parameter
     groups). Matters where the learning rate changes within a delay: a decay to 0 over a short run, or

@@ -15,11 +15,14 @@ with ``c = (1 − β1) × prescale``. Invariant (tests check it in float64): eve
 residuals equals the sum over steps of the ranks' averaged momenta.
 
 Learning-rate weighting (``lr_weighted_residual``, :meth:`LocalMomentum.follow_lr`): the residual grows by
-``w_t·M_t`` with ``w_t = lr_t / lr_ref`` instead, and the optimizer divides what arrives by ``w_t``
-(``engine/adam.py``), so that Adam applies ``lr_ref × Σ w_τ·M_τ = Σ lr_τ·M_τ`` for what waited: each step's
-momentum at its own step's learning rate, as dense Adam would (the memory of EF-SGD, Karimireddy et al.,
-ICML 2019, holds ``γ_t·g_t``). The invariant then reads: everything applied plus all residuals equals
-``Σ_t w_t × Σ_ranks M_t``.
+``w_t·M_t`` with ``w_t = lr_t / lr_ref`` instead, and the pipeline divides what it hands the optimizer by ``w_t``
+(:meth:`LocalMomentum.unweighted`), so that Adam, at ``lr_t``, applies ``lr_ref × Σ w_τ·M_τ = Σ lr_τ·M_τ``
+for what waited: each step's momentum at its own step's learning rate, as dense Adam would (the memory of
+EF-SGD, Karimireddy et al., ICML 2019, holds ``γ_t·g_t``). What the optimizer receives is in this step's
+units (a fresh momentum as it is), so gradient clipping sees the scale it sees without the weighting. The
+invariant reads: ``Σ_t w_t × (what was handed at step t) × ranks`` plus all residuals equals
+``Σ_t w_t × Σ_ranks M_t``. A step at learning rate 0 (``w_t = 0``) hands 0: what it sent is lost (Adam
+would not move at learning rate 0 either; schedules reach 0 after the last step).
 
 Skipped steps (``transactional``): as for the residuals, the step's momentum is computed into a second
 persistent buffer and becomes the momentum only when DeepSpeed applies the step (:meth:`end_step`).
@@ -116,6 +119,12 @@ class LocalMomentum:
             self.reference_lr = lr
         self.weight = lr / self.reference_lr if self.reference_lr else 1.0
         return self.weight
+
+    def unweighted(self, postscale: float) -> float:
+        """``postscale / w_t`` (0.0 at ``w_t = 0``): the factor that hands the optimizer this step's units."""
+        if self.weight == 1.0:
+            return postscale
+        return postscale / self.weight if self.weight > 0.0 else 0.0
 
     def end_step(self, applied: bool) -> None:
         """The step ended: transactional, an applied step's momenta replace the old (a swap), a skipped

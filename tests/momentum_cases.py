@@ -13,8 +13,8 @@ PIPE_CASES = [("allgather", 1000, 0.05), ("partitioned", 1001, 0.05), ("allgathe
 PIPE_STEPS = 6
 BETA = 0.9
 #: the learning rate of each pipeline step (lr_weighted_residual): the residual gets (lr_t / 0.5)·M_t, lr_ref
-#: being the first positive one; step 2 runs at learning rate 0 (weight 0)
-PIPE_LRS = (0.5, 1.0, 0.0, 0.25, 2.0, 0.05)
+#: being the first one, and what is handed out is divided by that weight
+PIPE_LRS = (0.5, 1.0, 0.125, 0.25, 2.0, 0.05)
 
 
 def pipe_weight(step: int) -> float:

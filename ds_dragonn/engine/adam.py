@@ -157,15 +157,11 @@ class VarianceFreeze:
             the dense raw gradient): ``V̂ ← ρ·V̂ + (1 − ρ)·g²`` and no update (module docstring).
         refresh_steps: the interval between refreshes (for the default ``ρ``).
         refresh_decay: ``ρ``; None: ``max(β2^refresh_steps, 0.9)`` of each parameter group's β2.
-        update_weight: momentum mode with ``lr_weighted_residual``: returns this step's residual weight
-            ``w_t = lr_t / lr_ref`` (``LocalMomentum.follow_lr``); the gradient (the averaged sparse momentum,
-            in ``w``-weighted units) is applied divided by it, so Adam moves by ``lr_ref`` × what arrived. At
-            ``w_t = 0`` (learning rate 0) nothing is applied.
     """
 
     def __init__(self, engine: Any, freeze_step: int, floor: float = 0.0, momentum: bool = False,
                  refresh: Optional[Callable[[int], bool]] = None, refresh_steps: int = 0,
-                 refresh_decay: Optional[float] = None, update_weight: Optional[Callable[[], float]] = None):
+                 refresh_decay: Optional[float] = None):
         self.engine = engine
         self.freeze_step = int(freeze_step)
         self.floor = float(floor)
@@ -173,7 +169,6 @@ class VarianceFreeze:
         self.refresh = refresh if momentum and refresh is not None and refresh_steps >= 2 else None
         self.refresh_steps = int(refresh_steps)
         self.refresh_decay = refresh_decay
-        self.update_weight = update_weight if momentum else None
         self.refreshed = 0  # refreshes applied (this process)
         self.optimizer = base_optimizer(engine)
         self.frozen: Optional[List[torch.Tensor]] = None  # V̂ per entry of self.params
@@ -198,8 +193,6 @@ class VarianceFreeze:
             return
         late = 0
         refreshing = self.refresh is not None and self.refresh(int(self.engine.global_steps))
-        weight = float(self.update_weight()) if self.update_weight is not None else 1.0
-        scale = 1.0 / weight if weight > 0.0 else 0.0  # in units of lr_ref (at learning rate 0 Adam moves nothing)
         for group in optimizer.param_groups:
             beta1, beta2 = float(group["betas"][0]), float(group["betas"][1])
             corrected = group.get("bias_correction", True)  # DeepSpeed's FusedAdam may turn it off
@@ -229,8 +222,7 @@ class VarianceFreeze:
                     self._no_update(state, frozen, g, beta2, corrected)
                     continue
                 if self.momentum:
-                    self._momentum_step(state, g, self.frozen[i], beta1, beta2, c2, float(group.get("eps", 1e-8)),
-                                        scale)
+                    self._momentum_step(state, g, self.frozen[i], beta1, beta2, c2, float(group.get("eps", 1e-8)))
                     continue
                 target = self.frozen[i] * (c2 / beta2)
                 v.copy_(target.addcmul_(g, g, value=-(1.0 - beta2) / beta2))
@@ -293,17 +285,15 @@ class VarianceFreeze:
 
     @staticmethod
     def _momentum_step(state: dict, g: torch.Tensor, frozen: torch.Tensor, beta1: float, beta2: float, c2: float,
-                       eps: float, scale: float = 1.0) -> None:
-        """Set Adam's moments so that its update is ``lr · scale · (g / c1) / (sqrt(V̂) + eps)``: ``g`` (the
-        averaged momentum; ``scale``: ``1 / w_t`` with ``lr_weighted_residual``) divided by the frozen denominator. The variance lands on ``V̂·c2 + (1 − β2)·g²`` (never
+                       eps: float) -> None:
+        """Set Adam's moments so that its update is ``lr · (g / c1) / (sqrt(V̂) + eps)``: ``g`` (the averaged
+        momentum) divided by the frozen denominator. The variance lands on ``V̂·c2 + (1 − β2)·g²`` (never
         below ``V̂·c2``: no cancellation, no negative variance however large a burst), and the first moment
         on ``g`` times the ratio of that denominator to the frozen one."""
         v, m = state["exp_avg_sq"], state["exp_avg"]
         v.copy_(frozen).mul_(c2 / beta2)
         denom = frozen.mul(c2).addcmul_(g, g, value=1.0 - beta2).div_(c2).sqrt_().add_(eps)
         denom.div_(frozen.sqrt().add_(eps))  # Adam's denominator over the frozen one (>= 1)
-        if scale != 1.0:
-            denom.mul_(scale)
         m.copy_(g).mul_(denom).sub_(g, alpha=1.0 - beta1).div_(beta1)
 
     def _record(self, optimizer) -> bool:

@@ -74,8 +74,7 @@ class HookBase:
                 schedule = self.decision.schedule
                 self.variance_freeze = VarianceFreeze(engine, cfg.warmup_steps, cfg.variance_floor, momentum=True,
                                                       refresh=schedule.refresh, refresh_steps=schedule.refresh_steps,
-                                                      refresh_decay=cfg.variance_refresh_decay,
-                                                      update_weight=lambda: self.momentum.weight)
+                                                      refresh_decay=cfg.variance_refresh_decay)
         # only where gradients are delayed (density below 1, error feedback on: bursts), and only after dense
         # warm-up steps: a variance estimated from sparse steps is ~0 where nothing arrived yet (measured:
         # the LM diverges when frozen at the end of the density warm-up without dense steps)
@@ -208,7 +207,7 @@ class HookBase:
 
     def _follow_lr(self) -> None:
         """Momentum mode, at every reduction: the residual's weight for this step from the optimizer's learning
-        rate (``LocalMomentum.follow_lr``; the pre-hook divides by the same weight before Adam's step)."""
+        rate (``LocalMomentum.follow_lr``; the pipeline divides what it hands the optimizer by the same weight)."""
         if self.momentum is not None and self.momentum.lr_weighted:
             lr = optimizer_lr(self.engine)
             if lr is not None:
