@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 __version__ = "0.1.0"
 
-from .config import DragonnConfig, DragonnConfigError, SyncMode, load_ds_config  # noqa: E402
+from .config import CompressTarget, DragonnConfig, DragonnConfigError, SyncMode, load_ds_config  # noqa: E402
 from .engine.checkpoint import CheckpointError, CheckpointMismatchError  # noqa: E402
 
 
@@ -195,7 +195,7 @@ def _resolve_compress(cfg: DragonnConfig, engine: Any) -> DragonnConfig:
     """
     from deepspeed.utils.logging import print_dist
 
-    from .config import MOMENTUM_KEYS, CompressTarget
+    from .config import MOMENTUM_KEYS
     from .engine.adam import momentum_refusal
     if cfg.compress == CompressTarget.gradient:
         return cfg
@@ -205,7 +205,7 @@ def _resolve_compress(cfg: DragonnConfig, engine: Any) -> DragonnConfig:
     if cfg.compress == CompressTarget.momentum:
         if why:
             raise DragonnUnsupportedError(f"'dragonn.compress': 'momentum' {why}. Use 'compress': 'gradient' with it")
-        return cfg
+        return _refuse_lr_weighting_with_fp16(cfg, engine)
     unmet = [what for what, ok in (("error feedback is off", cfg.error_feedback),
                                    ("there is no dense warm-up (warmup_steps 0)", cfg.warmup_steps >= 1),
                                    ("density is 1.0", cfg.density < 1.0)) if not ok]
@@ -217,9 +217,20 @@ def _resolve_compress(cfg: DragonnConfig, engine: Any) -> DragonnConfig:
     if refresh and resolved == CompressTarget.gradient:
         print_dist(f"DRAGONN: warning: 'dragonn.{refresh[0]}' has no effect: it applies to the momentum mode, and "
                    f"compress 'auto' chose 'gradient' ({reason})", ranks=[0])
-    return cfg.model_copy(update={"compress": resolved})
+    return _refuse_lr_weighting_with_fp16(cfg.model_copy(update={"compress": resolved}), engine)
 
 
+def _refuse_lr_weighting_with_fp16(cfg: DragonnConfig, engine: Any) -> DragonnConfig:
+    """``cfg``, or DragonnUnsupportedError where the momentum mode's ``lr_weighted_residual`` meets fp16."""
+    if (cfg.compress == CompressTarget.momentum and cfg.lr_weighted_residual
+            and getattr(engine, "fp16_enabled", lambda: False)()):
+        raise DragonnUnsupportedError(_LR_WEIGHTED_FP16)
+    return cfg
+
+
+_LR_WEIGHTED_FP16 = ("'dragonn.lr_weighted_residual': true does not support fp16: the weighted residual and what is "
+                     "handed back (divided by lr_t / lr_ref) can leave fp16's range under loss scaling; use bf16, or "
+                     "set it to false")
 _NO_REDUCE_SCATTER = ("'dragonn' compresses the gradient reduce-scatter of ZeRO stages 1/2, but "
                       "'zero_optimization.reduce_scatter' is false (a dense allreduce); remove the key or set it to true")
 

@@ -151,8 +151,11 @@ class DragonnConfig(DeepSpeedConfigModel):
     a delayed element moves by the learning rates of the steps it waited through, not by the rate of the step
     it arrives in (the memory of EF-SGD, Karimireddy et al., ICML 2019, and of Stich et al., NeurIPS 2018,
     holds ``γ_t·g_t``). ``lr_ref``: the first positive learning rate seen (the largest over parameter
-    groups). Matters where the learning rate changes within a delay: a decay to 0 over a short run, or
-    density 0.001 (an element waits ~1000 steps). A step at learning rate 0 applies nothing, as Adam.
+    groups; in the per-rank checkpoint state). Matters where the learning rate changes within a delay:
+    warm-ups, a decay to 0 over a short run. Off by default: it helped the 0.87 M LM on every run measured
+    and not the 1.85 M GPT's seed 1234 (docs/results.md). A step at learning rate 0 hands out 0 (what it
+    sent is lost); late in a decay to 0 what is handed out grows like ``1 / w_t``, so gradient clipping can
+    bite there; refused with fp16; a checkpoint loaded with this setting changed starts with empty residuals.
     false: the residual holds ``M_t`` (1-bit Adam, DGC)."""
 
     variance_refresh_decay: Optional[float] = Field(None, strict=True)

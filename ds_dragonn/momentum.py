@@ -146,11 +146,11 @@ class LocalMomentum:
 
     def load_state_dict(self, state: dict, device: Optional[torch.device] = None) -> None:
         """Restore :meth:`state_dict` (tensors onto ``device`` if given); β1 stays as configured. ``lr_ref``
-        too (a state without one, saved before the weighting existed, takes the next learning rate)."""
+        too, where this momentum is ``lr_weighted`` (a state without one takes the next learning rate)."""
         self.momenta = {k: v.to(device).clone() if device is not None else v.clone()
                         for k, v in state.get("momenta", {}).items()}
         ref = state.get("reference_lr")
-        self.reference_lr = float(ref) if ref is not None else None
+        self.reference_lr = float(ref) if ref is not None and self.lr_weighted else None
         self._work.clear()
         self._open.clear()
 

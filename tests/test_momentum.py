@@ -514,3 +514,33 @@ def test_a_changed_refresh_setting_is_reported_on_load():
     saved = {**now, "dragonn": DragonnConfig(enabled=True).model_dump(mode="json")}
     _, _, kept = compare(saved, now)
     assert any("dragonn.variance_refresh_steps 100 (now 50)" in k for k in kept), kept
+
+
+def test_a_changed_lr_weighting_resets_the_residuals_on_load():
+    """A residual of (lr_t / lr_ref)-weighted momenta is not one of momenta: loading across a change resets."""
+    from ds_dragonn.engine.state import compare
+    on = DragonnConfig(enabled=True, compress="momentum", lr_weighted_residual=True).model_dump(mode="json")
+    off = DragonnConfig(enabled=True, compress="momentum").model_dump(mode="json")
+    now = {"world_size": 2, "rank": 0, "bucketing": {}, "parameters": [], "exchange": "allgather", "dragonn": off}
+    for saved, current in ((on, off), (off, on)):
+        reset, _, _ = compare({**now, "dragonn": saved}, {**now, "dragonn": current})
+        assert any("dragonn.lr_weighted_residual" in r and "other units" in r for r in reset), reset
+    old = {k: v for k, v in off.items() if k != "lr_weighted_residual"}  # saved before the key existed
+    assert compare({**now, "dragonn": old}, now)[0] == []
+    mom = LocalMomentum(0.9)  # unweighted: a saved lr_ref is not taken over
+    mom.load_state_dict({"momenta": {}, "reference_lr": 0.1})
+    assert mom.reference_lr is None
+
+
+@pytest.mark.parametrize("compress", ["momentum", "auto"])
+def test_lr_weighting_is_refused_with_fp16(compress):
+    import ds_dragonn
+    from tests.fakes import fake_engine
+    p = torch.nn.Parameter(torch.ones(3))
+    engine = fake_engine(optimizer=torch.optim.AdamW([p], lr=0.1))
+    engine.fp16_enabled = lambda: True
+    cfg = DragonnConfig(enabled=True, compress=compress, lr_weighted_residual=True)
+    with pytest.raises(ds_dragonn.DragonnUnsupportedError, match="'dragonn.lr_weighted_residual': true does not "
+                                                                  "support fp16"):
+        ds_dragonn._resolve_compress(cfg, engine)
+    assert ds_dragonn._resolve_compress(cfg.model_copy(update={"lr_weighted_residual": False}), engine)

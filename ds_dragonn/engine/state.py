@@ -41,7 +41,7 @@ _KEPT_FIELDS = ("density", "compressor", "kernel", "sample_ratio", "min_sample",
                 "policy", "auto_probe_steps", "auto_recheck_interval", "min_compress_numel", "seed",
                 "density_warmup_steps", "density_warmup_start", "selection", "tensor_min_compress_numel",
                 "compress_1d", "freeze_adam_variance", "compress", "variance_floor", "variance_refresh_steps",
-                "variance_refresh_decay", "lr_weighted_residual")
+                "variance_refresh_decay")
 
 
 def describe(hook: Any) -> Dict[str, Any]:
@@ -62,6 +62,11 @@ def describe(hook: Any) -> Dict[str, Any]:
     return {"format": FORMAT, "rank": rank, "world_size": world, "global_steps": int(engine.global_steps),
             "dragonn": hook.cfg.model_dump(mode="json"), "exchange": hook.exchange_name, "bucketing": bucketing,
             "parameters": params}
+
+
+def _lr_weighted(dragonn: Dict[str, Any]) -> bool:
+    """Whether a described run's residuals were learning-rate weighted (the momentum mode's key; absent: no)."""
+    return dragonn.get("compress") == "momentum" and bool(dragonn.get("lr_weighted_residual", False))
 
 
 def compare(saved: Dict[str, Any], current: Dict[str, Any]) -> Tuple[List[str], List[str], List[str]]:
@@ -89,6 +94,9 @@ def compare(saved: Dict[str, Any], current: Dict[str, Any]) -> Tuple[List[str], 
     sd, cd = saved.get("dragonn", {}), current["dragonn"]
     if sd.get("sync", "every_step") != cd.get("sync", "every_step"):  # a gradient residual is no pseudo-gradient's
         reset.append(f"dragonn.sync {sd.get('sync', 'every_step')} (now {cd.get('sync', 'every_step')})")
+    weighted_s, weighted_c = _lr_weighted(sd), _lr_weighted(cd)
+    if weighted_s != weighted_c:  # a residual of (lr_t / lr_ref)-weighted momenta is not one of momenta
+        reset.append(f"dragonn.lr_weighted_residual {weighted_s} (now {weighted_c}): the residuals are in other units")
     if sd.get("error_feedback", True) != cd["error_feedback"] and not cd["error_feedback"]:
         reset.append("error_feedback off now")
     ran, runs = saved.get("exchange", sd.get("exchange")), current["exchange"]  # the scheme the hook ran
