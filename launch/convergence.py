@@ -15,6 +15,7 @@ gradient_0.001        the same at density 0.001
 momentum_0.01         the defaults with ``compress: momentum`` (1-bit Adam's structure), named explicitly
 momentum_0.001        the same at density 0.001
 no_density_warmup_*   the defaults without the density warm-up (straight from the dense warm-up to the density)
+lrw_0.01, lrw_0.001   the defaults with ``lr_weighted_residual`` (the momentum mode's learning-rate weighted residual)
 per_tensor_0.01       gradient mode with per-tensor selection (small and 1-D tensors whole)
 freeze_0.01           gradient mode with Adam's variance frozen after the dense warm-up
 legacy_0.01           gradient mode with the earlier defaults: global selection, no warm-ups, no variance freeze
