@@ -153,7 +153,7 @@ class DragonnConfig(DeepSpeedConfigModel):
     holds ``γ_t·g_t``). ``lr_ref``: the first positive learning rate seen (the largest over parameter
     groups; in the per-rank checkpoint state). Matters where the learning rate changes within a delay:
     warm-ups, a decay to 0 over a short run. Off by default: it helped the 0.87 M LM on every run measured
-    and not the 1.85 M GPT's seed 1234 (docs/results.md). A step at learning rate 0 hands out 0 (what it
+    and not the 1.85 M GPT (both seeds end behind; docs/results.md). A step at learning rate 0 hands out 0 (what it
     sent is lost); late in a decay to 0 what is handed out grows like ``1 / w_t``, so gradient clipping can
     bite there; refused with fp16; a checkpoint loaded with this setting changed starts with empty residuals.
     false: the residual holds ``M_t`` (1-bit Adam, DGC)."""
