@@ -274,14 +274,17 @@ class DragonnConfig(DeepSpeedConfigModel):
         if self.compress == CompressTarget.momentum and self.warmup_steps < 1:
             raise ValueError("'compress': 'momentum' needs 'warmup_steps' >= 1: Adam's variance is frozen from the "
                              "dense warm-up steps")
-        if self.variance_refresh_steps == 1:
-            raise ValueError("'variance_refresh_steps': 1 would refresh at every step and send no momentum; use 0 "
-                             "(never) or at least 2")
         if self.compress == CompressTarget.gradient:
             given = self.given(*MOMENTUM_KEYS)
             if given:
                 raise ValueError(f"'{given[0]}' applies to 'compress': 'momentum' (or 'auto') only; remove it or "
                                  f"change 'compress'")
+        if self.variance_refresh_steps == 1:
+            raise ValueError("'variance_refresh_steps': 1 would refresh at every step and send no momentum; use 0 "
+                             "(never) or at least 2")
+        if self.variance_refresh_steps == 0 and self.variance_refresh_decay is not None:
+            raise ValueError("'variance_refresh_decay' has no effect with 'variance_refresh_steps': 0 (no refresh); "
+                             "remove one of them")
         if self.sync == SyncMode.local_steps and self.compress == CompressTarget.momentum:
             raise ValueError("'sync': 'local_steps' compresses the pseudo-gradient of each round; 'compress': "
                              "'momentum' applies to 'sync': 'every_step' only (remove it or use 'auto')")

@@ -124,6 +124,8 @@ def test_momentum_state_round_trip_and_errors():
     ({"compress": "gradient", "lr_weighted_residual": False}, "'lr_weighted_residual' applies to"),
     ({"lr_weighted_residual": 1}, "lr_weighted_residual"),
     ({"sync": "local_steps", "lr_weighted_residual": True}, "'lr_weighted_residual' applies to 'sync': 'every_step'"),
+    ({"variance_refresh_steps": 0, "variance_refresh_decay": 0.9}, "'variance_refresh_decay' has no effect"),
+    ({"compress": "gradient", "variance_refresh_steps": 1}, "'variance_refresh_steps' applies to 'compress'"),
     ({"variance_refresh_decay": 1.0}, "variance_refresh_decay"),
     ({"variance_refresh_decay": 0.0}, "variance_refresh_decay"),  # V̂ = 0 where one step's gradient is 0
     ({"variance_refresh_decay": 0.49}, "variance_refresh_decay"),
