@@ -214,13 +214,17 @@ def resolve_modes(names: Sequence[str], defs: Sequence[str]) -> List[Mode]:
 
 
 # -- the LM recipe --------------------------------------------------------------------------------------
-def lm_config(steps: int, path: Path = BASE_CONFIG) -> dict:
+def lm_config(steps: int, path: Path = BASE_CONFIG, lr: Optional[float] = None) -> dict:
     """configs/lm_dense.json with its scheduler stretched over ``steps`` (WarmupDecayLR: warm-up of the
-    config's 50 steps, at most a quarter of the run, then linear decay to 0 at ``steps``)."""
+    config's 50 steps, at most a quarter of the run, then linear decay to 0 at ``steps``); ``lr`` (when given)
+    replaces the peak learning rate (the optimizer's ``lr`` and the schedule's ``warmup_max_lr``), for every
+    mode alike: the torch modes' recipe reads the same config (:func:`lm_recipe`)."""
     cfg = json.loads(Path(path).read_text())
     params = cfg["scheduler"]["params"]
     params["total_num_steps"] = steps
     params["warmup_num_steps"] = max(1, min(params["warmup_num_steps"], steps // 4))
+    if lr is not None:
+        cfg["optimizer"]["params"]["lr"] = params["warmup_max_lr"] = float(lr)
     return cfg
 
 
@@ -333,7 +337,7 @@ def run_rank(args) -> Optional[dict]:
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     rank, world = dist.get_rank(), dist.get_world_size()
     quality = args.phase == "quality"
-    base = lm_config(args.steps)
+    base = lm_config(args.steps, lr=args.lr)
     cfg = phase_config(mode.config(base), args.phase, args.time_untimed)
     steps = args.steps if quality else args.time_steps
 
@@ -391,6 +395,7 @@ def run_rank(args) -> Optional[dict]:
     if rank == 0:
         record = {"phase": args.phase, "mode": mode.name, "about": mode.about, "reference": mode.reference,
                   "world_size": world, "steps": steps, "seed": args.seed, "params": params,
+                  "lr": base["optimizer"]["params"]["lr"],
                   "model": {"n_layer": args.n_layer, "d_model": args.d_model, "n_head": args.n_head, "ctx": args.ctx,
                             "micro_batch": micro, "gradient_accumulation": gas},
                   "config": cfg, "wall_s": round(time.time() - t_start, 2), "step_ms": [round(t, 2) for t in step_ms],
@@ -497,6 +502,8 @@ def _worker_argv(args, phase: str, mode: Mode, record: Path) -> List[str]:
             "--time-steps", str(args.time_steps), "--time-untimed", str(args.time_untimed),
             "--n-layer", str(args.n_layer), "--d-model", str(args.d_model), "--n-head", str(args.n_head),
             "--ctx", str(args.ctx), "--link", args.link or "unthrottled"]
+    if args.lr is not None:
+        argv += ["--lr", repr(args.lr)]
     for d in args.mode:
         argv += ["--mode", d]
     return argv
@@ -586,6 +593,26 @@ def _check_same_setup(records: Sequence[dict]) -> None:
                          + "; ".join(sorted(k[0] for k in keys)) + " - run every phase with the same options")
 
 
+def record_lr(record: dict) -> Optional[float]:
+    """The peak learning rate a record ran at (``lr``; older records: their DeepSpeed config's; None if unknown)."""
+    if record.get("lr") is not None:
+        return float(record["lr"])
+    cfg = record.get("config") or {}
+    lr = cfg.get("optimizer", {}).get("params", {}).get("lr")
+    return None if lr is None else float(lr)
+
+
+def _check_same_lr(quality: Sequence[dict]) -> Optional[float]:
+    """The quality records' common peak learning rate (None if no record names one). Raises ValueError when
+    two differ: steps to target compare methods at one learning rate (timing records do not depend on it)."""
+    lrs = {record_lr(q) for q in quality} - {None}
+    if len(lrs) > 1:
+        raise ValueError("the quality records ran at different learning rates: "
+                         + ", ".join(f"{q['mode']} {record_lr(q):g}" for q in quality if record_lr(q) is not None)
+                         + " - run the quality phase of every mode with the same --lr")
+    return lrs.pop() if lrs else None
+
+
 def build_rows(quality: Sequence[dict], timing: Sequence[dict], fraction: float = TARGET_FRACTION,
                reference: str = REFERENCE, baseline: str = BASELINE) -> List[dict]:
     """One row per (link, mode) with a quality record: target, steps and seconds to target, gaps, bytes.
@@ -598,6 +625,7 @@ def build_rows(quality: Sequence[dict], timing: Sequence[dict], fraction: float 
         raise ValueError(f"no quality record of {reference!r} (its curve sets the target); have: "
                          f"{', '.join(q_by) or 'none'} - include {reference} in --modes")
     _check_same_setup([*quality, *timing])
+    lr = _check_same_lr(quality)
     ref = q_by[reference]
     target_step = fraction * ref["steps"]
     target = loss_at(ref["curve"], target_step)
@@ -629,7 +657,7 @@ def build_rows(quality: Sequence[dict], timing: Sequence[dict], fraction: float 
                 "bytes_per_step": t["bytes_per_step"] if t else q["bytes_per_step"],
                 "bytes_source": "timing" if t else "quality",
                 "tx_bytes_per_step": t.get("tx_bytes_per_step") if t else None,
-                "timed_choice": choice, "steps": q["steps"], "about": q.get("about", ""),
+                "timed_choice": choice, "steps": q["steps"], "lr": lr, "about": q.get("about", ""),
                 "curve": [dict(c, seconds=seconds_at(c["step"], ms, dense_ms, dense_steps, refresh) if ms else None)
                           for c in q["curve"]]})
     for link in links:
@@ -711,6 +739,8 @@ def report_text(rows: Sequence[dict], reference: str = REFERENCE, baseline: str 
     r0 = rows[0]
     lines = ["Method: " + METHOD.format(ref=reference, pct=100 * r0["target_fraction"], tstep=r0["target_step"],
                                        target=r0["target_loss"], base=baseline)]
+    if r0.get("lr") is not None:
+        lines.append(f"Peak learning rate (every mode's quality run): {r0['lr']:g}")
     for link in dict.fromkeys(r["link"] for r in rows):
         sub = [r for r in rows if r["link"] == link]
         lines += ["", f"== link {link}" if link else "== quality phase only (no timing records: no seconds)",
@@ -747,7 +777,8 @@ def plot(rows: Sequence[dict], path, link: str = PLOT_LINK) -> str:
     ax.set_xlabel(f"training seconds at {chosen}\n(steps x median ms per step; DRAGONN's dense warm-up and "
                   f"variance refreshes at its dense ms per step)" if chosen else "step")
     ax.set_ylabel("held-out loss (nats/byte)")
-    ax.set_title(f"Time to target: byte-level GPT, {rows[0].get('steps')} steps, 2 ranks")
+    lr = f", peak lr {rows[0]['lr']:g}" if rows[0].get("lr") is not None else ""
+    ax.set_title(f"Time to target: byte-level GPT, {rows[0].get('steps')} steps{lr}, 2 ranks")
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     save_figure(fig, path)
@@ -809,6 +840,8 @@ def get_args(argv=None):
     g.add_argument("--n-head", type=int)
     g.add_argument("--ctx", type=int, help="bytes of context")
     g.add_argument("--seed", type=int, default=SEED)
+    g.add_argument("--lr", type=float, help="peak learning rate of every mode (default: configs/lm_dense.json's "
+                                            "1e-3); tune it on the dense run: the target comes from it")
     g.add_argument("--run-timeout", type=float, default=RUN_TIMEOUT, help="seconds one 2-rank run may take")
     head, _, rest = __doc__.partition("\n\n")
     p = argparse.ArgumentParser(description=head, epilog=rest, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -847,12 +880,14 @@ def get_args(argv=None):
         args.modes = list(QUICK_MODES if args.quick else DEFAULT_MODES)
     args.link = getattr(args, "link", None)
     for flag, ok in (("--steps", args.steps >= 1), ("--eval-every", 1 <= args.eval_every <= args.steps),
-                     ("--eval-windows", args.eval_windows >= 1), ("--time-untimed", args.time_untimed >= 0),
+                     ("--eval-windows", args.eval_windows >= 1),
+                     ("--lr", args.lr is None or (math.isfinite(args.lr) and args.lr > 0)),
+                     ("--time-untimed", args.time_untimed >= 0),
                      ("--time-steps", args.time_steps > args.time_untimed),
                      ("--target-fraction", 0 < getattr(args, "target_fraction", 0.5) <= 1)):
         if not ok:
-            p.error(f"{flag}: invalid value (need steps >= 1, 1 <= eval-every <= steps, time-steps > "
-                    f"time-untimed >= 0, 0 < target-fraction <= 1)")
+            p.error(f"{flag}: invalid value (need steps >= 1, 1 <= eval-every <= steps, a finite lr > 0, "
+                    f"time-steps > time-untimed >= 0, 0 < target-fraction <= 1)")
     if args.command == "timing":
         if bool(args.netns) != bool(args.ifaces) or (args.netns and (len(args.netns), len(args.ifaces)) != (2, 2)):
             p.error("--netns and --ifaces go together, two names each (one per rank)")
@@ -863,7 +898,7 @@ def get_args(argv=None):
         args.master_addr, args.port_base = "127.0.0.1", 0
     try:
         for mode in resolve_modes(args.modes, args.mode):
-            cfg = mode.config(lm_config(args.steps))
+            cfg = mode.config(lm_config(args.steps, lr=args.lr))
             if dragonn_block(cfg).get("enabled"):
                 try:  # a bad "dragonn" block fails here, naming the mode, not in both ranks of its run
                     dragonn_settings(cfg)

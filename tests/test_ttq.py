@@ -103,6 +103,34 @@ def test_rows_target_steps_seconds_gaps_and_ratios():
     assert [c["seconds"] for c in d["curve"]][:1] == [pytest.approx(10 * 0.32)]
 
 
+def test_lr_sets_every_modes_peak_learning_rate():
+    cfg = ttq.lm_config(400, lr=3e-3)
+    assert cfg["optimizer"]["params"]["lr"] == cfg["scheduler"]["params"]["warmup_max_lr"] == 3e-3
+    assert ttq.lm_config(400)["optimizer"]["params"]["lr"] == json.loads(ttq.BASE_CONFIG.read_text())[
+        "optimizer"]["params"]["lr"]
+    import torch
+    opt, sched = ttq.lm_recipe(cfg).optimizer([torch.nn.Parameter(torch.zeros(3))])  # the torch modes' recipe
+    for _ in range(cfg["scheduler"]["params"]["warmup_num_steps"]):
+        opt.step()
+        sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(3e-3, rel=0.02)  # the peak, at the end of the warm-up
+
+
+def test_rows_refuse_quality_records_at_different_learning_rates():
+    q, t = synthetic_records()
+    for r, lr in zip(q, (2e-3, 2e-3, 2e-3, None, 2e-3)):  # None: an older record without "lr" or config
+        r["lr"] = lr
+    rows = ttq.build_rows(q, t)
+    assert {r["lr"] for r in rows} == {2e-3} and "Peak learning rate (every mode's quality run): 0.002" in \
+        ttq.report_text(rows)
+    q[1]["lr"] = 1e-3
+    with pytest.raises(ValueError, match="different learning rates: .*ds_bf16 0.001"):
+        ttq.build_rows(q, t)
+    q[1]["lr"], q[1]["config"] = None, {"optimizer": {"params": {"lr": 1e-3}}}  # read from an older record's config
+    with pytest.raises(ValueError, match="ds_bf16 0.001"):
+        ttq.build_rows(q, t)
+
+
 def test_verdict_names_winner_margin_and_cause():
     q, t = synthetic_records()
     rows = ttq.build_rows(q, t)
@@ -205,7 +233,8 @@ def test_untimed_local_steps_modes_borrow_the_outer_overhead_over_their_own_h(tm
 def test_bad_flags_are_named(capsys):
     for argv, flag in ((["quality", "--modes", "ds_fp32 bogus"], "bogus"), (["quality", "--eval-every", "0"],
                        "--eval-every"), (["timing", "--link", "1gbit", "--netns", "a b"], "--netns"),
-                       (["quality", "--mode", 'bad={"dragonn": {"enabled": true, "density": 2}}'], "mode bad")):
+                       (["quality", "--mode", 'bad={"dragonn": {"enabled": true, "density": 2}}'], "mode bad"),
+                       (["quality", "--lr", "0"], "--lr"), (["quality", "--lr", "nan"], "--lr")):
         with pytest.raises(SystemExit):
             ttq.get_args(argv)
         assert flag in capsys.readouterr().err
@@ -220,7 +249,7 @@ def _env():
 def quick_out(tmp_path_factory):
     """The quick lane's quality phase (2 modes, tiny model, 2 ranks on loopback) and report."""
     out = tmp_path_factory.mktemp("ttq")
-    for cmd in (["quality", "--quick", "--out", str(out)], ["report", "--quick", "--out", str(out)]):
+    for cmd in (["quality", "--quick", "--out", str(out), "--lr", "0.002"], ["report", "--quick", "--out", str(out)]):
         proc = subprocess.run([sys.executable, "launch/bench_ttq.py", *cmd], cwd=REPO, env=_env(),
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -229,11 +258,12 @@ def quick_out(tmp_path_factory):
 
 def test_quick_quality_phase_and_report(quick_out):
     out, text = quick_out
-    assert "quality phase only" in text and "Method:" in text and "ds_fp32" in text and "dragonn" in text
+    assert "quality phase only" in text and "Method:" in text and "Peak learning rate" in text and "ds_fp32" in text and "dragonn" in text
     for mode in ttq.QUICK_MODES:
         rec = json.loads((out / "records" / "quality" / f"{mode}.json").read_text())
         assert rec["steps"] == ttq.QUICK["steps"] and len(rec["curve"]) == ttq.QUICK["steps"] // ttq.QUICK["eval_every"]
         assert rec["final_loss"] == rec["curve"][-1]["loss"] and rec["bytes_per_step"] > 0
+        assert rec["lr"] == 0.002 and rec["config"]["scheduler"]["params"]["warmup_max_lr"] == 0.002  # --lr
     dragonn = json.loads((out / "records" / "quality" / "dragonn.json").read_text())
     assert dragonn["config"]["dragonn"]["policy"] == "always" and dragonn["telemetry"]["compressed_reductions"] > 0
     rows = json.loads((out / "bench_ttq.json").read_text())["records"]
