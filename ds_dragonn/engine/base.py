@@ -178,7 +178,6 @@ class HookBase:
         the local momentum (the optimizer applies what arrives as the momentum itself)."""
         if self.momentum is None or self.decision.schedule.dense(step):
             return False
-        self._follow_beta()
         if self.variance_freeze is not None:
             self.variance_freeze.arm()
         return True
@@ -193,22 +192,22 @@ class HookBase:
         """A variance-refresh step, before DeepSpeed's dense reduction of the raw gradients: fold them into the
         local momentum and add this step's momentum to the residual, unsent (it goes out with later steps;
         transactional like every residual update)."""
-        self._follow_beta()
         self.variance_freeze.arm()
         held, pre = self.momentum.update(key, tensors, dtype, prescale)
         self.error_feedback.compensate_(key, held, dtype, pre)
         self.pending.add(key)
 
-    def _follow_beta(self) -> None:
-        """The local momentum's β1 is the optimizer's current one (a scheduler may cycle it, e.g. OneCycle)."""
+    def _follow_optimizer(self) -> None:
+        """Momentum mode, at the start of every reduction: the local momentum follows the optimizer's current
+        β1 (a scheduler may cycle it, e.g. OneCycle) and, with ``lr_weighted_residual``, takes this step's
+        residual weight from its learning rate (``LocalMomentum.follow_lr``; the pipeline divides what it
+        hands the optimizer by the same weight)."""
+        if self.momentum is None:
+            return
         beta1 = adam_beta1(self.engine) if hasattr(self.engine, "optimizer") else None
         if beta1 is not None and 0.0 < beta1 < 1.0:
             self.momentum.beta = beta1
-
-    def _follow_lr(self) -> None:
-        """Momentum mode, at every reduction: the residual's weight for this step from the optimizer's learning
-        rate (``LocalMomentum.follow_lr``; the pipeline divides what it hands the optimizer by the same weight)."""
-        if self.momentum is not None and self.momentum.lr_weighted:
+        if self.momentum.lr_weighted:
             lr = optimizer_lr(self.engine)
             if lr is not None:
                 self.momentum.follow_lr(lr)
@@ -218,7 +217,6 @@ class HookBase:
         """Momentum mode, dense warm-up: fold the local gradients into the local momentum (sent from the
         first compressed step on, so that it does not start from zero)."""
         if self.momentum is not None and tensors:
-            self._follow_beta()
             self.momentum.update(key, tensors, dtype, prescale)
 
     def _record_dense(self, key: Hashable, numel: int, itemsize: int, world: int, ms: float, fixed: bool,

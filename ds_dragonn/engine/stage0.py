@@ -83,7 +83,7 @@ class Stage0Hook(HookBase):
         engine = self.engine
         step = int(engine.global_steps)
         self.steps.begin(step)  # settles the last step (applied or skipped) and follows the loss scale
-        self._follow_lr()  # momentum mode: this step's residual weight (lr_weighted_residual)
+        self._follow_optimizer()  # momentum mode: the optimizer's β1 and this step's residual weight
         ordinal = self._next_ordinal(step)
         numel = sum(t.numel() for t in bucket)
         comm_dtype = engine.communication_data_type

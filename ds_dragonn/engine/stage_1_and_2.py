@@ -84,7 +84,7 @@ class Stage12Hook(HookBase):
             return self._dense_average_tensor(tensor, communication_data_type)
         step = int(engine.global_steps)
         self.steps.begin(step)  # settles the last step (applied or skipped) and follows the loss scale
-        self._follow_lr()  # momentum mode: this step's residual weight (lr_weighted_residual)
+        self._follow_optimizer()  # momentum mode: the optimizer's β1 and this step's residual weight
         ordinal = self._next_ordinal((step, int(engine.micro_steps)))
         numel = tensor.numel()
         pipeline = self.pipeline(opt.dp_process_group)
