@@ -35,9 +35,15 @@ Modes (a registry: a name and how to build it; DeepSpeed modes are keys merged i
 Extra DeepSpeed modes from the command line: --mode NAME=JSON (JSON merged into configs/lm_dense.json,
 e.g. --mode 'dragonn_d03={{"dragonn": {{"enabled": true, "density": 0.03}}}}').
 
+Learning rate: --lr sets the peak learning rate of every mode (default configs/lm_dense.json's 1e-3, which is
+under-tuned for this GPT: dense ends 12 % lower at 2e-3 and lower still at 4e-3). The target comes from
+ds_fp32's run, so tune --lr on it first; the report refuses quality records at different learning rates
+(timing records do not depend on it).
+
 Usage:
     sudo bash launch/bench_ttq.sh                               # both phases, both links, then the report
     python launch/bench_ttq.py quality --out runs/ttq           # the quality phase alone (no root)
+    python launch/bench_ttq.py quality --out runs/ttq --lr 4e-3 # ... at another peak learning rate
     python launch/bench_ttq.py report --out runs/ttq            # tables, JSON and PNG from the records
     python launch/bench_ttq.py list                             # the modes
 """
