@@ -401,7 +401,7 @@ def run_rank(args) -> Optional[dict]:
     if rank == 0:
         record = {"phase": args.phase, "mode": mode.name, "about": mode.about, "reference": mode.reference,
                   "world_size": world, "steps": steps, "seed": args.seed, "params": params,
-                  "lr": base["optimizer"]["params"]["lr"],
+                  "lr": peak_lr(cfg if cfg is not None else base),
                   "model": {"n_layer": args.n_layer, "d_model": args.d_model, "n_head": args.n_head, "ctx": args.ctx,
                             "micro_batch": micro, "gradient_accumulation": gas},
                   "config": cfg, "wall_s": round(time.time() - t_start, 2), "step_ms": [round(t, 2) for t in step_ms],
@@ -599,24 +599,36 @@ def _check_same_setup(records: Sequence[dict]) -> None:
                          + "; ".join(sorted(k[0] for k in keys)) + " - run every phase with the same options")
 
 
-def record_lr(record: dict) -> Optional[float]:
-    """The peak learning rate a record ran at (``lr``; older records: their DeepSpeed config's; None if unknown)."""
-    if record.get("lr") is not None:
-        return float(record["lr"])
-    cfg = record.get("config") or {}
-    lr = cfg.get("optimizer", {}).get("params", {}).get("lr")
+def peak_lr(cfg: Optional[dict]) -> Optional[float]:
+    """A config's peak learning rate: its schedule's ``warmup_max_lr``, else its optimizer's ``lr`` (None: neither)."""
+    cfg = cfg or {}
+    lr = ((cfg.get("scheduler") or {}).get("params") or {}).get("warmup_max_lr")
+    if lr is None:
+        lr = ((cfg.get("optimizer") or {}).get("params") or {}).get("lr")
     return None if lr is None else float(lr)
+
+
+def record_lr(record: dict) -> Optional[float]:
+    """The peak learning rate a record ran at (``lr``; older records: their DeepSpeed config's; None if unknown:
+    an older torch-mode record)."""
+    return float(record["lr"]) if record.get("lr") is not None else peak_lr(record.get("config"))
 
 
 def _check_same_lr(quality: Sequence[dict]) -> Optional[float]:
     """The quality records' common peak learning rate (None if no record names one). Raises ValueError when
-    two differ: steps to target compare methods at one learning rate (timing records do not depend on it)."""
-    lrs = {record_lr(q) for q in quality} - {None}
-    if len(lrs) > 1:
+    two differ, or when some records name one and others do not: steps to target compare methods at one
+    learning rate (timing records do not depend on it)."""
+    lrs = {q["mode"]: record_lr(q) for q in quality}
+    known = {lr for lr in lrs.values() if lr is not None}
+    if len(known) > 1 and not all(math.isclose(lr, min(known), rel_tol=1e-9) for lr in known):
         raise ValueError("the quality records ran at different learning rates: "
-                         + ", ".join(f"{q['mode']} {record_lr(q):g}" for q in quality if record_lr(q) is not None)
+                         + ", ".join(f"{m} {lr!r}" for m, lr in lrs.items() if lr is not None)
                          + " - run the quality phase of every mode with the same --lr")
-    return lrs.pop() if lrs else None
+    unknown = [m for m, lr in lrs.items() if lr is None]
+    if known and unknown:
+        raise ValueError(f"no learning rate in the quality record(s) of {', '.join(unknown)} (made before --lr "
+                         f"existed), while the others ran at {min(known)!r}: re-run their quality phase")
+    return min(known) if known else None
 
 
 def build_rows(quality: Sequence[dict], timing: Sequence[dict], fraction: float = TARGET_FRACTION,

@@ -295,7 +295,8 @@ def main() -> int:
                       f"{rec['value']:.4f} | bytes {rec['bytes_sent'] / max(rec['dense_bytes_equivalent'], 1):.4f} "
                       f"of dense | {rec['wall_s']:.0f} s", flush=True)
     write_json(args.out / "convergence.json", {"records": records, "quick": args.quick, "ranks": args.ranks,
-                                               "lm_lr": args.lm_lr, "lm_optimizer": args.lm_optimizer,
+                                               "lm_lr": args.lm_lr if "lm" in args.task_names else None,
+                                               "lm_optimizer": args.lm_optimizer,
                                                "total_s": time.time() - t0}, indent=1)
     lines = [f"# Convergence sweep ({'quick' if args.quick else 'default'}; {args.ranks} ranks; "
              f"{time.time() - t0:.0f} s)", ""]

@@ -118,17 +118,28 @@ def test_lr_sets_every_modes_peak_learning_rate():
 
 def test_rows_refuse_quality_records_at_different_learning_rates():
     q, t = synthetic_records()
-    for r, lr in zip(q, (2e-3, 2e-3, 2e-3, None, 2e-3)):  # None: an older record without "lr" or config
-        r["lr"] = lr
+    assert {r["lr"] for r in ttq.build_rows(q, t)} == {None}  # older records: no learning rate anywhere
+    for r in q:
+        r["lr"] = 2e-3
     rows = ttq.build_rows(q, t)
     assert {r["lr"] for r in rows} == {2e-3} and "Peak learning rate (every mode's quality run): 0.002" in \
         ttq.report_text(rows)
     q[1]["lr"] = 1e-3
     with pytest.raises(ValueError, match="different learning rates: .*ds_bf16 0.001"):
         ttq.build_rows(q, t)
-    q[1]["lr"], q[1]["config"] = None, {"optimizer": {"params": {"lr": 1e-3}}}  # read from an older record's config
+    # an older record's config: the schedule's peak, not the optimizer's starting lr
+    q[1]["lr"], q[1]["config"] = None, {"optimizer": {"params": {"lr": 2e-3}},
+                                        "scheduler": {"params": {"warmup_max_lr": 1e-3}}}
     with pytest.raises(ValueError, match="ds_bf16 0.001"):
         ttq.build_rows(q, t)
+    q[1]["config"] = None  # an older torch-mode record: no learning rate at all, beside records that have one
+    with pytest.raises(ValueError, match="no learning rate in the quality record.* of ds_bf16"):
+        ttq.build_rows(q, t)
+    q[1]["config"] = {"optimizer": None}  # malformed: no crash, no learning rate
+    assert ttq.record_lr(q[1]) is None
+    q[1]["lr"] = 2e-3 * (1 + 1e-12)  # float noise is one learning rate
+    assert {r["lr"] for r in ttq.build_rows(q, t)} == {2e-3}
+    assert ttq.peak_lr(ttq.lm_config(400, lr=3e-3)) == 3e-3
 
 
 def test_verdict_names_winner_margin_and_cause():
