@@ -113,7 +113,7 @@ def get_args():
                    help="robust: AdamW with betas (0.9, 0.95) and weight decay 0.1 for the LM")
     p.add_argument("--lm-lr", type=float, default=None,
                    help="the LM's peak learning rate (default: configs' 1e-3, under-tuned: dense ends 7.9 %% lower "
-                        "at 2e-3 over 2000 steps)")
+                        "at 2e-3, measured over 2000 steps)")
     a = p.parse_args()
     if a.lm_lr is not None and not (0.0 < a.lm_lr < float("inf")):
         p.error(f"--lm-lr must be a finite learning rate > 0, got {a.lm_lr}")
