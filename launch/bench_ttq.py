@@ -619,16 +619,19 @@ def _check_same_lr(quality: Sequence[dict]) -> Optional[float]:
     two differ, or when some records name one and others do not: steps to target compare methods at one
     learning rate (timing records do not depend on it)."""
     lrs = {q["mode"]: record_lr(q) for q in quality}
-    known = {lr for lr in lrs.values() if lr is not None}
-    if len(known) > 1 and not all(math.isclose(lr, min(known), rel_tol=1e-9) for lr in known):
+    known = [lr for lr in lrs.values() if lr is not None]
+    if not known:
+        return None
+    lr = min(known)
+    if not all(math.isclose(x, lr, rel_tol=1e-9) for x in known):
         raise ValueError("the quality records ran at different learning rates: "
-                         + ", ".join(f"{m} {lr!r}" for m, lr in lrs.items() if lr is not None)
+                         + ", ".join(f"{m} {x!r}" for m, x in lrs.items() if x is not None)
                          + " - run the quality phase of every mode with the same --lr")
-    unknown = [m for m, lr in lrs.items() if lr is None]
-    if known and unknown:
+    unknown = [m for m, x in lrs.items() if x is None]
+    if unknown:
         raise ValueError(f"no learning rate in the quality record(s) of {', '.join(unknown)} (made before --lr "
-                         f"existed), while the others ran at {min(known)!r}: re-run their quality phase")
-    return min(known) if known else None
+                         f"existed), while the others ran at {lr!r}: re-run their quality phase")
+    return lr
 
 
 def build_rows(quality: Sequence[dict], timing: Sequence[dict], fraction: float = TARGET_FRACTION,
