@@ -125,6 +125,7 @@ def _initialize(ds_initialize: Any, *args: Any, **kwargs: Any):
     """:func:`initialize` around ``ds_initialize`` (DeepSpeed's, or a wrapper that :func:`enable` found)."""
     from .engine import Stage0Hook, Stage12Hook, check_hook_point, check_zero_hook_point
     from .engine import teardown
+    from .engine.warmup import resolve_warmup_steps
     teardown.register()  # an orderly exit for every rank (engine/teardown.py: an upstream abort at exit)
 
     bound = inspect.signature(ds_initialize).bind(*args, **kwargs)
@@ -162,7 +163,7 @@ def _initialize(ds_initialize: Any, *args: Any, **kwargs: Any):
     result = ds_initialize(*args, **kwargs)
     if cfg.enabled and getattr(result[0], "dragonn", None) is None:  # (a wrapped wrapper hooked it already)
         engine = result[0]
-        cfg = _resolve_compress(cfg, engine)
+        cfg = _resolve_compress(resolve_warmup_steps(cfg, engine), engine)
         stage = engine.zero_optimization_stage()
         if cfg.sync == SyncMode.local_steps:
             from .engine.local_steps import LocalStepsHook, LocalStepsUnsupported
@@ -207,7 +208,7 @@ def _resolve_compress(cfg: DragonnConfig, engine: Any) -> DragonnConfig:
             raise DragonnUnsupportedError(f"'dragonn.compress': 'momentum' {why}. Use 'compress': 'gradient' with it")
         return _refuse_lr_weighting_with_fp16(cfg, engine)
     unmet = [what for what, ok in (("error feedback is off", cfg.error_feedback),
-                                   ("there is no dense warm-up (warmup_steps 0)", cfg.warmup_steps >= 1),
+                                   ("there is no dense warm-up (warmup_steps 0)", cfg.warmup_steps != 0),
                                    ("density is 1.0", cfg.density < 1.0)) if not ok]
     fits = not why and not unmet
     resolved = CompressTarget.momentum if fits else CompressTarget.gradient

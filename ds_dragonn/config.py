@@ -15,9 +15,9 @@ from __future__ import annotations
 import difflib
 import os
 from enum import Enum
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Literal, Mapping, Optional, Union
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, StrictInt, ValidationError, field_validator, model_validator
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 
 DRAGONN_KEY = "dragonn"
@@ -99,11 +99,13 @@ class DragonnConfig(DeepSpeedConfigModel):
     min_compress_numel: int = Field(1 << 16, ge=0, strict=True)
     """Buffers with fewer elements go through DeepSpeed's dense allreduce (paper: 2^20 per tensor)."""
 
-    warmup_steps: int = Field(30, ge=0, strict=True)
+    warmup_steps: Union[Literal["auto"], StrictInt] = "auto"
     """Optimizer steps that use the dense allreduce before compression starts (paper: 200). Adam's variance
-    is estimated from them (``freeze_adam_variance``, the momentum mode). In the momentum mode, let them end
-    after the learning-rate warm-up: on the 1.85 M GPT at a better-tuned learning rate (2e-3) 100 steps instead of 30 cut
-    the final gap to dense from +9.1 % to +3.7 % (docs/results.md)."""
+    is estimated from them (``freeze_adam_variance``, the momentum mode). ``"auto"`` (default): twice the
+    engine's learning-rate warm-up, at least 30 (engine/warmup.py reads DeepSpeed's ``Warmup*`` schedules and
+    torch ``LambdaLR``, e.g. Hugging Face's; no scheduler: 30). The dense warm-up should end after the
+    learning-rate warm-up: on the 1.85 M GPT at a better-tuned learning rate (2e-3, a 50-step learning-rate
+    warm-up) 100 steps instead of 30 cut the final gap to dense from +9.1 % to +3.7 % (docs/results.md)."""
 
     density_warmup_steps: int = Field(100, ge=0, strict=True)
     """Steps after ``warmup_steps`` over which the density falls exponentially from
@@ -254,6 +256,14 @@ class DragonnConfig(DeepSpeedConfigModel):
         """Those of ``keys`` the block sets explicitly, in the order given."""
         return [k for k in keys if k in self.model_fields_set]
 
+    @field_validator("warmup_steps", mode="before")
+    @classmethod
+    def _check_warmup_steps(cls, v: Any) -> Any:
+        if v != "auto" and (not isinstance(v, int) or isinstance(v, bool) or v < 0):  # one message, not the union's two
+            raise ValueError("must be an integer >= 0 (dense steps before compression starts), or \"auto\" (twice "
+                             "the learning-rate warm-up, at least 30)")
+        return v
+
     @field_validator("variance_refresh_decay")
     @classmethod
     def _check_refresh_decay(cls, v: Optional[float]) -> Optional[float]:
@@ -273,7 +283,7 @@ class DragonnConfig(DeepSpeedConfigModel):
         if self.compress == CompressTarget.momentum and not self.error_feedback:
             raise ValueError("'compress': 'momentum' needs 'error_feedback': true (the momentum not sent is kept "
                              "in the residual; without it the update would lose ~(1 - density) of it every step)")
-        if self.compress == CompressTarget.momentum and self.warmup_steps < 1:
+        if self.compress == CompressTarget.momentum and self.warmup_steps != "auto" and self.warmup_steps < 1:
             raise ValueError("'compress': 'momentum' needs 'warmup_steps' >= 1: Adam's variance is frozen from the "
                              "dense warm-up steps")
         if self.compress == CompressTarget.gradient:

@@ -35,6 +35,9 @@ class DensitySchedule:
     @classmethod
     def from_config(cls, cfg) -> "DensitySchedule":
         refresh = cfg.variance_refresh_steps if cfg.compress.value == "momentum" else 0
+        if cfg.warmup_steps == "auto":
+            raise ValueError("'warmup_steps': 'auto' must be resolved for an engine first "
+                             "(ds_dragonn.engine.warmup.resolve_warmup_steps)")
         return cls(cfg.density, cfg.warmup_steps, cfg.density_warmup_steps, cfg.density_warmup_start, refresh)
 
     def dense(self, step: int) -> bool:

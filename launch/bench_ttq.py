@@ -244,7 +244,8 @@ def phase_config(cfg: Optional[dict], phase: str, untimed: int) -> Optional[dict
         cfg["dragonn"]["policy"] = "always"
     else:
         settings = dragonn_settings(cfg)
-        cfg["dragonn"].update(warmup_steps=min(settings.warmup_steps, untimed), density_warmup_steps=0)
+        warm = untimed if settings.warmup_steps == "auto" else min(settings.warmup_steps, untimed)  # auto >= 30
+        cfg["dragonn"].update(warmup_steps=warm, density_warmup_steps=0)
         if settings.sync.value == "local_steps":  # several outer steps in the window (their cost is not H's)
             cfg["dragonn"]["local_steps"] = min(settings.local_steps, TIME_ROUND)
     return cfg
@@ -364,7 +365,8 @@ def run_rank(args) -> Optional[dict]:
     else:
         runner = mode.build(ctx)
     engine = getattr(runner, "engine", None)
-    dragonn = dragonn_settings(cfg) if dragonn_block(cfg).get("enabled") else None
+    hook = getattr(engine, "dragonn", None)  # its settings as resolved for the engine ("warmup_steps": "auto")
+    dragonn = (hook.cfg if hook is not None else dragonn_settings(cfg)) if dragonn_block(cfg).get("enabled") else None
     micro, gas = base["train_micro_batch_size_per_gpu"], base["gradient_accumulation_steps"]
     autocast = (lambda: torch.autocast(model_device(runner.module).type, dtype=recipe.autocast)) \
         if cfg is None and recipe.autocast else nullcontext

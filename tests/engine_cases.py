@@ -78,5 +78,35 @@ def engine_runs(rank: int, world: int, out_dir: str) -> None:
         out["pipeline_error"] = None
     except ds_dragonn.DragonnUnsupportedError as err:
         out["pipeline_error"] = str(err)
+    out["auto_warmup"] = _auto_warmup_runs(rank)
     torch.save(out, Path(out_dir) / f"engine_rank{rank}.pt")
     torch.distributed.destroy_process_group()
+
+
+def _auto_warmup_runs(rank: int) -> dict:
+    """``"warmup_steps": "auto"`` (the default) through ``ds_dragonn.initialize``: with DeepSpeed's
+    WarmupDecayLR from the config (50 warm-up steps), with a client LambdaLR rising for 20 steps and with no
+    scheduler. Per run: the hook's resolved warm-up, its schedule's, and the telemetry after 3 steps."""
+    import ds_dragonn
+    rising = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda t: min(1.0, t / 20))  # noqa: E731
+    runs = {}
+    for name, scheduler, client in (
+            ("WarmupDecayLR", {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 50, "total_num_steps": 500,
+                                                                    "warmup_max_lr": 0.05}}, None),
+            ("LambdaLR", None, rising), ("none", None, None)):
+        cfg = engine_config({"enabled": True, "density": 0.01, "min_compress_numel": 1})
+        del cfg["dragonn"]["warmup_steps"]  # the default
+        if scheduler:
+            cfg["scheduler"] = scheduler
+        torch.manual_seed(0)
+        model = torch.nn.Linear(32, 4)
+        engine, *_ = ds_dragonn.initialize(model=model, model_parameters=model.parameters(), config=cfg,
+                                           lr_scheduler=client)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            engine.backward(engine(torch.randn(8, 32, generator=g)).square().mean())
+            engine.step()
+        hook = engine.dragonn
+        runs[name] = {"warmup_steps": hook.cfg.warmup_steps, "schedule": hook.schedule.warmup_steps,
+                      "telemetry": hook.telemetry.summary()}
+    return runs

@@ -136,3 +136,12 @@ def test_monitor_events_on_deepspeeds_sample_axis(runs, tmp_path_factory):
 def test_residuals_follow_the_parameters_when_the_trainable_set_changes(runs):
     """Two same-size layers frozen in turn: a's residual is never decoded into b (whose gradient is 0)."""
     assert runs[0]["frozen_b_grads"] == [0.0, 0.0, 0.0]
+
+
+def test_auto_warm_up_follows_the_engine_learning_rate_warm_up(runs):
+    """The default ``"warmup_steps": "auto"``: twice the scheduler's warm-up (at least 30), dense meanwhile."""
+    for r in runs:
+        got = {name: (run["warmup_steps"], run["schedule"]) for name, run in r["auto_warmup"].items()}
+        assert got == {"WarmupDecayLR": (100, 100), "LambdaLR": (40, 40), "none": (30, 30)}
+        for run in r["auto_warmup"].values():
+            assert run["telemetry"]["compressed_reductions"] == 0 and run["telemetry"]["dense_reductions"] > 0

@@ -352,9 +352,10 @@ def test_the_refresh_schedule():
     assert DensitySchedule(1.0, 30, refresh_steps=2).refresh(31)  # the variance is frozen at density 1.0 too
     assert not any(DensitySchedule(0.01, 30, refresh_steps=1).refresh(t) for t in range(300))  # (refused by config)
     assert [t for t in range(8) if DensitySchedule(0.1, 2, refresh_steps=2).refresh(t)] == [3, 5, 7]
-    momentum = DragonnConfig(enabled=True, compress="momentum")
+    momentum = DragonnConfig(enabled=True, compress="momentum", warmup_steps=30)
     assert DensitySchedule.from_config(momentum).refresh_steps == 100
-    assert DensitySchedule.from_config(DragonnConfig(enabled=True, compress="gradient")).refresh_steps == 0
+    gradient = DragonnConfig(enabled=True, compress="gradient", warmup_steps=30)
+    assert DensitySchedule.from_config(gradient).refresh_steps == 0
     assert "refreshed every 100 steps" in DensitySchedule.from_config(momentum).describe()
 
 

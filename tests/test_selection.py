@@ -180,7 +180,7 @@ def test_per_tensor_selection_is_refused_with_the_partitioned_exchange():
 def test_config_validates_the_new_keys():
     d = DragonnConfig()
     assert d.selection.value == "global" and not d.compress_1d and d.density_warmup_steps == 100
-    assert d.warmup_steps == 30 and not d.freeze_adam_variance and d.tensor_min_compress_numel == 1024
+    assert d.warmup_steps == "auto" and not d.freeze_adam_variance and d.tensor_min_compress_numel == 1024
     for key, bad in [("selection", "layerwise"), ("density_warmup_start", 0.0), ("density_warmup_start", 1.5),
                      ("density_warmup_steps", -1), ("tensor_min_compress_numel", -5), ("compress_1d", "yes")]:
         with pytest.raises(DragonnConfigError, match=f"dragonn.{key}"):

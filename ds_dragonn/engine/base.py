@@ -29,6 +29,7 @@ from .adam import VarianceFreeze, adam_beta1, optimizer_lr
 from .decision import BucketDecision
 from .reporting import Reporter
 from .steps import StepGuard, loss_scale, may_skip_steps
+from .warmup import resolve_warmup_steps
 
 
 class HookBase:
@@ -50,7 +51,7 @@ class HookBase:
 
     def __init__(self, engine: Any, cfg: DragonnConfig):
         self.engine = engine
-        self.cfg = cfg
+        self.cfg = cfg = resolve_warmup_steps(cfg, engine)  # "auto": from the engine's learning-rate warm-up
         self.compressor = build_compressor(cfg)
         self.transactional = may_skip_steps(engine)  # fp16, bf16 + check_grad_overflow: steps may be skipped
         self.error_feedback = ErrorFeedback(cfg.error_feedback, transactional=self.transactional)

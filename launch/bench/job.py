@@ -55,6 +55,8 @@ def finish(summary: dict, dragonn, model: torch.nn.Module, world: int, rank: int
     import deepspeed.comm as dist
 
     summary.update(dragonn.telemetry.summary() if dragonn else dense_totals(model, world, summary["steps"]))
+    if dragonn:  # as resolved for the engine ("auto": from its learning-rate warm-up)
+        summary["dragonn_warmup_steps"] = dragonn.cfg.warmup_steps
     report(summary, rank, line, path)
     dist.barrier()
     torch.distributed.destroy_process_group()
