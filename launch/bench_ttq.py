@@ -821,6 +821,10 @@ def report(args) -> int:
         raise SystemExit(f"bench_ttq.py report: no quality records in {out / 'records' / 'quality'}: "
                          f"run the quality phase first (bench_ttq.py quality --out {out})")
     try:
+        lr = _check_same_lr(quality)
+        if args.lr is not None and (lr is None or not math.isclose(lr, args.lr, rel_tol=1e-9)):
+            raise ValueError(f"--lr {args.lr!r}: the quality records in {out} ran at {lr!r}; drop --lr to report "
+                             f"them, or run the quality phase at --lr {args.lr!r}")
         rows = build_rows(quality, timing, args.target_fraction)
     except ValueError as err:
         raise SystemExit(f"bench_ttq.py report: {err}") from None
@@ -904,12 +908,12 @@ def get_args(argv=None):
     args.link = getattr(args, "link", None)
     for flag, ok in (("--steps", args.steps >= 1), ("--eval-every", 1 <= args.eval_every <= args.steps),
                      ("--eval-windows", args.eval_windows >= 1),
-                     ("--lr", args.lr is None or (math.isfinite(args.lr) and args.lr > 0)),
+                     ("--lr", args.lr is None or 0 < args.lr <= 1),
                      ("--time-untimed", args.time_untimed >= 0),
                      ("--time-steps", args.time_steps > args.time_untimed),
                      ("--target-fraction", 0 < getattr(args, "target_fraction", 0.5) <= 1)):
         if not ok:
-            p.error(f"{flag}: invalid value (need steps >= 1, 1 <= eval-every <= steps, a finite lr > 0, "
+            p.error(f"{flag}: invalid value (need steps >= 1, 1 <= eval-every <= steps, 0 < lr <= 1, "
                     f"time-steps > time-untimed >= 0, 0 < target-fraction <= 1)")
     if args.command == "timing":
         if bool(args.netns) != bool(args.ifaces) or (args.netns and (len(args.netns), len(args.ifaces)) != (2, 2)):

@@ -121,8 +121,8 @@ def get_args():
                    help="the LM's peak learning rate (default: configs' 1e-3, under-tuned: dense ends 7.9 %% lower "
                         "at 2e-3, measured over 2000 steps)")
     a = p.parse_args()
-    if a.lm_lr is not None and not (0.0 < a.lm_lr < float("inf")):
-        p.error(f"--lm-lr must be a finite learning rate > 0, got {a.lm_lr}")
+    if a.lm_lr is not None and not 0.0 < a.lm_lr <= 1.0:
+        p.error(f"--lm-lr must be a learning rate in (0, 1], got {a.lm_lr}")
     a.out = Path(a.out).resolve() if a.out else REPO / ("runs/convergence_quick" if a.quick else "docs/results/convergence")
     a.seeds = a.seeds if a.seeds is not None else (1 if a.quick else 3)
     a.classifier_steps = a.classifier_steps if a.classifier_steps is not None else (100 if a.quick else 600)

@@ -180,6 +180,8 @@ def test_report_writes_table_json_and_png(tmp_path, capsys):
     data = json.loads((tmp_path / "bench_ttq.json").read_text())
     assert data["verdicts"]["100mbit"].startswith("dragonn wins") and len(data["records"]) == 10
     assert (tmp_path / "bench_ttq.png").stat().st_size > 0
+    with pytest.raises(SystemExit, match="--lr 0.5: the quality records .* ran at"):  # not ignored
+        ttq.main(["report", "--out", str(tmp_path), "--lr", "0.5"])
 
 
 # -- the mode registry and the command line -------------------------------------------------------------
@@ -245,7 +247,8 @@ def test_bad_flags_are_named(capsys):
     for argv, flag in ((["quality", "--modes", "ds_fp32 bogus"], "bogus"), (["quality", "--eval-every", "0"],
                        "--eval-every"), (["timing", "--link", "1gbit", "--netns", "a b"], "--netns"),
                        (["quality", "--mode", 'bad={"dragonn": {"enabled": true, "density": 2}}'], "mode bad"),
-                       (["quality", "--lr", "0"], "--lr"), (["quality", "--lr", "nan"], "--lr")):
+                       (["quality", "--lr", "0"], "--lr"), (["quality", "--lr", "nan"], "--lr"),
+                       (["quality", "--lr", "1e300"], "--lr"), (["quality", "--lr", "inf"], "--lr")):
         with pytest.raises(SystemExit):
             ttq.get_args(argv)
         assert flag in capsys.readouterr().err
