@@ -125,7 +125,6 @@ def _initialize(ds_initialize: Any, *args: Any, **kwargs: Any):
     """:func:`initialize` around ``ds_initialize`` (DeepSpeed's, or a wrapper that :func:`enable` found)."""
     from .engine import Stage0Hook, Stage12Hook, check_hook_point, check_zero_hook_point
     from .engine import teardown
-    from .engine.warmup import resolve_warmup_steps
     teardown.register()  # an orderly exit for every rank (engine/teardown.py: an upstream abort at exit)
 
     bound = inspect.signature(ds_initialize).bind(*args, **kwargs)
@@ -163,7 +162,7 @@ def _initialize(ds_initialize: Any, *args: Any, **kwargs: Any):
     result = ds_initialize(*args, **kwargs)
     if cfg.enabled and getattr(result[0], "dragonn", None) is None:  # (a wrapped wrapper hooked it already)
         engine = result[0]
-        cfg = _resolve_compress(resolve_warmup_steps(cfg, engine), engine)
+        cfg = _resolve_compress(cfg, engine)  # ("warmup_steps": "auto" is resolved by the hook)
         stage = engine.zero_optimization_stage()
         if cfg.sync == SyncMode.local_steps:
             from .engine.local_steps import LocalStepsHook, LocalStepsUnsupported

@@ -20,6 +20,11 @@ from __future__ import annotations
 from typing import Optional
 
 
+#: ``warmup_steps`` of a schedule whose dense warm-up has no end yet (``"auto"`` following the learning rate,
+#: engine/warmup.py): every step is dense until the end is set.
+UNDECIDED = 1 << 62
+
+
 class DensitySchedule:
     """Density of each step (None: a dense warm-up step). Pure function of the step and the config."""
 
@@ -35,10 +40,8 @@ class DensitySchedule:
     @classmethod
     def from_config(cls, cfg) -> "DensitySchedule":
         refresh = cfg.variance_refresh_steps if cfg.compress.value == "momentum" else 0
-        if cfg.warmup_steps == "auto":
-            raise ValueError("'warmup_steps': 'auto' must be resolved for an engine first "
-                             "(ds_dragonn.engine.warmup.resolve_warmup_steps)")
-        return cls(cfg.density, cfg.warmup_steps, cfg.density_warmup_steps, cfg.density_warmup_start, refresh)
+        warmup = UNDECIDED if cfg.warmup_steps == "auto" else cfg.warmup_steps  # the hook's tracker decides
+        return cls(cfg.density, warmup, cfg.density_warmup_steps, cfg.density_warmup_start, refresh)
 
     def dense(self, step: int) -> bool:
         """True in the dense warm-up."""
@@ -63,7 +66,8 @@ class DensitySchedule:
         return self.start * (self.density / self.start) ** (j / self.steps)
 
     def describe(self) -> str:
-        parts = [f"{self.warmup_steps} dense warm-up steps"]
+        parts = [f"{self.warmup_steps} dense warm-up steps" if self.warmup_steps != UNDECIDED else
+                 "dense warm-up steps until twice the step at which the learning rate stops rising (at least 30)"]
         if self.steps:
             parts.append(f"density {self.start:g} -> {self.density:g} over {self.steps} steps (exponential)")
         parts.append(f"then density {self.density:g}")

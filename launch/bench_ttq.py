@@ -266,6 +266,14 @@ def round_step_ms(step_ms: Sequence[float], first_timed: int, warmup: int, timed
     return local_ms + overhead / real_h, local_ms, overhead
 
 
+def _dense_warmup(hook, dragonn, steps: int) -> int:
+    """The dense warm-up steps a run of ``steps`` steps had: its hook's schedule ("auto" decided during the
+    run; all of them where it never ended), else the settings' number, else 0 (no DRAGONN)."""
+    if dragonn is None:
+        return 0
+    return min(steps, int(hook.schedule.warmup_steps if hook is not None else dragonn.warmup_steps))
+
+
 def dragonn_block(cfg: Optional[dict]) -> dict:
     return (cfg or {}).get("dragonn") or {}
 
@@ -411,12 +419,12 @@ def run_rank(args) -> Optional[dict]:
         if quality:
             record.update(eval_every=args.eval_every, eval_windows=args.eval_windows, curve=curve,
                           final_loss=curve[-1]["loss"], bytes_per_step=sent1 / steps,
-                          dense_warmup_steps=dragonn.warmup_steps if dragonn is not None else 0,
+                          dense_warmup_steps=_dense_warmup(hook, dragonn, steps),
                           variance_refresh_steps=_refresh_steps(engine))
         else:
             timed = steps - first_timed + 1
             tx1 = tx_bytes(args.iface)
-            warm = dragonn.warmup_steps if dragonn is not None else 0  # the timing run's dense steps
+            warm = _dense_warmup(hook, dragonn, steps)  # the timing run's dense steps
             dense = step_ms[2:warm] if warm > 2 else step_ms[:warm]  # the first two: one-time costs
             median = _median(step_ms[first_timed - 1:])
             if local:  # a round's mean: the outer step's time spread over the real H

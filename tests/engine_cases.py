@@ -84,16 +84,17 @@ def engine_runs(rank: int, world: int, out_dir: str) -> None:
 
 
 def _auto_warmup_runs(rank: int) -> dict:
-    """``"warmup_steps": "auto"`` (the default) through ``ds_dragonn.initialize``: with DeepSpeed's
-    WarmupDecayLR from the config (50 warm-up steps), with a client LambdaLR rising for 20 steps and with no
-    scheduler. Per run: the hook's resolved warm-up, its schedule's, and the telemetry after 3 steps."""
+    """``"warmup_steps": "auto"`` (the default) through ``ds_dragonn.initialize``, 45 steps each: DeepSpeed's
+    WarmupDecayLR from the config (50 warm-up steps), a client LambdaLR rising for 20 steps handed to DeepSpeed,
+    the same LambdaLR stepped by the training loop outside DeepSpeed (as Hugging Face's Trainer does with its
+    own optimizer), and no scheduler. Per run: the hook's warm-up setting, its schedule's end, the telemetry."""
     import ds_dragonn
     rising = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda t: min(1.0, t / 20))  # noqa: E731
     runs = {}
     for name, scheduler, client in (
             ("WarmupDecayLR", {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 50, "total_num_steps": 500,
                                                                     "warmup_max_lr": 0.05}}, None),
-            ("LambdaLR", None, rising), ("none", None, None)):
+            ("LambdaLR", None, rising), ("outside", None, None), ("none", None, None)):
         cfg = engine_config({"enabled": True, "density": 0.01, "min_compress_numel": 1})
         del cfg["dragonn"]["warmup_steps"]  # the default
         if scheduler:
@@ -102,10 +103,13 @@ def _auto_warmup_runs(rank: int) -> dict:
         model = torch.nn.Linear(32, 4)
         engine, *_ = ds_dragonn.initialize(model=model, model_parameters=model.parameters(), config=cfg,
                                            lr_scheduler=client)
+        outside = rising(engine.optimizer) if name == "outside" else None
         g = torch.Generator().manual_seed(rank)
-        for _ in range(3):
+        for _ in range(45):
             engine.backward(engine(torch.randn(8, 32, generator=g)).square().mean())
             engine.step()
+            if outside is not None:
+                outside.step()
         hook = engine.dragonn
         runs[name] = {"warmup_steps": hook.cfg.warmup_steps, "schedule": hook.schedule.warmup_steps,
                       "telemetry": hook.telemetry.summary()}

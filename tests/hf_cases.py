@@ -40,8 +40,10 @@ def ds_config(stage: int, block: dict | None) -> dict:
     return cfg
 
 
-def train(cfg: dict, out: str, max_steps: int = STEPS, save_steps: int | None = None, resume: str | None = None):
-    """One ``Trainer`` run; returns (trainer, final parameters)."""
+def train(cfg: dict, out: str, max_steps: int = STEPS, save_steps: int | None = None, resume: str | None = None,
+          lr_warmup: int = 0):
+    """One ``Trainer`` run (``lr_warmup``: Hugging Face's constant schedule with that many warm-up steps);
+    returns (trainer, final parameters)."""
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=32, n_embd=64, n_layer=2, n_head=2,
@@ -50,7 +52,8 @@ def train(cfg: dict, out: str, max_steps: int = STEPS, save_steps: int | None = 
     args = TrainingArguments(output_dir=out, max_steps=max_steps, per_device_train_batch_size=4, learning_rate=1e-3,
                              deepspeed=cfg, use_cpu=True, report_to=[], logging_steps=10**6, seed=0,
                              save_strategy="steps" if save_steps else "no", save_steps=save_steps or 10**6,
-                             dataloader_num_workers=0, disable_tqdm=True)
+                             dataloader_num_workers=0, disable_tqdm=True, warmup_steps=lr_warmup,
+                             lr_scheduler_type="constant_with_warmup" if lr_warmup else "linear")
     trainer = Trainer(model=model, args=args, train_dataset=StdlibBytes())
     trainer.train(resume_from_checkpoint=resume)
     return trainer, [p.detach().float().clone() for p in trainer.model_wrapped.module.parameters()]
@@ -73,6 +76,12 @@ def trainer_runs(rank: int, world: int, out_dir: str) -> None:
     trainer, resumed = train(cfg, str(ckpt), resume=str(ckpt / f"checkpoint-{STEPS // 2}"))
     hook = trainer.model_wrapped.dragonn
     out["resume"] = {"whole": whole, "resumed": resumed, "state_files": tags, "notes": list(hook.notes)}
+    # the default "warmup_steps": "auto" reads the scheduler Trainer hands to deepspeed.initialize
+    auto = {k: v for k, v in _DRAGONN.items() if k != "warmup_steps"}
+    trainer, _ = train(ds_config(0, {**auto, "density": 0.01}), str(Path(out_dir) / "auto"), max_steps=45,
+                       lr_warmup=20)
+    hook = trainer.model_wrapped.dragonn
+    out["auto_warmup"] = (hook.schedule.warmup_steps, hook.telemetry.compressed_reductions > 0)
     torch.save(out, Path(out_dir) / f"trainer_rank{rank}.pt")
 
 

@@ -32,6 +32,12 @@ def test_trainer_compresses_with_one_config_block(trainer, stage):
         assert trainer[r][f"s{stage}_dense"]["compressed"] is None
 
 
+def test_trainer_auto_warm_up_reads_its_learning_rate_schedule(trainer):
+    """TrainingArguments(warmup_steps=20) with Trainer's own optimizer and schedule (not handed to DeepSpeed):
+    the default dense warm-up follows the learning rate and ends at twice that, then compresses."""
+    assert [trainer[r]["auto_warmup"] for r in range(2)] == [(40, True), (40, True)]
+
+
 @pytest.mark.parametrize("stage", [0, 2])
 def test_trainer_density_1_equals_its_dense_run(trainer, stage):
     for r in range(2):

@@ -7,8 +7,9 @@ import torch
 
 from ds_dragonn.config import DragonnConfig
 from ds_dragonn.engine.base import HookBase
-from ds_dragonn.engine.warmup import AUTO_FACTOR, AUTO_MIN_STEPS, lr_warmup_steps, resolve_warmup_steps
-from ds_dragonn.schedule import DensitySchedule
+from ds_dragonn.engine.warmup import AUTO_FACTOR, AUTO_MIN_STEPS, LrWarmupTracker, lr_warmup_steps, \
+    resolve_warmup_steps
+from ds_dragonn.schedule import UNDECIDED, DensitySchedule
 from tests.fakes import fake_engine
 
 
@@ -101,18 +102,82 @@ def _scheduler_warming_up(steps: int):
 
 @pytest.mark.parametrize("lr_warmup", [0, 1, 14, 15, 16, 50, 1000])
 def test_auto_is_twice_the_learning_rate_warm_up_and_at_least_the_minimum(lr_warmup):
-    engine = fake_engine(lr_scheduler=_scheduler_warming_up(lr_warmup) if lr_warmup else None)
+    engine = fake_engine(lr_scheduler=_scheduler_warming_up(lr_warmup))
     cfg = resolve_warmup_steps(DragonnConfig(enabled=True), engine)
     assert cfg.warmup_steps == max(AUTO_MIN_STEPS, AUTO_FACTOR * lr_warmup)
     assert (AUTO_MIN_STEPS, AUTO_FACTOR) == (30, 2)  # the documented rule (config.py, docs/config.md)
 
 
-def test_an_unread_scheduler_falls_back_to_the_minimum_and_says_so(capsys):
-    engine = fake_engine(lr_scheduler=torch.optim.lr_scheduler.StepLR(_optimizer(), step_size=10))
-    cfg = resolve_warmup_steps(DragonnConfig(enabled=True), engine)
-    assert cfg.warmup_steps == AUTO_MIN_STEPS
+@pytest.mark.parametrize("scheduler", [None, "StepLR"])
+def test_an_unread_scheduler_is_followed_online_or_falls_back_to_the_minimum(scheduler, capsys):
+    sched = torch.optim.lr_scheduler.StepLR(_optimizer(), step_size=10) if scheduler else None
+    engine = fake_engine(lr_scheduler=sched)
+    assert resolve_warmup_steps(DragonnConfig(enabled=True), engine).warmup_steps == "auto"
+    assert "follows the optimizer's learning rate" in capsys.readouterr().out
+    assert resolve_warmup_steps(DragonnConfig(enabled=True), engine, follow=False).warmup_steps == AUTO_MIN_STEPS
     out = capsys.readouterr().out
-    assert "warning" in out and "StepLR" in out and "'dragonn.warmup_steps'" in out
+    if scheduler:  # local steps: no online rule
+        assert "warning" in out and "StepLR" in out and "'dragonn.warmup_steps'" in out
+
+
+def _run_tracker(lrs, tracker=None, first=0):
+    """Feed ``lrs[t]`` as step ``first + t``'s learning rate (twice per step, as two buckets do)."""
+    tracker = tracker or LrWarmupTracker()
+    for t, lr in enumerate(lrs, start=first):
+        tracker.observe(t, lr)
+        tracker.observe(t, None if lr is None else lr * 7)  # a second reduction of the same step: ignored
+    return tracker
+
+
+@pytest.mark.parametrize("warmup", [0, 1, 14, 15, 16, 37, 300])
+def test_the_online_rule_ends_where_the_scheduler_rule_does(warmup):
+    """Against the rule read from the scheduler: the same end for a rise then a decay, or a flat top."""
+    for f in (_linear_with_warmup(warmup, 4 * warmup + 100),
+              lambda t: min(1.0, t / warmup) if warmup else 1.0):
+        sched = torch.optim.lr_scheduler.LambdaLR(_optimizer(), f)
+        expected = max(AUTO_MIN_STEPS, AUTO_FACTOR * lr_warmup_steps(sched))
+        tracker = _run_tracker([1e-3 * f(t) for t in range(expected + 50)])
+        assert tracker.end == expected
+
+
+def test_the_online_rule_is_one_way_and_waits_for_a_rising_rate():
+    rising = _run_tracker([1e-3 * t for t in range(500)])
+    assert rising.end is None  # still warming up: still dense
+    restart = _run_tracker([1e-3] * 40 + [1e-2] * 10)  # a restart after the end does not reopen the warm-up
+    assert restart.end == AUTO_MIN_STEPS
+    unknown = _run_tracker([None] * 31)
+    assert unknown.end == AUTO_MIN_STEPS
+
+
+def test_the_online_state_resumes_exactly():
+    lrs = [1e-3 * min(1.0, t / 25) for t in range(80)]
+    whole = _run_tracker(lrs)
+    half = _run_tracker(lrs[:20])
+    resumed = LrWarmupTracker()
+    resumed.load_state_dict(half.state_dict())
+    assert _run_tracker(lrs[20:], resumed, first=20).end == whole.end == 50
+    fresh = LrWarmupTracker()
+    fresh.load_state_dict({"end": "x", "last_rise": -3, "prev_lr": True})  # malformed: afresh
+    assert fresh.state_dict() == LrWarmupTracker().state_dict()
+
+
+def test_the_hook_follows_the_learning_rate_without_a_scheduler(capsys):
+    p = torch.nn.Parameter(torch.zeros(4))
+    opt = torch.optim.AdamW([p], lr=0.0)
+    engine = fake_engine(optimizer=opt)
+    hook = HookBase(engine, DragonnConfig(enabled=True, compress="momentum"))
+    assert hook.cfg.warmup_steps == "auto" and hook.schedule.warmup_steps == UNDECIDED
+    assert hook.variance_freeze.freeze_step == UNDECIDED
+    for step in range(70):
+        engine.global_steps = step
+        opt.param_groups[0]["lr"] = 1e-3 * min(1.0, step / 20)
+        hook._follow_optimizer()
+        assert hook.schedule.dense(step) == (step < 40)
+    assert hook.schedule.warmup_steps == hook.variance_freeze.freeze_step == 40
+    assert "the dense warm-up ends at step 40" in capsys.readouterr().out
+    again = HookBase(fake_engine(optimizer=opt), DragonnConfig(enabled=True, compress="momentum"))
+    again.load_warmup_state(hook.warmup_tracker.state_dict())
+    assert again.schedule.warmup_steps == again.variance_freeze.freeze_step == 40
 
 
 def test_the_choice_is_logged(capsys):
@@ -133,6 +198,7 @@ def test_the_hook_runs_with_the_resolved_warm_up():
     assert hook.schedule.dense(99) and not hook.schedule.dense(100)
 
 
-def test_an_unresolved_auto_is_refused_by_the_schedule():
-    with pytest.raises(ValueError, match="resolved"):
-        DensitySchedule.from_config(DragonnConfig(enabled=True))
+def test_an_undecided_schedule_is_dense():
+    s = DensitySchedule.from_config(DragonnConfig(enabled=True, compress="momentum"))
+    assert s.warmup_steps == UNDECIDED and all(s.dense(t) and not s.refresh(t) for t in (0, 10**6, 10**12))
+    assert "learning rate stops rising" in s.describe()

@@ -29,7 +29,7 @@ from .adam import VarianceFreeze, adam_beta1, optimizer_lr
 from .decision import BucketDecision
 from .reporting import Reporter
 from .steps import StepGuard, loss_scale, may_skip_steps
-from .warmup import resolve_warmup_steps
+from .warmup import LrWarmupTracker, resolve_warmup_steps
 
 
 class HookBase:
@@ -51,7 +51,9 @@ class HookBase:
 
     def __init__(self, engine: Any, cfg: DragonnConfig):
         self.engine = engine
-        self.cfg = cfg = resolve_warmup_steps(cfg, engine)  # "auto": from the engine's learning-rate warm-up
+        # "auto": from the engine's learning-rate warm-up, or (unreadable) following the learning rate online
+        self.cfg = cfg = resolve_warmup_steps(cfg, engine, follow=self.follows_lr)
+        self.warmup_tracker = LrWarmupTracker() if cfg.warmup_steps == "auto" else None
         self.compressor = build_compressor(cfg)
         self.transactional = may_skip_steps(engine)  # fp16, bf16 + check_grad_overflow: steps may be skipped
         self.error_feedback = ErrorFeedback(cfg.error_feedback, transactional=self.transactional)
@@ -73,15 +75,15 @@ class HookBase:
                                           lr_weighted=cfg.lr_weighted_residual)
             if has_optimizer:
                 schedule = self.decision.schedule
-                self.variance_freeze = VarianceFreeze(engine, cfg.warmup_steps, cfg.variance_floor, momentum=True,
+                self.variance_freeze = VarianceFreeze(engine, schedule.warmup_steps, cfg.variance_floor, momentum=True,
                                                       refresh=schedule.refresh, refresh_steps=schedule.refresh_steps,
                                                       refresh_decay=cfg.variance_refresh_decay)
         # only where gradients are delayed (density below 1, error feedback on: bursts), and only after dense
         # warm-up steps: a variance estimated from sparse steps is ~0 where nothing arrived yet (measured:
         # the LM diverges when frozen at the end of the density warm-up without dense steps)
-        elif (cfg.freeze_adam_variance and cfg.density < 1.0 and cfg.error_feedback and cfg.warmup_steps > 0
+        elif (cfg.freeze_adam_variance and cfg.density < 1.0 and cfg.error_feedback and cfg.warmup_steps != 0
                 and has_optimizer):
-            self.variance_freeze = VarianceFreeze(engine, cfg.warmup_steps, cfg.variance_floor)
+            self.variance_freeze = VarianceFreeze(engine, self.decision.schedule.warmup_steps, cfg.variance_floor)
 
     @property
     def policy(self) -> AutoPolicy:
@@ -199,10 +201,16 @@ class HookBase:
         self.pending.add(key)
 
     def _follow_optimizer(self) -> None:
-        """Momentum mode, at the start of every reduction: the local momentum follows the optimizer's current
-        β1 (a scheduler may cycle it, e.g. OneCycle) and, with ``lr_weighted_residual``, takes this step's
-        residual weight from its learning rate (``LocalMomentum.follow_lr``; the pipeline divides what it
-        hands the optimizer by the same weight)."""
+        """At the start of every reduction: ``"warmup_steps": "auto"`` without a readable scheduler decides
+        the end of the dense warm-up from this step's learning rate (``LrWarmupTracker``). Momentum mode: the
+        local momentum follows the optimizer's current β1 (a scheduler may cycle it, e.g. OneCycle) and, with
+        ``lr_weighted_residual``, takes this step's residual weight from its learning rate
+        (``LocalMomentum.follow_lr``; the pipeline divides what it hands the optimizer by the same weight)."""
+        tracker = self.warmup_tracker
+        if tracker is not None and tracker.end is None:
+            lr = optimizer_lr(self.engine) if hasattr(self.engine, "optimizer") else None
+            if tracker.observe(int(self.engine.global_steps), lr) is not None:
+                self._end_warmup(tracker.end, log=True)
         if self.momentum is None:
             return
         beta1 = adam_beta1(self.engine) if hasattr(self.engine, "optimizer") else None
@@ -260,6 +268,26 @@ class HookBase:
         to (:func:`ds_dragonn.engine.state.describe`). Each rank holds its own: ``engine.save_checkpoint``
         writes one file per rank (``engine/checkpoint.py``)."""
         return state.state_dict(self)
+
+    #: whether ``"warmup_steps": "auto"`` may follow the learning rate online (else: the scheduler or 30)
+    follows_lr = True
+
+    def _end_warmup(self, end: int, log: bool = False) -> None:
+        """The dense warm-up decided online ends at step ``end``: the schedule and the variance freeze follow."""
+        self.decision.schedule.warmup_steps = end
+        if self.variance_freeze is not None:
+            self.variance_freeze.freeze_step = end
+        if log:
+            print_dist(f"DRAGONN: warmup_steps 'auto': the learning rate last rose at step "
+                       f"{self.warmup_tracker.last_rise}; the dense warm-up ends at step {end}", ranks=[0])
+
+    def load_warmup_state(self, saved: Optional[dict]) -> None:
+        """Restore the online warm-up decision (``state_dict()["warmup"]``) where this hook follows one."""
+        if self.warmup_tracker is None:
+            return
+        self.warmup_tracker.load_state_dict(saved)
+        if self.warmup_tracker.end is not None:
+            self._end_warmup(self.warmup_tracker.end)
 
     def extra_state(self) -> dict:
         """Parts of this rank's state that only some hooks have (merged into :meth:`state_dict`)."""

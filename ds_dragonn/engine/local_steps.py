@@ -50,6 +50,7 @@ class LocalStepsHook(HookBase):
     """ZeRO stage 0 with ``sync: local_steps`` (module docstring); installed as ``engine.dragonn``."""
 
     hook_name = "ZeRO stage 0, local steps"
+    follows_lr = False  # its rounds are laid out from warmup_steps: "auto" reads the scheduler (else 30)
 
     def __init__(self, engine: Any, cfg):
         super().__init__(engine, cfg)

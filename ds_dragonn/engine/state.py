@@ -184,6 +184,7 @@ def state_dict(hook: Any) -> dict:
             "telemetry": asdict(hook.telemetry), "loss_scale_units": hook.steps.units,
             "momentum": hook.momentum.state_dict() if hook.momentum is not None else None,
             "variance": hook.variance_freeze.state_dict() if hook.variance_freeze is not None else None,
+            "warmup": hook.warmup_tracker.state_dict() if hook.warmup_tracker is not None else None,
             **hook.extra_state()}
 
 
@@ -209,6 +210,7 @@ def load_state_dict(hook: Any, state: dict, source: str = "the state") -> None:
     """
     rank, world = hook.where()
     validate(state, f"[rank {rank}] DRAGONN: {source}")
+    hook.load_warmup_state(state.get("warmup"))  # where the dense warm-up ended: the steps', not the residuals'
     saved = state.get("description") or {"rank": state.get("rank"), "world_size": state.get("world_size")}
     if "description" in state:
         reset, fold, kept = compare(saved, describe(hook))

@@ -13,7 +13,13 @@ engine's learning-rate warm-up, read from:
   multiplier rises before it first stops rising;
 * no scheduler: ``w = 0`` (a constant learning rate).
 
-Any other scheduler: ``AUTO_MIN_STEPS``, with a warning naming it (set ``warmup_steps`` to a number).
+Where none of these is there (no scheduler in the engine: a framework may step its own outside DeepSpeed, as
+Hugging Face's Trainer does with its own optimizer; or a scheduler of another type), the hook follows the
+learning rate the optimizer actually holds, step by step (:class:`LrWarmupTracker`): the warm-up ends at the
+first step ``t >= AUTO_MIN_STEPS`` with ``t >= AUTO_FACTOR * r``, ``r`` the last step at which the learning
+rate rose. For a warm-up that rises and then stays or falls this is the same rule; a constant learning rate
+gives ``AUTO_MIN_STEPS``. Local steps (``sync: local_steps``) read the scheduler only (else
+``AUTO_MIN_STEPS``, with a warning).
 """
 from __future__ import annotations
 
@@ -59,22 +65,74 @@ def _rise(multiplier: Callable[[int], float]) -> Optional[int]:
     return None
 
 
-def resolve_warmup_steps(cfg: DragonnConfig, engine: Any) -> DragonnConfig:
+def resolve_warmup_steps(cfg: DragonnConfig, engine: Any, follow: bool = True) -> DragonnConfig:
     """``cfg`` with ``warmup_steps: "auto"`` replaced by a number of steps for ``engine`` (module docstring);
-    ``cfg`` itself where it is already a number. Logs the choice on rank 0."""
+    ``cfg`` itself where it is already a number. Where the engine's scheduler cannot be read, ``cfg`` keeps
+    ``"auto"`` when ``follow`` (the hook then follows the learning rate: :class:`LrWarmupTracker`), else gets
+    ``AUTO_MIN_STEPS``. Logs the choice on rank 0."""
     if cfg.warmup_steps != "auto":
         return cfg
     from deepspeed.utils.logging import print_dist
 
     scheduler = getattr(engine, "lr_scheduler", None)
-    lr_warmup = lr_warmup_steps(scheduler)
+    lr_warmup = lr_warmup_steps(scheduler)  # 0 without a scheduler
+    what = "no scheduler in the engine" if scheduler is None else f"a {type(scheduler).__name__}"
+    if follow and (scheduler is None or lr_warmup is None):
+        print_dist(f"DRAGONN: warmup_steps 'auto': {what}, so the dense warm-up follows the optimizer's learning "
+                   f"rate: it ends at twice the step at which the learning rate stops rising, at least "
+                   f"{AUTO_MIN_STEPS} steps", ranks=[0])
+        return cfg
     if lr_warmup is None:
         steps = AUTO_MIN_STEPS
-        print_dist(f"DRAGONN: warning: 'warmup_steps': 'auto' cannot read the learning-rate warm-up of "
-                   f"{type(scheduler).__name__}; using {steps} dense warm-up steps. Set 'dragonn.warmup_steps' to "
-                   f"about twice its warm-up steps", ranks=[0])
+        print_dist(f"DRAGONN: warning: 'warmup_steps': 'auto' cannot read a learning-rate warm-up ({what}); using "
+                   f"{steps} dense warm-up steps. Set 'dragonn.warmup_steps' to about twice its warm-up steps",
+                   ranks=[0])
     else:
         steps = max(AUTO_MIN_STEPS, AUTO_FACTOR * lr_warmup)
         print_dist(f"DRAGONN: warmup_steps 'auto' -> {steps} dense warm-up steps (the learning-rate warm-up: "
                    f"{lr_warmup} steps)", ranks=[0])
     return cfg.model_copy(update={"warmup_steps": steps})
+
+
+class LrWarmupTracker:
+    """``"warmup_steps": "auto"`` where the scheduler cannot be read: decides the end of the dense warm-up
+    online from the learning rate of each step (module docstring). Every rank sees the same learning rates,
+    so every rank decides the same step.
+
+    Attributes:
+        end: the first compressed step (int), or None while undecided.
+    """
+
+    def __init__(self) -> None:
+        self.end: Optional[int] = None
+        self.last_rise = 0
+        self.prev_lr: Optional[float] = None
+        self.last_step: Optional[int] = None
+
+    def observe(self, step: int, lr: Optional[float]) -> Optional[int]:
+        """Record ``lr`` (None: unknown) of optimizer step ``step`` (``engine.global_steps`` at its first
+        reduction; later reductions of the same step are ignored); returns :attr:`end` (None: still dense)."""
+        if self.end is not None or step == self.last_step:
+            return self.end
+        self.last_step = step
+        if lr is not None:
+            if self.prev_lr is not None and lr > self.prev_lr:
+                self.last_rise = step
+            self.prev_lr = lr
+        if step >= max(AUTO_MIN_STEPS, AUTO_FACTOR * self.last_rise):
+            self.end = step
+        return self.end
+
+    def state_dict(self) -> dict:
+        return {"end": self.end, "last_rise": self.last_rise, "prev_lr": self.prev_lr, "last_step": self.last_step}
+
+    def load_state_dict(self, state: Optional[dict]) -> None:
+        """Restore :meth:`state_dict` (None or malformed: start afresh; a state saved without the tracker)."""
+        self.__init__()
+        if not isinstance(state, dict):
+            return
+        end, rise, lr, last = (state.get(k) for k in ("end", "last_rise", "prev_lr", "last_step"))
+        self.end = end if isinstance(end, int) and not isinstance(end, bool) and end >= 0 else None
+        self.last_rise = rise if isinstance(rise, int) and not isinstance(rise, bool) and rise >= 0 else 0
+        self.prev_lr = float(lr) if isinstance(lr, (int, float)) and not isinstance(lr, bool) else None
+        self.last_step = last if isinstance(last, int) and not isinstance(last, bool) else None

@@ -56,7 +56,8 @@ def finish(summary: dict, dragonn, model: torch.nn.Module, world: int, rank: int
 
     summary.update(dragonn.telemetry.summary() if dragonn else dense_totals(model, world, summary["steps"]))
     if dragonn:  # as resolved for the engine ("auto": from its learning-rate warm-up)
-        summary["dragonn_warmup_steps"] = dragonn.cfg.warmup_steps
+        warm = dragonn.schedule.warmup_steps
+        summary["dragonn_warmup_steps"] = min(warm, summary["steps"])  # (never ended: the whole run)
     report(summary, rank, line, path)
     dist.barrier()
     torch.distributed.destroy_process_group()
