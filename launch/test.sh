@@ -6,4 +6,5 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck disable=SC1091
 . "$REPO/launch/setup_env.sh"
 cd "$REPO"
-exec python -m pytest tests -q -p no:cacheprovider --timeout 900 "$@"
+# with no path among the arguments pytest collects testpaths (all of tests/); a path narrows the run
+exec python -m pytest -q -p no:cacheprovider --timeout 900 -o testpaths=tests "$@"

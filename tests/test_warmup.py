@@ -2,6 +2,8 @@
 checked against the learning rates the scheduler really produces when stepped."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from ds_dragonn.engine.warmup import AUTO_FACTOR, AUTO_MIN_STEPS, LrWarmupTracke
     resolve_warmup_steps
 from ds_dragonn.schedule import UNDECIDED, DensitySchedule
 from tests.fakes import fake_engine
+from tests.multiproc import run_ranks
 
 
 def _optimizer() -> torch.optim.Optimizer:
@@ -140,6 +143,24 @@ def test_the_online_rule_ends_where_the_scheduler_rule_does(warmup):
         assert tracker.end == expected
 
 
+def test_the_online_rule_takes_the_first_rise_only():
+    """A cyclic schedule's next rise, a restart or a staircase do not extend the warm-up (as read from a
+    LambdaLR: its first non-rise); a flat start (DeepSpeed's first two steps) is not a peak."""
+    triangle = [1e-3 * (t % 250 / 200 if t % 250 < 200 else (250 - t % 250) / 50) for t in range(1200)]
+    assert _run_tracker(triangle).end == 2 * 200  # its peak: step 200
+    assert _run_tracker([1e-3 * 0.5 ** (t % 10) for t in range(200)]).end == AUTO_MIN_STEPS  # warm restarts
+    stairs = lambda t: min(1.0, (t // 10 + 1) / 10)  # noqa: E731
+    sched = torch.optim.lr_scheduler.LambdaLR(_optimizer(), stairs)
+    assert _run_tracker([stairs(t) for t in range(200)]).end == max(AUTO_MIN_STEPS, 2 * lr_warmup_steps(sched))
+    flat_start = [0.0, 0.0] + [1e-3 * min(1.0, t / 40) for t in range(1, 200)]
+    assert _run_tracker(flat_start).end == 2 * 41
+
+
+def test_a_multiplicative_schedule_is_not_read_as_a_lambda_one():
+    sched = torch.optim.lr_scheduler.MultiplicativeLR(_optimizer(), lambda t: 1.1 if t <= 40 else 1.0)
+    assert lr_warmup_steps(sched) is None  # its lambdas are step-to-step factors: followed online instead
+
+
 def test_the_online_rule_is_one_way_and_waits_for_a_rising_rate():
     rising = _run_tracker([1e-3 * t for t in range(500)])
     assert rising.end is None  # still warming up: still dense
@@ -178,6 +199,21 @@ def test_the_hook_follows_the_learning_rate_without_a_scheduler(capsys):
     again = HookBase(fake_engine(optimizer=opt), DragonnConfig(enabled=True, compress="momentum"))
     again.load_warmup_state(hook.warmup_tracker.state_dict())
     assert again.schedule.warmup_steps == again.variance_freeze.freeze_step == 40
+    again.load_warmup_state(None)  # an earlier state, undecided: dense again
+    assert again.schedule.warmup_steps == again.variance_freeze.freeze_step == UNDECIDED
+    opt.param_groups[0]["lr"] = None  # (Adafactor's relative steps): unknown, not a crash
+    again._follow_optimizer()
+
+
+def test_resumed_on_more_ranks_every_rank_ends_the_warm_up_together(tmp_path):
+    """Saved by 1 rank mid-warm-up (step 40 of a 25-step rise), resumed by 2: the rank without a state file
+    takes the saved decision, so both compress from step 50 (a fresh tracker would end at 40: a hang)."""
+    run_ranks("tests.warmup_cases:save_mid_warmup", 1, tmp_path, timeout=300)
+    run_ranks("tests.warmup_cases:resume_on_more_ranks", 2, tmp_path, timeout=300)
+    got = [json.loads((tmp_path / f"grow_{r}.json").read_text()) for r in range(2)]
+    assert got[0] == got[1]
+    assert got[0]["schedule"] == 50 and got[0]["first_compressed"] == 50 and got[0]["tracker"]["end"] == 50
+    assert got[0]["none_lr_steps"] == 3  # an optimizer whose lr is None trains (followed as unknown)
 
 
 def test_the_choice_is_logged(capsys):

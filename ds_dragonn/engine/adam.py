@@ -55,9 +55,17 @@ def adam_beta1(engine: Any) -> Optional[float]:
 
 
 def optimizer_lr(engine: Any) -> Optional[float]:
-    """The largest learning rate over the parameter groups of the engine's innermost optimizer (None: none)."""
+    """The largest finite learning rate over the parameter groups of the engine's innermost optimizer (None:
+    none; a group whose ``lr`` is None or not a number, e.g. Adafactor's relative steps, is skipped)."""
     opt = base_optimizer(engine)
-    lrs = [float(g["lr"]) for g in getattr(opt, "param_groups", None) or [] if "lr" in g]
+    lrs = []
+    for g in getattr(opt, "param_groups", None) or []:
+        try:
+            lr = float(g["lr"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        if math.isfinite(lr):
+            lrs.append(lr)
     return max(lrs) if lrs else None
 
 

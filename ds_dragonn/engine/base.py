@@ -22,7 +22,7 @@ from ..feedback import ErrorFeedback
 from ..momentum import LocalMomentum
 from ..pipeline import CompressedAllreduce, ReduceStats
 from ..policy import AutoPolicy
-from ..schedule import DensitySchedule
+from ..schedule import UNDECIDED, DensitySchedule
 from ..telemetry import Telemetry
 from . import state
 from .adam import VarianceFreeze, adam_beta1, optimizer_lr
@@ -278,16 +278,17 @@ class HookBase:
         if self.variance_freeze is not None:
             self.variance_freeze.freeze_step = end
         if log:
-            print_dist(f"DRAGONN: warmup_steps 'auto': the learning rate last rose at step "
-                       f"{self.warmup_tracker.last_rise}; the dense warm-up ends at step {end}", ranks=[0])
+            rise = self.warmup_tracker.last_rise
+            why = f"the learning rate rose until step {rise}" if rise else "the learning rate did not rise"
+            print_dist(f"DRAGONN: warmup_steps 'auto': {why}; the dense warm-up ends at step {end} "
+                       f"(max(30, 2 x {rise}))", ranks=[0])
 
     def load_warmup_state(self, saved: Optional[dict]) -> None:
         """Restore the online warm-up decision (``state_dict()["warmup"]``) where this hook follows one."""
         if self.warmup_tracker is None:
             return
         self.warmup_tracker.load_state_dict(saved)
-        if self.warmup_tracker.end is not None:
-            self._end_warmup(self.warmup_tracker.end)
+        self._end_warmup(UNDECIDED if self.warmup_tracker.end is None else self.warmup_tracker.end)
 
     def extra_state(self) -> dict:
         """Parts of this rank's state that only some hooks have (merged into :meth:`state_dict`)."""

@@ -151,11 +151,14 @@ def install(hook: Any) -> None:
             error = err
         # one allgather: whether each rank read its file, and which world size saved it
         saved_world = read[1].get("world_size") if read[0] == "read" and isinstance(read[1], dict) else None
-        everyone, rank = gather(hook, (_message(error), read[0], saved_world))
-        _raise_failures([m for m, _, _ in everyone], rank, what, error)
-        _raise_failures(_incomplete([(k, w) for _, k, w in everyone], folder, hook.where()[1]), rank, what, None)
+        # and the online warm-up decision ("warmup_steps": "auto"), so that a rank without a file takes the others'
+        warm = read[1].get("warmup") if read[0] == "read" and isinstance(read[1], dict) else None
+        everyone, rank = gather(hook, (_message(error), read[0], saved_world, warm))
+        _raise_failures([m for m, *_ in everyone], rank, what, error)
+        _raise_failures(_incomplete([(k, w) for _, k, w, _ in everyone], folder, hook.where()[1]), rank, what, None)
         try:
             _apply_state(hook, read)
+            hook.load_warmup_state(next((w for *_, w in everyone if isinstance(w, dict)), None))  # the same on all
         except Exception as err:  # noqa: BLE001 - every rank raises it, named, in agree()
             error = err
         agree(hook, error, what)

@@ -10,20 +10,22 @@ engine's learning-rate warm-up, read from:
 * DeepSpeed's ``WarmupLR`` / ``WarmupDecayLR`` / ``WarmupCosineLR`` (``warmup_num_steps``,
   deepspeed/runtime/lr_schedules.py);
 * a ``torch.optim.lr_scheduler.LambdaLR`` (Hugging Face's ``get_*_schedule_with_warmup``): the steps its
-  multiplier rises before it first stops rising;
-* no scheduler: ``w = 0`` (a constant learning rate).
+  multiplier rises before it first stops rising.
 
 Where none of these is there (no scheduler in the engine: a framework may step its own outside DeepSpeed, as
 Hugging Face's Trainer does with its own optimizer; or a scheduler of another type), the hook follows the
-learning rate the optimizer actually holds, step by step (:class:`LrWarmupTracker`): the warm-up ends at the
-first step ``t >= AUTO_MIN_STEPS`` with ``t >= AUTO_FACTOR * r``, ``r`` the last step at which the learning
-rate rose. For a warm-up that rises and then stays or falls this is the same rule; a constant learning rate
-gives ``AUTO_MIN_STEPS``. Local steps (``sync: local_steps``) read the scheduler only (else
+learning rate the optimizer actually holds (the largest over its groups), step by step
+(:class:`LrWarmupTracker`): the rise ends at the first step from step 2 on at which the learning rate does not
+rise, ``r`` is the last step it rose before that, and the warm-up ends at step ``max(AUTO_MIN_STEPS,
+AUTO_FACTOR * r)``. That is the rule read from a ``LambdaLR`` (its first non-rise), so a later rise (a cyclic
+schedule's next cycle, a restart) does not extend it; a constant learning rate gives ``AUTO_MIN_STEPS``. Local steps (``sync: local_steps``) read the scheduler only (else
 ``AUTO_MIN_STEPS``, with a warning).
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
+
+import torch
 
 from ..config import DragonnConfig
 
@@ -44,7 +46,8 @@ def lr_warmup_steps(scheduler: Any) -> Optional[int]:
     if isinstance(steps, int) and not isinstance(steps, bool):
         return max(0, steps)
     lambdas = getattr(scheduler, "lr_lambdas", None)  # torch's LambdaLR (Hugging Face's schedules)
-    if isinstance(lambdas, (list, tuple)) and lambdas and all(callable(f) for f in lambdas):
+    if (isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR) and isinstance(lambdas, (list, tuple)) and lambdas
+            and all(callable(f) for f in lambdas)):  # (MultiplicativeLR's lambdas are step-to-step factors)
         rises = [_rise(f) for f in lambdas]
         return None if any(r is None for r in rises) else max(rises)
     return None
@@ -79,14 +82,14 @@ def resolve_warmup_steps(cfg: DragonnConfig, engine: Any, follow: bool = True) -
     what = "no scheduler in the engine" if scheduler is None else f"a {type(scheduler).__name__}"
     if follow and (scheduler is None or lr_warmup is None):
         print_dist(f"DRAGONN: warmup_steps 'auto': {what}, so the dense warm-up follows the optimizer's learning "
-                   f"rate: it ends at twice the step at which the learning rate stops rising, at least "
-                   f"{AUTO_MIN_STEPS} steps", ranks=[0])
+                   f"rate: it ends at twice the last step at which the learning rate rose (before it first stopped "
+                   f"rising), at least {AUTO_MIN_STEPS} steps", ranks=[0])
         return cfg
-    if lr_warmup is None:
+    if lr_warmup is None or scheduler is None:
         steps = AUTO_MIN_STEPS
         print_dist(f"DRAGONN: warning: 'warmup_steps': 'auto' cannot read a learning-rate warm-up ({what}); using "
-                   f"{steps} dense warm-up steps. Set 'dragonn.warmup_steps' to about twice its warm-up steps",
-                   ranks=[0])
+                   f"{steps} dense warm-up steps. If the learning rate warms up, set 'dragonn.warmup_steps' to about "
+                   f"twice its warm-up steps", ranks=[0])
     else:
         steps = max(AUTO_MIN_STEPS, AUTO_FACTOR * lr_warmup)
         print_dist(f"DRAGONN: warmup_steps 'auto' -> {steps} dense warm-up steps (the learning-rate warm-up: "
@@ -106,6 +109,7 @@ class LrWarmupTracker:
     def __init__(self) -> None:
         self.end: Optional[int] = None
         self.last_rise = 0
+        self.peaked = False  # the learning rate has stopped rising (from step 2 on: a flat start is not a peak)
         self.prev_lr: Optional[float] = None
         self.last_step: Optional[int] = None
 
@@ -115,16 +119,20 @@ class LrWarmupTracker:
         if self.end is not None or step == self.last_step:
             return self.end
         self.last_step = step
-        if lr is not None:
-            if self.prev_lr is not None and lr > self.prev_lr:
+        if not self.peaked:
+            if lr is not None and self.prev_lr is not None and lr > self.prev_lr:
                 self.last_rise = step
-            self.prev_lr = lr
-        if step >= max(AUTO_MIN_STEPS, AUTO_FACTOR * self.last_rise):
+            elif step >= 2:
+                self.peaked = True
+            if lr is not None:
+                self.prev_lr = lr
+        if self.peaked and step >= max(AUTO_MIN_STEPS, AUTO_FACTOR * self.last_rise):
             self.end = step
         return self.end
 
     def state_dict(self) -> dict:
-        return {"end": self.end, "last_rise": self.last_rise, "prev_lr": self.prev_lr, "last_step": self.last_step}
+        return {"end": self.end, "last_rise": self.last_rise, "peaked": self.peaked, "prev_lr": self.prev_lr,
+                "last_step": self.last_step}
 
     def load_state_dict(self, state: Optional[dict]) -> None:
         """Restore :meth:`state_dict` (None or malformed: start afresh; a state saved without the tracker)."""
@@ -136,3 +144,4 @@ class LrWarmupTracker:
         self.last_rise = rise if isinstance(rise, int) and not isinstance(rise, bool) and rise >= 0 else 0
         self.prev_lr = float(lr) if isinstance(lr, (int, float)) and not isinstance(lr, bool) else None
         self.last_step = last if isinstance(last, int) and not isinstance(last, bool) else None
+        self.peaked = state.get("peaked") is True or self.end is not None
