@@ -207,7 +207,8 @@ def _resolve_compress(cfg: DragonnConfig, engine: Any) -> DragonnConfig:
             raise DragonnUnsupportedError(f"'dragonn.compress': 'momentum' {why}. Use 'compress': 'gradient' with it")
         return _refuse_lr_weighting_with_fp16(cfg, engine)
     unmet = [what for what, ok in (("error feedback is off", cfg.error_feedback),
-                                   ("warmup_steps is 0: no dense steps to estimate Adam's variance from", cfg.warmup_steps != 0),
+                                   ("warmup_steps is 0: no dense steps to estimate Adam's variance from",
+                                    cfg.warmup_steps != 0),
                                    ("density is 1.0", cfg.density < 1.0)) if not ok]
     fits = not why and not unmet
     resolved = CompressTarget.momentum if fits else CompressTarget.gradient

@@ -24,7 +24,7 @@ Method
      shortened to the untimed steps and no density warm-up, so the steady state is timed; the median of
      those dense warm-up steps (the first two left out) is its dense step time.
   4. Seconds to target = steps to target × median step ms, except that DRAGONN's dense warm-up steps
-     (its "warmup_steps", 30 by default) are charged at its dense step time. The density warm-up that
+     (its "warmup_steps": by default twice the 50-step learning-rate warm-up, 100) are charged at its dense step time. The density warm-up that
      follows is charged at the steady step time (it sends more: a slight underestimate). PowerSGD's two
      dense start-up steps are charged at its steady step time.
   Bytes per step are computed per rank (DRAGONN: its telemetry; the others: ring-allreduce byte models of

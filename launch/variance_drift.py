@@ -1,7 +1,7 @@
 """How far Adam's variance drifts from a variance frozen after the dense warm-up (the momentum mode's).
 
 The momentum mode (``"compress": "momentum"``, 1-bit Adam's structure) applies every step with the
-bias-corrected variance ``V̂`` frozen at the end of the dense warm-up (``warmup_steps``, default 30). This
+bias-corrected variance ``V̂`` frozen at the end of the dense warm-up (``warmup_steps``; 30 here, the default before ``"auto"``). This
 script trains the byte-level GPT of ``launch/train_lm.py`` densely, in one process, with the optimizer and
 schedule of ``configs/lm_dense.json`` (AdamW lr 1e-3, weight decay 0.01, clipping 1.0, WarmupDecayLR's log
 warm-up over 50 steps and linear decay to 0 at ``--total-steps``; batch = micro-batch × accumulation × ranks of

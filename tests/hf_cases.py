@@ -76,7 +76,7 @@ def trainer_runs(rank: int, world: int, out_dir: str) -> None:
     trainer, resumed = train(cfg, str(ckpt), resume=str(ckpt / f"checkpoint-{STEPS // 2}"))
     hook = trainer.model_wrapped.dragonn
     out["resume"] = {"whole": whole, "resumed": resumed, "state_files": tags, "notes": list(hook.notes)}
-    # the default "warmup_steps": "auto" reads the scheduler Trainer hands to deepspeed.initialize
+    # the default "warmup_steps": "auto" follows the learning rate of Trainer's own schedule (not in DeepSpeed)
     auto = {k: v for k, v in _DRAGONN.items() if k != "warmup_steps"}
     trainer, _ = train(ds_config(0, {**auto, "density": 0.01}), str(Path(out_dir) / "auto"), max_steps=45,
                        lr_warmup=20)

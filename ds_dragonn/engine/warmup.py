@@ -18,8 +18,8 @@ learning rate the optimizer actually holds (the largest over its groups), step b
 (:class:`LrWarmupTracker`): the rise ends at the first step from step 2 on at which the learning rate does not
 rise, ``r`` is the last step it rose before that, and the warm-up ends at step ``max(AUTO_MIN_STEPS,
 AUTO_FACTOR * r)``. That is the rule read from a ``LambdaLR`` (its first non-rise), so a later rise (a cyclic
-schedule's next cycle, a restart) does not extend it; a constant learning rate gives ``AUTO_MIN_STEPS``. Local steps (``sync: local_steps``) read the scheduler only (else
-``AUTO_MIN_STEPS``, with a warning).
+schedule's next cycle, a restart) does not extend it; a constant learning rate gives ``AUTO_MIN_STEPS``.
+Local steps (``sync: local_steps``) read the scheduler only (else ``AUTO_MIN_STEPS``, with a warning).
 """
 from __future__ import annotations
 
