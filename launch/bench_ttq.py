@@ -25,7 +25,8 @@ Method
      those dense warm-up steps (the first two left out) is its dense step time.
   4. Seconds to target = steps to target × median step ms, except that DRAGONN's dense warm-up steps
      (its "warmup_steps": by default twice the 50-step learning-rate warm-up, 100) are charged at its dense step time. The density warm-up that
-     follows is charged at the steady step time (it sends more: a slight underestimate). PowerSGD's two
+     follows (by default three times the dense warm-up, 300) is not timed; each of its steps is charged
+     between the steady step time and the dense one, linearly in its density (seconds_at: a model). PowerSGD's two
      dense start-up steps are charged at its steady step time.
   Bytes per step are computed per rank (DRAGONN: its telemetry; the others: ring-allreduce byte models of
   ds_dragonn.exchange.wire); the timing phase also records the veth's measured tx bytes.
@@ -274,6 +275,14 @@ def _dense_warmup(hook, dragonn, steps: int) -> int:
     return min(steps, int(hook.schedule.warmup_steps if hook is not None else dragonn.warmup_steps))
 
 
+def _density_warmup(hook) -> Optional[dict]:
+    """The density warm-up a quality run had (``{"steps", "start", "density"}`` as resolved; None: none)."""
+    schedule = getattr(hook, "schedule", None)
+    if schedule is None or not schedule.steps:
+        return None
+    return {"steps": schedule.steps, "start": schedule.start, "density": schedule.density}
+
+
 def dragonn_block(cfg: Optional[dict]) -> dict:
     return (cfg or {}).get("dragonn") or {}
 
@@ -420,6 +429,7 @@ def run_rank(args) -> Optional[dict]:
             record.update(eval_every=args.eval_every, eval_windows=args.eval_windows, curve=curve,
                           final_loss=curve[-1]["loss"], bytes_per_step=sent1 / steps,
                           dense_warmup_steps=_dense_warmup(hook, dragonn, steps),
+                          density_warmup=_density_warmup(hook),
                           variance_refresh_steps=_refresh_steps(engine))
         else:
             timed = steps - first_timed + 1
@@ -583,17 +593,32 @@ def steps_to_target(curve: Sequence[dict], target: float) -> Optional[float]:
 
 
 def seconds_at(step: float, ms: float, dense_ms: Optional[float] = None, dense_steps: int = 0,
-               refresh_steps: int = 0) -> float:
+               refresh_steps: int = 0, density_warmup: Optional[dict] = None) -> float:
     """Training seconds of the first ``step`` steps: the first ``dense_steps`` at ``dense_ms`` (DRAGONN's dense
     warm-up), and after them every ``refresh_steps``-th step too (the momentum mode's variance refreshes: a
     dense reduction, steps ``dense_steps + R − 1``, ``+ 2R − 1``, ...), the others at ``ms`` (median ms per step;
-    a timing run is too short to contain a refresh)."""
+    a timing run is too short to contain a refresh).
+
+    ``density_warmup`` (``{"steps": W, "start": s, "density": d}``, the quality run's density warm-up): its
+    step ``j`` (at density ``d(j)``, schedule.py) is charged ``ms + (dense_ms − ms) · (d(j) − d) / (s − d)``, a
+    model linear in the density between the steady step (density ``d``) and the dense step (at DGC's start of
+    0.25 an (index, value) pair list is as many bytes as a bf16 allreduce). It is modelled, not timed: the
+    timing phase times the steady state only."""
     if dense_ms is None:
         return step * ms / 1e3
     warm = min(step, dense_steps)
     refreshes = math.floor((step - dense_steps) / refresh_steps) if refresh_steps and step > dense_steps else 0
     dense = warm + refreshes
-    return (dense * dense_ms + (step - dense) * ms) / 1e3
+    extra = 0.0  # the density warm-up's cost above the steady step
+    if density_warmup and density_warmup.get("steps") and step > dense_steps and dense_ms > ms:
+        w, s0, d = int(density_warmup["steps"]), float(density_warmup["start"]), float(density_warmup["density"])
+        done = min(step - dense_steps, w)
+        whole = int(done)
+        fractions = [1.0] * whole + ([done - whole] if done > whole else [])
+        for j, f in enumerate(fractions):
+            dj = s0 * (d / s0) ** (j / w)
+            extra += f * (dense_ms - ms) * min(1.0, max(0.0, (dj - d) / (s0 - d)))
+    return (dense * dense_ms + (step - dense) * ms + extra) / 1e3
 
 
 def link_mbit(link: Optional[str]) -> Optional[float]:
@@ -669,7 +694,7 @@ def build_rows(quality: Sequence[dict], timing: Sequence[dict], fraction: float 
             reach = steps_to_target(q["curve"], target)
             ms = t["median_step_ms"] if t else None
             dense_ms, dense_steps = (t.get("dense_step_ms") if t else None), q.get("dense_warmup_steps", 0)
-            refresh = q.get("variance_refresh_steps", 0)
+            refresh, ramp = q.get("variance_refresh_steps", 0), q.get("density_warmup")
             choice = None
             if t and t.get("timed_telemetry"):
                 c, d = t["timed_telemetry"]["compressed_reductions"], t["timed_telemetry"]["dense_reductions"]
@@ -680,7 +705,8 @@ def build_rows(quality: Sequence[dict], timing: Sequence[dict], fraction: float 
                 "target_loss": target, "target_step": target_step, "target_fraction": fraction,
                 "steps_to_target": reach, "median_step_ms": ms, "dense_step_ms": dense_ms,
                 "dense_warmup_steps": dense_steps, "variance_refresh_steps": refresh,
-                "time_to_target_s": (seconds_at(reach, ms, dense_ms, dense_steps, refresh)
+                "density_warmup": ramp,
+                "time_to_target_s": (seconds_at(reach, ms, dense_ms, dense_steps, refresh, ramp)
                                      if reach is not None and ms else None),
                 "final_loss": q["final_loss"],
                 "gap_vs_dense_pct": 100 * (q["final_loss"] - ref["final_loss"]) / ref["final_loss"],
@@ -689,7 +715,7 @@ def build_rows(quality: Sequence[dict], timing: Sequence[dict], fraction: float 
                 "bytes_source": "timing" if t else "quality",
                 "tx_bytes_per_step": t.get("tx_bytes_per_step") if t else None,
                 "timed_choice": choice, "steps": q["steps"], "lr": lr, "about": q.get("about", ""),
-                "curve": [dict(c, seconds=seconds_at(c["step"], ms, dense_ms, dense_steps, refresh) if ms else None)
+                "curve": [dict(c, seconds=seconds_at(c["step"], ms, dense_ms, dense_steps, refresh, ramp) if ms else None)
                           for c in q["curve"]]})
     for link in links:
         base = next((r for r in rows if r["link"] == link and r["mode"] == baseline), None)

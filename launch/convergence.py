@@ -8,7 +8,8 @@ dense / DRAGONN config plus the run's ``"dragonn"`` overrides:
 dense                 DeepSpeed's dense allreduce
 dragonn_0.01          DRAGONN at density 0.01 with the defaults (global selection, dense warm-up ``auto``:
                       twice the learning-rate warm-up, at least 30 steps (LM: 100; classifier, no scheduler: 30),
-                      density warm-up 0.25 -> 0.01 over 100 steps; ``compress`` auto: the momentum mode
+                      density warm-up ``auto``: 0.25 -> 0.01 over three times the dense warm-up, at least
+                      100 steps (LM: 300); ``compress`` auto: the momentum mode
                       for these Adam-type optimizers)
 dragonn_0.001         the same at density 0.001
 gradient_0.01         the defaults with ``compress: gradient`` (error feedback on the gradient)
@@ -21,6 +22,10 @@ warm100_0.01          the defaults with a 100-step dense warm-up (``warmup_steps
 warm30_0.01           the defaults with the 30-step dense warm-up that was the default before ``auto``;
                       warm30_0.001 the same
 lrw_warm100_0.01      both (what the 1.85 M GPT at a tuned learning rate preferred: docs/results.md)
+dw100_0.01            the defaults with the 100-step density warm-up that was the default before ``auto``;
+                      dw100_0.001 the same
+dw300_0.01            the defaults with a 300-step density warm-up (``density_warmup_steps`` 300);
+                      dw300_0.001 the same
 per_tensor_0.01       gradient mode with per-tensor selection (small and 1-D tensors whole)
 freeze_0.01           gradient mode with Adam's variance frozen after the dense warm-up
 legacy_0.01           gradient mode with the earlier defaults: global selection, no warm-ups, no variance freeze
@@ -74,6 +79,10 @@ RUNS = {
     "warm30_0.01": {"density": 0.01, "warmup_steps": 30},
     "warm30_0.001": {"density": 0.001, "warmup_steps": 30},
     "lrw_warm100_0.01": {"density": 0.01, "lr_weighted_residual": True, "warmup_steps": 100},
+    "dw100_0.01": {"density": 0.01, "density_warmup_steps": 100},
+    "dw100_0.001": {"density": 0.001, "density_warmup_steps": 100},
+    "dw300_0.01": {"density": 0.01, "density_warmup_steps": 300},
+    "dw300_0.001": {"density": 0.001, "density_warmup_steps": 300},
     "per_tensor_0.01": {"density": 0.01, "selection": "per_tensor", "compress": "gradient"},
     "freeze_0.01": {"density": 0.01, "freeze_adam_variance": True, "compress": "gradient"},
     "legacy_0.01": {"density": 0.01, "selection": "global", "warmup_steps": 0, "density_warmup_steps": 0,
@@ -215,7 +224,8 @@ def record(task: str, run: str, seed: int, steps: int, s: dict) -> dict:
         "selection": (d.selection.value if d else None), "exchange": (d.exchange.value if d else "dense"),
         "compressor": (d.compressor.value if d else "dense"), "density": (d.density if d else 1.0),
         "error_feedback": (d.error_feedback if d else None),
-        "warmup": ({"warmup_steps": s.get("dragonn_warmup_steps", d.warmup_steps), "density_warmup_steps": d.density_warmup_steps,
+        "warmup": ({"warmup_steps": s.get("dragonn_warmup_steps", d.warmup_steps),  # as resolved ("auto")
+                    "density_warmup_steps": s.get("dragonn_density_warmup_steps", d.density_warmup_steps),
                     "density_warmup_start": d.density_warmup_start} if d else None),
         "seed": seed, "steps": steps, "metric": metric, "value": s[metric],
         "bytes_sent": s["bytes_sent"], "dense_bytes_equivalent": s["dense_bytes_equivalent"],

@@ -11,7 +11,7 @@ from ds_dragonn.compress.base import segment_seed
 from ds_dragonn.compress.kernels import cpu_table
 from ds_dragonn.compress.segments import Segments, plan_segments
 from ds_dragonn.config import DragonnConfig, DragonnConfigError
-from ds_dragonn.schedule import DensitySchedule
+from ds_dragonn.schedule import UNDECIDED, DensitySchedule
 from tests.multiproc import load_rank_files, run_ranks
 
 needs_cpu_kernel = pytest.mark.skipif(not cpu_table.available(), reason="no C++ compiler")
@@ -171,6 +171,34 @@ def test_no_density_warmup_when_the_start_is_not_above_the_density():
     assert DensitySchedule(0.01, 0, 0, 0.25).at(0) == 0.01
 
 
+@pytest.mark.parametrize("warm, ramp", [(0, 100), (1, 100), (30, 100), (33, 100), (34, 102), (100, 300),
+                                        (517, 1551)])
+def test_auto_density_warmup_is_three_times_the_dense_warmup_at_least_100(warm, ramp):
+    s = DensitySchedule(0.01, warm, "auto", 0.25)
+    assert s.steps == ramp and s.auto_steps
+    assert s.at(warm) == 0.25 and s.at(warm + ramp) == 0.01 and s.warming(warm + ramp - 1)
+    assert not s.warming(warm + ramp)
+    j = ramp // 3  # float64 reference
+    assert s.at(warm + j) == pytest.approx(0.25 * (0.01 / 0.25) ** (j / ramp), rel=1e-12)
+    assert f"over {ramp} steps" in s.describe()
+
+
+def test_auto_density_warmup_follows_a_dense_warmup_decided_later():
+    s = DensitySchedule(0.001, UNDECIDED, "auto", 0.25)
+    assert s.at(10_000) is None and "3 times the dense warm-up (at least 100 steps" in s.describe()
+    s.warmup_steps = 80  # what the hook's online tracker does (engine/base.py _end_warmup)
+    assert s.steps == 240 and s.at(80) == 0.25 and s.at(320) == 0.001 and s.at(319) > 0.001
+    assert DensitySchedule(0.5, 80, "auto", 0.25).steps == 0  # a start not above the density: none
+    assert DensitySchedule(0.01, 80, 7, 0.25).steps == 7      # a number stays that number
+
+
+def test_default_config_schedule_resolves_auto_density_warmup():
+    cfg = DragonnConfig.from_ds_config({"dragonn": {"enabled": True, "warmup_steps": 50}})
+    assert DensitySchedule.from_config(cfg).steps == 150
+    cfg = DragonnConfig.from_ds_config({"dragonn": {"enabled": True, "warmup_steps": 50, "density_warmup_steps": 0}})
+    assert DensitySchedule.from_config(cfg).steps == 0
+
+
 def test_per_tensor_selection_is_refused_with_the_partitioned_exchange():
     with pytest.raises(DragonnConfigError, match="'selection': 'per_tensor' does not combine with 'exchange'"):
         DragonnConfig.from_ds_config({"dragonn": {"enabled": True, "selection": "per_tensor",
@@ -179,10 +207,11 @@ def test_per_tensor_selection_is_refused_with_the_partitioned_exchange():
 
 def test_config_validates_the_new_keys():
     d = DragonnConfig()
-    assert d.selection.value == "global" and not d.compress_1d and d.density_warmup_steps == 100
+    assert d.selection.value == "global" and not d.compress_1d and d.density_warmup_steps == "auto"
     assert d.warmup_steps == "auto" and not d.freeze_adam_variance and d.tensor_min_compress_numel == 1024
     for key, bad in [("selection", "layerwise"), ("density_warmup_start", 0.0), ("density_warmup_start", 1.5),
-                     ("density_warmup_steps", -1), ("tensor_min_compress_numel", -5), ("compress_1d", "yes")]:
+                     ("density_warmup_steps", -1), ("density_warmup_steps", "Auto"), ("density_warmup_steps", 2.5),
+                     ("density_warmup_steps", True), ("tensor_min_compress_numel", -5), ("compress_1d", "yes")]:
         with pytest.raises(DragonnConfigError, match=f"dragonn.{key}"):
             DragonnConfig.from_ds_config({"dragonn": {"enabled": True, key: bad}})
 

@@ -280,8 +280,10 @@ class HookBase:
         if log:
             rise = self.warmup_tracker.last_rise
             why = f"the learning rate rose until step {rise}" if rise else "the learning rate did not rise"
+            ramp = self.decision.schedule
+            then = (f"; then the density falls to {ramp.density:g} over {ramp.steps} steps" if ramp.steps else "")
             print_dist(f"DRAGONN: warmup_steps 'auto': {why}; the dense warm-up ends at step {end} "
-                       f"(max(30, 2 x {rise}))", ranks=[0])
+                       f"(max(30, 2 x {rise})){then}", ranks=[0])
 
     def load_warmup_state(self, saved: Optional[dict]) -> None:
         """Restore the online warm-up decision (``state_dict()["warmup"]``) where this hook follows one."""
