@@ -108,11 +108,12 @@ step train_cuda_zero2 "$OUTDIR/train_cuda_zero2.log" \
 step fp16_engine "$OUTDIR/fp16_engine.log" \
   python -m deepspeed.launcher.runner --num_gpus 1 --master_addr 127.0.0.1 --master_port 29536 \
   tests/gpu/fp16_engine.py --precision fp16 || rc=1
-# the LM with the product's defaults (30 dense warm-up steps, then the density warm-up, Adam's variance frozen,
-# and at step 130 one variance refresh: a dense raw-gradient step through NCCL, no update)
+# the LM with the product's defaults ("auto": 100 dense warm-up steps after its 50-step learning-rate warm-up,
+# then the density warm-up, Adam's variance frozen, and at step 199 one variance refresh: a dense raw-gradient
+# step through NCCL, no update)
 step train_lm_cuda "$OUTDIR/train_lm_cuda.log" \
   python -m deepspeed.launcher.runner --num_gpus 1 --master_addr 127.0.0.1 --master_port 29537 \
-  launch/train_lm.py --deepspeed_config configs/lm_dragonn.json --steps 140 --log-interval 20 \
+  launch/train_lm.py --deepspeed_config configs/lm_dragonn.json --steps 210 --log-interval 30 \
   --summary "$OUTDIR/train_lm_cuda.json" || rc=1
 # local steps (sync: local_steps) on CUDA: fp32 masters on the GPU, an outer step every 30 steps whose
 # pseudo-gradient goes through the Triton selection and the NCCL exchange (world size 1)
