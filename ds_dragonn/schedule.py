@@ -63,7 +63,9 @@ class DensitySchedule:
     def from_config(cls, cfg) -> "DensitySchedule":
         refresh = cfg.variance_refresh_steps if cfg.compress.value == "momentum" else 0
         warmup = UNDECIDED if cfg.warmup_steps == "auto" else cfg.warmup_steps  # the hook's tracker decides
-        return cls(cfg.density, warmup, cfg.density_warmup_steps, cfg.density_warmup_start, refresh)
+        # local steps send each outer step at `density` from the first: no density warm-up (engine/local_steps.py)
+        ramp = 0 if getattr(getattr(cfg, "sync", None), "value", None) == "local_steps" else cfg.density_warmup_steps
+        return cls(cfg.density, warmup, ramp, cfg.density_warmup_start, refresh)
 
     def dense(self, step: int) -> bool:
         """True in the dense warm-up."""
@@ -94,7 +96,7 @@ class DensitySchedule:
             parts.append(f"density {self.start:g} -> {self.density:g} over {AUTO_DENSITY_FACTOR} times the dense "
                          f"warm-up (at least {AUTO_DENSITY_MIN_STEPS} steps, exponential)")
         elif self.steps:
-            parts.append(f"density {self.start:g} -> {self.density:g} over {self.steps} steps (exponential)")
+            parts.append(f"density {self.start:g} -> {self.density:g} over {self.steps} step{"s" if self.steps != 1 else ""} (exponential)")
         parts.append(f"then density {self.density:g}")
         if self.refresh_steps:
             parts.append(f"Adam's variance refreshed every {self.refresh_steps} steps")

@@ -603,21 +603,31 @@ def seconds_at(step: float, ms: float, dense_ms: Optional[float] = None, dense_s
     step ``j`` (at density ``d(j)``, schedule.py) is charged ``ms + (dense_ms − ms) · (d(j) − d) / (s − d)``, a
     model linear in the density between the steady step (density ``d``) and the dense step (at DGC's start of
     0.25 an (index, value) pair list is as many bytes as a bf16 allreduce). It is modelled, not timed: the
-    timing phase times the steady state only."""
+    timing phase times the steady state only. A variance refresh inside it is charged once (a dense step).
+    No charge where ``start <= density`` (the schedule has no density warm-up then).
+
+    Raises:
+        ValueError: ``density_warmup`` lacks ``steps``, ``start`` or ``density``, or has ``steps`` < 0."""
     if dense_ms is None:
         return step * ms / 1e3
     warm = min(step, dense_steps)
     refreshes = math.floor((step - dense_steps) / refresh_steps) if refresh_steps and step > dense_steps else 0
     dense = warm + refreshes
     extra = 0.0  # the density warm-up's cost above the steady step
-    if density_warmup and density_warmup.get("steps") and step > dense_steps and dense_ms > ms:
+    if density_warmup:
+        missing = [k for k in ("steps", "start", "density") if k not in density_warmup]
+        if missing or int(density_warmup["steps"]) < 0:
+            raise ValueError(f"density_warmup {density_warmup!r}: needs 'steps' >= 0, 'start' and 'density'")
         w, s0, d = int(density_warmup["steps"]), float(density_warmup["start"]), float(density_warmup["density"])
-        done = min(step - dense_steps, w)
-        whole = int(done)
-        fractions = [1.0] * whole + ([done - whole] if done > whole else [])
-        for j, f in enumerate(fractions):
-            dj = s0 * (d / s0) ** (j / w)
-            extra += f * (dense_ms - ms) * min(1.0, max(0.0, (dj - d) / (s0 - d)))
+        if w and s0 > d and step > dense_steps and dense_ms > ms:
+            done = min(step - dense_steps, w)
+            whole = int(done)
+            fractions = [1.0] * whole + ([done - whole] if done > whole else [])
+            for j, f in enumerate(fractions):
+                if refresh_steps and (j + 1) % refresh_steps == 0 and f == 1.0:
+                    continue  # a refresh: already charged as a dense step above
+                dj = s0 * (d / s0) ** (j / w)
+                extra += f * (dense_ms - ms) * min(1.0, max(0.0, (dj - d) / (s0 - d)))
     return (dense * dense_ms + (step - dense) * ms + extra) / 1e3
 
 

@@ -197,6 +197,12 @@ def test_default_config_schedule_resolves_auto_density_warmup():
     assert DensitySchedule.from_config(cfg).steps == 150
     cfg = DragonnConfig.from_ds_config({"dragonn": {"enabled": True, "warmup_steps": 50, "density_warmup_steps": 0}})
     assert DensitySchedule.from_config(cfg).steps == 0
+    # local steps send every outer step at the density: no density warm-up, "auto" or a number
+    for ramp in ("auto", 200):
+        cfg = DragonnConfig.from_ds_config({"dragonn": {"enabled": True, "sync": "local_steps", "local_steps": 3,
+                                                        "warmup_steps": 50, "density_warmup_steps": ramp}})
+        schedule = DensitySchedule.from_config(cfg)
+        assert schedule.steps == 0 and schedule.at(50) == schedule.at(51) == 0.01 and not schedule.warming(51)
 
 
 def test_per_tensor_selection_is_refused_with_the_partitioned_exchange():

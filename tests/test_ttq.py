@@ -67,10 +67,12 @@ def test_seconds_charge_the_dense_warm_up_at_its_own_step_time():
     assert ttq.seconds_at(40, 50.0, 200.0, 30, 10) == pytest.approx((31 * 200 + 9 * 50) / 1e3)  # step 39 counted
 
 
-@pytest.mark.parametrize("step", [0.0, 1.0, 30.0, 30.5, 31.0, 47.25, 70.0, 130.0, 131.0, 500.0])
-def test_seconds_at_charges_the_density_warmup_between_the_steady_and_the_dense_step(step):
+@pytest.mark.parametrize("refresh", [0, 40])
+@pytest.mark.parametrize("step", [0.0, 1.0, 30.0, 30.5, 31.0, 47.25, 70.0, 70.5, 130.0, 131.0, 500.0])
+def test_seconds_at_charges_the_density_warmup_between_the_steady_and_the_dense_step(step, refresh):
     """Float64 reference, written out per step: warm-up step j (density d(j) = s (d/s)^(j/W)) costs the steady
-    ms plus (dense - steady) times its place between d and s; nothing after the W steps; fractional steps pro rata."""
+    ms plus (dense - steady) times its place between d and s; nothing after the W steps; a variance refresh
+    (steps warm + kR - 1) costs one dense step, once; fractional steps pro rata (a refresh when complete)."""
     ms, dense_ms, warm, w, s0, d = 50.0, 200.0, 30, 100, 0.25, 0.01
     ramp = {"steps": w, "start": s0, "density": d}
     total, t = 0.0, 0.0
@@ -79,16 +81,19 @@ def test_seconds_at_charges_the_density_warmup_between_the_steady_and_the_dense_
         i = int(t)
         if i < warm:
             total += f * dense_ms
+        elif refresh and (i - warm + 1) % refresh == 0 and f == 1.0:
+            total += dense_ms
         elif i - warm < w:
             dj = s0 * (d / s0) ** ((i - warm) / w)
             total += f * (ms + (dense_ms - ms) * (dj - d) / (s0 - d))
         else:
             total += f * ms
         t += f
-    assert ttq.seconds_at(step, ms, dense_ms, warm, 0, ramp) == pytest.approx(total / 1e3, rel=1e-12, abs=1e-12)
+    assert ttq.seconds_at(step, ms, dense_ms, warm, refresh, ramp) == pytest.approx(total / 1e3, rel=1e-12,
+                                                                                    abs=1e-12)
     # bounded by the all-steady and all-dense charges after the dense warm-up; step 30 (d = s) costs a dense step
-    plain = ttq.seconds_at(step, ms, dense_ms, warm)
-    assert plain <= ttq.seconds_at(step, ms, dense_ms, warm, 0, ramp) <= step * dense_ms / 1e3 + 1e-12
+    plain = ttq.seconds_at(step, ms, dense_ms, warm, refresh)
+    assert plain <= ttq.seconds_at(step, ms, dense_ms, warm, refresh, ramp) <= step * dense_ms / 1e3 + 1e-12
     if step >= warm + 1:
         assert ttq.seconds_at(warm + 1, ms, dense_ms, warm, 0, ramp) == pytest.approx((warm + 1) * dense_ms / 1e3)
 
@@ -101,6 +106,17 @@ def test_seconds_at_density_warmup_absent_or_free():
     # a dense step no slower than the compressed one: no surcharge (never a discount)
     assert ttq.seconds_at(80, 50.0, 40.0, 30, 0, ramp) == ttq.seconds_at(80, 50.0, 40.0, 30)
     assert ttq.seconds_at(80, 50.0, None, 30, 0, ramp) == 80 * 50.0 / 1e3
+    # a start at or below the density: the schedule has no density warm-up, so no charge (and no 0/0)
+    for start in (0.01, 0.005):
+        assert ttq.seconds_at(80, 50.0, 200.0, 30, 0, {"steps": 100, "start": start, "density": 0.01}) == \
+            ttq.seconds_at(80, 50.0, 200.0, 30)
+
+
+@pytest.mark.parametrize("bad", [{"start": 0.25, "density": 0.01}, {"steps": 100, "density": 0.01},
+                                 {"steps": 100, "start": 0.25}, {"steps": -1, "start": 0.25, "density": 0.01}])
+def test_seconds_at_refuses_a_malformed_density_warmup(bad):
+    with pytest.raises(ValueError, match="density_warmup"):
+        ttq.seconds_at(80, 50.0, 200.0, 30, 0, bad)
 
 
 def synthetic_records():

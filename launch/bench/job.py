@@ -58,7 +58,8 @@ def finish(summary: dict, dragonn, model: torch.nn.Module, world: int, rank: int
     if dragonn:  # as resolved for the engine ("auto": from its learning-rate warm-up)
         warm = dragonn.schedule.warmup_steps
         summary["dragonn_warmup_steps"] = min(warm, summary["steps"])  # (never ended: the whole run)
-        summary["dragonn_density_warmup_steps"] = dragonn.schedule.steps  # ("auto": as resolved)
+        # ("auto": as resolved; the part of it inside the run: none where the dense warm-up never ended)
+        summary["dragonn_density_warmup_steps"] = max(0, min(dragonn.schedule.steps, summary["steps"] - warm))
     report(summary, rank, line, path)
     dist.barrier()
     torch.distributed.destroy_process_group()
