@@ -96,7 +96,8 @@ class DensitySchedule:
             parts.append(f"density {self.start:g} -> {self.density:g} over {AUTO_DENSITY_FACTOR} times the dense "
                          f"warm-up (at least {AUTO_DENSITY_MIN_STEPS} steps, exponential)")
         elif self.steps:
-            parts.append(f"density {self.start:g} -> {self.density:g} over {self.steps} step{"s" if self.steps != 1 else ""} (exponential)")
+            unit = "step" if self.steps == 1 else "steps"
+            parts.append(f"density {self.start:g} -> {self.density:g} over {self.steps} {unit} (exponential)")
         parts.append(f"then density {self.density:g}")
         if self.refresh_steps:
             parts.append(f"Adam's variance refreshed every {self.refresh_steps} steps")
