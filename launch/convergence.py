@@ -26,6 +26,8 @@ dw100_0.01            the defaults with the 100-step density warm-up that was th
                       dw100_0.001 the same
 dw300_0.01            the defaults with a 300-step density warm-up (``density_warmup_steps`` 300);
                       dw300_0.001 the same
+dw500_0.001           density 0.001 with a 500-step density warm-up (the fall from 0.25 at 0.01's pace per
+                      decade); dw1000_0.001 with a 1000-step one
 per_tensor_0.01       gradient mode with per-tensor selection (small and 1-D tensors whole)
 freeze_0.01           gradient mode with Adam's variance frozen after the dense warm-up
 legacy_0.01           gradient mode with the earlier defaults: global selection, no warm-ups, no variance freeze
@@ -83,6 +85,8 @@ RUNS = {
     "dw100_0.001": {"density": 0.001, "density_warmup_steps": 100},
     "dw300_0.01": {"density": 0.01, "density_warmup_steps": 300},
     "dw300_0.001": {"density": 0.001, "density_warmup_steps": 300},
+    "dw500_0.001": {"density": 0.001, "density_warmup_steps": 500},
+    "dw1000_0.001": {"density": 0.001, "density_warmup_steps": 1000},
     "per_tensor_0.01": {"density": 0.01, "selection": "per_tensor", "compress": "gradient"},
     "freeze_0.01": {"density": 0.01, "freeze_adam_variance": True, "compress": "gradient"},
     "legacy_0.01": {"density": 0.01, "selection": "global", "warmup_steps": 0, "density_warmup_steps": 0,
