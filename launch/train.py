@@ -101,9 +101,9 @@ def main():
                 t = dragonn.telemetry
                 line += (f" | density {t.achieved_density:.4f} (kept/k {t.kept_over_k:.3f})"
                          f" | sent so far {t.bytes_sent / 1e6:.3f} MB vs dense {t.dense_bytes_equivalent / 1e6:.3f} MB"
-                         f" | compress {t.compress_ms_mean:.2f} ms/step ("
+                         f" | compress {t.compress_ms_mean:.2f} ms/step (compensate + select + residual) | phases, ms: "
                          + " ".join(f"{k.removesuffix('_ms_mean')} {v:.2f}" for k, v in t.phase_means().items())
-                         + f") | {t.compressed_reductions} compressed / {t.dense_reductions} dense")
+                         + f" | {t.compressed_reductions} compressed / {t.dense_reductions} dense")
             acc = test_accuracy(engine, x_te, y_te, device, dtype)
             history.append({"step": step, "test_accuracy": acc, "train_loss": last_loss,
                             "bytes_sent": dragonn.telemetry.bytes_sent if dragonn else None})
