@@ -17,7 +17,7 @@ import os
 from enum import Enum
 from typing import Any, Literal, Mapping, Optional, Union
 
-from pydantic import Field, StrictInt, ValidationError, field_validator, model_validator
+from pydantic import Field, StrictInt, ValidationError, ValidationInfo, field_validator, model_validator
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 
 DRAGONN_KEY = "dragonn"
@@ -71,6 +71,15 @@ class Kernel(str, Enum):
     reference = "reference"  # pure PyTorch (any device; the definition the others are tested against)
     cpu = "cpu"  # C++ one-pass library (CPU tensors; needs a C++ compiler at first use)
     triton = "triton"  # Triton kernels (CUDA tensors; needs the triton package)
+
+
+#: What an integer and "auto" mean for the keys that take either (their validation message).
+_STEPS_OR_AUTO = {
+    "warmup_steps": "(dense steps before compression starts), or \"auto\" (twice the learning-rate warm-up, at "
+                    "least 30)",
+    "density_warmup_steps": "(steps over which the density falls to 'density' after the dense warm-up), or \"auto\" "
+                            "(three times the dense warm-up, at least 100)",
+}
 
 
 class DragonnConfig(DeepSpeedConfigModel):
@@ -261,20 +270,11 @@ class DragonnConfig(DeepSpeedConfigModel):
         """Those of ``keys`` the block sets explicitly, in the order given."""
         return [k for k in keys if k in self.model_fields_set]
 
-    @field_validator("warmup_steps", mode="before")
+    @field_validator("warmup_steps", "density_warmup_steps", mode="before")
     @classmethod
-    def _check_warmup_steps(cls, v: Any) -> Any:
+    def _check_steps_or_auto(cls, v: Any, info: ValidationInfo) -> Any:
         if v != "auto" and (not isinstance(v, int) or isinstance(v, bool) or v < 0):  # one message, not the union's two
-            raise ValueError("must be an integer >= 0 (dense steps before compression starts), or \"auto\" (twice "
-                             "the learning-rate warm-up, at least 30)")
-        return v
-
-    @field_validator("density_warmup_steps", mode="before")
-    @classmethod
-    def _check_density_warmup_steps(cls, v: Any) -> Any:
-        if v != "auto" and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
-            raise ValueError("must be an integer >= 0 (steps over which the density falls to 'density' after the "
-                             "dense warm-up), or \"auto\" (three times the dense warm-up, at least 100)")
+            raise ValueError(f"must be an integer >= 0 {_STEPS_OR_AUTO[info.field_name]}")
         return v
 
     @field_validator("variance_refresh_decay")
