@@ -14,16 +14,6 @@ of the same step (ZeRO stage 2 reduces at every micro step) only add (``M += c·
 with ``c = (1 − β1) × prescale``. Invariant (tests check it in float64): everything applied plus all
 residuals equals the sum over steps of the ranks' averaged momenta.
 
-Learning-rate weighting (``lr_weighted_residual``, :meth:`LocalMomentum.follow_lr`): the residual grows by
-``w_t·M_t`` with ``w_t = lr_t / lr_ref`` instead, and the pipeline divides what it hands the optimizer by ``w_t``
-(:meth:`LocalMomentum.unweighted`), so that Adam, at ``lr_t``, applies ``lr_ref × Σ w_τ·M_τ = Σ lr_τ·M_τ``
-for what waited: each step's momentum at its own step's learning rate, as dense Adam would (the memory of
-EF-SGD, Karimireddy et al., ICML 2019, holds ``γ_t·g_t``). What the optimizer receives is in this step's
-units (a fresh momentum as it is), so gradient clipping sees the scale it sees without the weighting. The
-invariant reads: ``Σ_t w_t × (what was handed at step t) × ranks`` plus all residuals equals
-``Σ_t w_t × Σ_ranks M_t``. A step at learning rate 0 (``w_t = 0``) hands 0: what it sent is lost (Adam
-would not move at learning rate 0 either; schedules reach 0 after the last step).
-
 Skipped steps (``transactional``): as for the residuals, the step's momentum is computed into a second
 persistent buffer and becomes the momentum only when DeepSpeed applies the step (:meth:`end_step`).
 Memory: one fp32 buffer per bucket element (two when transactional), beside the residual.
@@ -45,10 +35,9 @@ class LocalMomentum:
         beta: the momentum coefficient β1 in [0, 1) (the optimizer's ``betas[0]``).
         transactional: a step's momentum stays in a working buffer until :meth:`end_step` says whether
             DeepSpeed applied the step.
-        lr_weighted: the residual gets ``w_t·M_t`` (:meth:`follow_lr`), not ``M_t``.
     """
 
-    def __init__(self, beta: float, transactional: bool = False, lr_weighted: bool = False):
+    def __init__(self, beta: float, transactional: bool = False):
         if not 0.0 <= beta < 1.0:
             raise ValueError(f"momentum coefficient must be in [0, 1), got {beta}")
         self.beta = float(beta)
@@ -56,9 +45,6 @@ class LocalMomentum:
         self.momenta: Dict[Hashable, torch.Tensor] = {}  # the momentum after the last applied step
         self._work: Dict[Hashable, torch.Tensor] = {}
         self._open: set = set()  # keys already updated in the open step
-        self.lr_weighted = bool(lr_weighted)
-        self.reference_lr: Optional[float] = None  # lr_ref: the first positive learning rate followed
-        self.weight = 1.0  # w_t: what the residual gets of this step's momentum
 
     def update(self, key: Hashable, tensors: Sequence[torch.Tensor], dtype: torch.dtype,
                prescale: float = 1.0) -> tuple:
@@ -99,32 +85,7 @@ class LocalMomentum:
                 m.mul_(self.beta)
         if tensors:
             torch._foreach_add_(segment_views(m, tensors), tensors, alpha=c)
-        return ([m], self.weight) if first else (tensors, c * self.weight)
-
-    def follow_lr(self, lr: float) -> float:
-        """Set this step's weight ``w_t = lr / lr_ref`` from the optimizer's learning rate ``lr`` (the
-        largest over its parameter groups: one schedule scales them all); returns it. ``lr_ref`` is the first
-        positive ``lr`` followed (kept in :meth:`state_dict`). 1.0 without ``lr_weighted``, and until a
-        positive ``lr`` is seen; 0.0 for a step at learning rate 0.
-
-        Raises:
-            ValueError: ``lr`` is negative or not finite.
-        """
-        lr = float(lr)
-        if not (lr >= 0.0 and lr < float("inf")):
-            raise ValueError(f"the learning rate must be finite and >= 0 to weight the residual, got {lr}")
-        if not self.lr_weighted:
-            return self.weight
-        if self.reference_lr is None and lr > 0.0:
-            self.reference_lr = lr
-        self.weight = lr / self.reference_lr if self.reference_lr else 1.0
-        return self.weight
-
-    def unweighted(self, postscale: float) -> float:
-        """``postscale / w_t`` (0.0 at ``w_t = 0``): the factor that hands the optimizer this step's units."""
-        if self.weight == 1.0:
-            return postscale
-        return postscale / self.weight if self.weight > 0.0 else 0.0
+        return ([m], 1.0) if first else (tensors, c)
 
     def end_step(self, applied: bool) -> None:
         """The step ended: transactional, an applied step's momenta replace the old (a swap), a skipped
@@ -141,23 +102,17 @@ class LocalMomentum:
                 m.mul_(factor)
 
     def state_dict(self) -> dict:
-        return {"beta": self.beta, "momenta": {k: v.detach().clone() for k, v in self.momenta.items()},
-                "reference_lr": self.reference_lr}
+        return {"beta": self.beta, "momenta": {k: v.detach().clone() for k, v in self.momenta.items()}}
 
     def load_state_dict(self, state: dict, device: Optional[torch.device] = None) -> None:
-        """Restore :meth:`state_dict` (tensors onto ``device`` if given); β1 stays as configured. ``lr_ref``
-        too, where this momentum is ``lr_weighted`` (a state without one takes the next learning rate)."""
+        """Restore :meth:`state_dict` (tensors onto ``device`` if given); β1 stays as configured."""
         self.momenta = {k: v.to(device).clone() if device is not None else v.clone()
                         for k, v in state.get("momenta", {}).items()}
-        ref = state.get("reference_lr")
-        self.reference_lr = float(ref) if ref is not None and self.lr_weighted else None
         self._work.clear()
         self._open.clear()
 
     def reset(self) -> None:
         self.momenta.clear()
-        self.reference_lr = None
-        self.weight = 1.0
         self._work.clear()
         self._open.clear()
 

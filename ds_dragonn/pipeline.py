@@ -156,7 +156,6 @@ class CompressedAllreduce:
         if self.momentum is not None:  # the residual accumulates the local momentum, not the gradient
             into_inputs = False
             tensors, prescale = self.momentum.update(key, tensors, dtype, prescale)
-            postscale = self.momentum.unweighted(postscale)  # (lr_weighted_residual) in this step's units
         compensated = self.error_feedback.compensate_(key, tensors, dtype, prescale, zero_inputs=into_inputs)
         compensate_ms = clock.lap()
         sel = self.compressor.compress(compensated, seed, segments)
@@ -215,7 +214,6 @@ class CompressedAllreduce:
         dtype = dtype or tensors[0].dtype
         if self.momentum is not None:
             tensors, prescale = self.momentum.update(key, tensors, dtype, prescale)
-            postscale = self.momentum.unweighted(postscale)
         compensated = self.error_feedback.compensate_(key, tensors, dtype, prescale)
         self.exchange.flush_into(key, compensated)
         wire = to_wire(compensated, dtype)

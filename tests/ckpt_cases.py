@@ -19,11 +19,9 @@ RESUME_RUNS = {
     # the momentum mode: the local momentum and the frozen variance are in the state too; the bf16 run refreshes
     # the variance at steps 2 and 4 (one before the save at K = 3, one after the load)
     "s0_bf16_momentum": zero_config(0, {"enabled": True, "density": 0.01, "compress": "momentum", "warmup_steps": 1,
-                                        "variance_refresh_steps": 2}, bf16=True),
-    # ... and the residual's learning-rate weighting, with a learning rate that changes every step: the weights'
-    # reference (the first positive rate, step 1's) is in the state, so the resumed run weights alike
-    "s2_fp32_momentum": {**zero_config(2, {"enabled": True, "density": 0.01, "compress": "momentum", "warmup_steps": 1,
-                                           "lr_weighted_residual": True}),
+                                        "advanced": {"variance_refresh_steps": 2}}, bf16=True),
+    # ... at ZeRO 2, with a learning rate that changes every step
+    "s2_fp32_momentum": {**zero_config(2, {"enabled": True, "density": 0.01, "compress": "momentum", "warmup_steps": 1}),
                          "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01,
                                                                            "warmup_num_steps": 3, "total_num_steps": 12}}},
 }

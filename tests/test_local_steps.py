@@ -77,9 +77,8 @@ def test_config_names_the_bad_key(block, key):
 @pytest.mark.parametrize("block,match", [
     ({"local_steps": 8}, "'local_steps' applies to 'sync': 'local_steps' only"),
     ({"outer_lr": 0.7}, "'outer_lr' applies to 'sync': 'local_steps' only"),
-    ({"sync": "local_steps", "freeze_adam_variance": True}, "'freeze_adam_variance' applies to 'sync': 'every_step'"),
-    ({"sync": "local_steps", "selection": "per_tensor"}, "'selection': 'per_tensor' applies to 'sync': 'every_step'"),
-    ({"sync": "local_steps", "outer_feedback_decay": 0.9, "error_feedback": False}, "'error_feedback' is false")])
+    ({"sync": "local_steps", "selection": "per_tensor"}, "'dragonn.selection' was removed"),
+    ({"sync": "local_steps", "outer_feedback_decay": 0.9}, "'dragonn.outer_feedback_decay' was removed")])
 def test_settings_of_the_other_sync_mode_are_refused(block, match):
     with pytest.raises(DragonnConfigError, match=match):
         DragonnConfig.from_ds_config({"dragonn": {"enabled": True, **block}})

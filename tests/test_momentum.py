@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from ds_dragonn.config import DragonnConfig, DragonnConfigError
-from ds_dragonn.engine.adam import VarianceFreeze
+from ds_dragonn.engine.variance import VarianceFreeze
 from ds_dragonn.feedback import ErrorFeedback
 from ds_dragonn.momentum import LocalMomentum
-from tests.momentum_cases import BETA, ENGINE_RUNS, PIPE_CASES, PIPE_STEPS, REFRESH_RUNS, pipe_input, pipe_weight
+from tests.momentum_cases import BETA, ENGINE_RUNS, PIPE_CASES, PIPE_STEPS, REFRESH_RUNS, pipe_input
 from tests.multiproc import load_rank_files, run_ranks
 
 
@@ -44,38 +44,6 @@ def test_residual_grows_by_the_momentum_each_step(transactional, micro):
         mom.end_step(True)
         ef.end_step(True)
         torch.testing.assert_close(mom.momenta["b"], ref_m, rtol=1e-13, atol=1e-13)
-
-
-def test_the_lr_weighted_residual_grows_by_each_steps_weighted_momentum():
-    """w_t = lr_t / lr_ref (lr_ref: the first positive lr), the residual gets Σ w_t·M_t (float64), the momentum
-    itself is unweighted, and the reference survives a state round trip."""
-    gen = torch.Generator().manual_seed(5)
-    lrs = [0.0, 0.2, 0.4, 0.0, 0.1, 1.0]  # a warm-up from 0, a step at 0
-    grads = [[torch.randn(7, generator=gen, dtype=torch.float64)] for _ in lrs]
-    mom, ef = LocalMomentum(0.9, lr_weighted=True), ErrorFeedback(True)
-    expected = torch.zeros(7, dtype=torch.float64)
-    for lr, g, ref_m in zip(lrs, grads, _reference([[x[0]] for x in grads], 0.9, 1.0)):
-        w = mom.follow_lr(lr)
-        assert w == (lr / 0.2 if mom.reference_lr else 1.0)
-        assert mom.unweighted(0.5) == (0.5 / w if w else 0.0)  # handed out in this step's units; 0 at lr 0
-        tensors, pre = mom.update("b", g, torch.float64)
-        buf = ef.compensate_("b", tensors, torch.float64, pre)
-        expected += w * ref_m
-        torch.testing.assert_close(buf, expected, rtol=1e-13, atol=1e-13)
-        torch.testing.assert_close(mom.momenta["b"], ref_m, rtol=1e-13, atol=1e-13)
-        mom.end_step(True)
-        ef.end_step(True)
-    assert mom.reference_lr == 0.2
-    other = LocalMomentum(0.9, lr_weighted=True)
-    other.load_state_dict(mom.state_dict())
-    assert other.reference_lr == 0.2 and other.follow_lr(0.05) == 0.25
-    other.load_state_dict({"momenta": {}})  # saved before the weighting existed: the next lr is the reference
-    assert other.reference_lr is None and other.follow_lr(0.3) == 1.0
-    plain = LocalMomentum(0.9)  # lr_weighted_residual false: always 1
-    assert plain.follow_lr(0.5) == 1.0 and plain.follow_lr(0.0) == 1.0 and plain.reference_lr is None
-    for bad in (-0.1, float("nan"), float("inf")):
-        with pytest.raises(ValueError, match="learning rate must be finite and >= 0"):
-            mom.follow_lr(bad)
 
 
 def test_a_skipped_step_leaves_the_momentum_as_before():
@@ -112,24 +80,17 @@ def test_momentum_state_round_trip_and_errors():
 
 
 @pytest.mark.parametrize("block, words", [
-    ({"compress": "momentum", "error_feedback": False}, "needs 'error_feedback': true"),
+    ({"compress": "momentum", "advanced": {"error_feedback": False}}, "needs 'advanced.error_feedback': true"),
     ({"compress": "momentum", "warmup_steps": 0}, "'warmup_steps' >= 1"),
     ({"compress": "momentum_sgd"}, "compress"),
-    ({"variance_floor": -0.1}, "variance_floor"),
-    ({"variance_floor": 2}, "variance_floor"),
-    ({"variance_refresh_steps": 1}, "'variance_refresh_steps': 1 would refresh at every step"),
-    ({"variance_refresh_steps": -1}, "variance_refresh_steps"),
-    ({"compress": "gradient", "variance_refresh_steps": 50}, "'variance_refresh_steps' applies to 'compress': 'momentum'"),
-    ({"compress": "gradient", "variance_refresh_decay": 0.5}, "'variance_refresh_decay' applies to"),
-    ({"compress": "gradient", "lr_weighted_residual": False}, "'lr_weighted_residual' applies to"),
-    ({"lr_weighted_residual": 1}, "lr_weighted_residual"),
-    ({"sync": "local_steps", "lr_weighted_residual": True}, "'lr_weighted_residual' applies to 'sync': 'every_step'"),
-    ({"variance_refresh_steps": 0, "variance_refresh_decay": 0.9}, "'variance_refresh_decay' has no effect"),
-    ({"compress": "gradient", "variance_refresh_steps": 1}, "'variance_refresh_steps' applies to 'compress'"),
-    ({"variance_refresh_decay": 1.0}, "variance_refresh_decay"),
-    ({"variance_refresh_decay": 0.0}, "variance_refresh_decay"),  # V̂ = 0 where one step's gradient is 0
-    ({"variance_refresh_decay": 0.49}, "variance_refresh_decay"),
-    ({"sync": "local_steps", "variance_refresh_steps": 50}, "'variance_refresh_steps' applies to 'sync': 'every_step'"),
+    ({"advanced": {"variance_refresh_steps": 1}}, "1 would refresh at every step"),
+    ({"advanced": {"variance_refresh_steps": -1}}, "variance_refresh_steps"),
+    ({"compress": "gradient", "advanced": {"variance_refresh_steps": 50}}, "variance_refresh_steps' applies to"),
+    ({"sync": "local_steps", "advanced": {"variance_refresh_steps": 50}}, "variance_refresh_steps' applies to"),
+    ({"variance_floor": 0.01}, "'dragonn.variance_floor' was removed"),
+    ({"lr_weighted_residual": False}, "'dragonn.lr_weighted_residual' was removed"),
+    ({"freeze_adam_variance": True}, "'dragonn.freeze_adam_variance' was removed: superseded by compress: momentum"),
+    ({"variance_refresh_steps": 50}, "moved under 'advanced'"),
 ])
 def test_config_refuses_what_cannot_work(block, words):
     with pytest.raises(DragonnConfigError, match=words):
@@ -137,38 +98,42 @@ def test_config_refuses_what_cannot_work(block, words):
     assert DragonnConfig(enabled=True).compress.value == "auto"  # momentum for Adam-type optimizers
 
 
-def _reference_momentum_adam(p0, momenta, freeze_at, v_warm, lr=0.01, b1=0.9, b2=0.999, eps=1e-8, floor=0.0):
-    """float64: dense Adam for ``freeze_at`` steps on ``v_warm`` gradients, then p -= lr·(a_t/(1−β1^t))/(√V̂+eps)
-    with V̂ the (floored) bias-corrected variance after the warm-up and a_t the given momenta."""
-    p, v = p0.clone(), torch.zeros_like(p0)
-    m = torch.zeros_like(p0)
-    t = 0
+def _reference_momentum_adam(p0, momenta, v_warm, fraction, lr=0.01, b1=0.9, b2=0.999, eps=1e-8):
+    """float64: dense Adam on ``v_warm`` gradients, then, for the elements that had gradient (V̂ > 0),
+    p -= lr·(a_t/(1−β1^t))/(√V̂+eps) (V̂ floored at ``fraction`` of their mean √V̂); the other elements continue
+    Adam's own update on the momenta ``a_t``."""
+    p, v, m, t = p0.clone(), torch.zeros_like(p0), torch.zeros_like(p0), 0
     for g in v_warm:
         t += 1
         m = b1 * m + (1 - b1) * g
         v = b2 * v + (1 - b2) * g * g
         p = p - lr * (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt() + eps)
     vhat = v / (1 - b2 ** t)
-    if floor:
-        vhat = vhat.clamp_min((floor * float(vhat.sqrt().mean())) ** 2)
+    root = vhat.sqrt()
+    known = root > 0
+    vhat = vhat.clamp_min((fraction * float(root[known].mean())) ** 2)
     for a in momenta:
         t += 1
-        p = p - lr * (a / (1 - b1 ** t)) / (vhat.sqrt() + eps)
-    return p
+        m = b1 * m + (1 - b1) * a
+        v = b2 * v + (1 - b2) * a * a
+        own = lr * (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt() + eps)
+        p = p - torch.where(known, lr * (a / (1 - b1 ** t)) / (vhat.sqrt() + eps), own)
+    return p, known
 
 
-@pytest.mark.parametrize("floor", [0.0, 0.5])
-def test_adam_applies_the_averaged_momentum_with_the_frozen_floored_variance(floor):
+@pytest.mark.parametrize("fraction", [0.01, 0.5])
+def test_adam_applies_the_averaged_momentum_with_the_frozen_variance(fraction):
+    """Known elements divide the momentum by the frozen, floored variance; elements without gradient in the
+    warm-up keep Adam's own update (float64 reference)."""
     p = torch.nn.Parameter(torch.randn(40, dtype=torch.float64))
     p0 = p.detach().clone()
     opt = torch.optim.Adam([p], lr=0.01)
     engine = SimpleNamespace(optimizer=opt, global_steps=0)
-    freeze = VarianceFreeze(engine, freeze_step=3, floor=floor, momentum=True)
+    freeze = VarianceFreeze(engine, freeze_step=3, fraction=fraction)
     gen = torch.Generator().manual_seed(3)
     warm = [torch.randn(40, generator=gen, dtype=torch.float64) for _ in range(3)]
-    warm[0][:5] = 0.0  # quiet in the warm-up: the floor bounds their later steps
-    warm[1][:5] = 0.0
-    warm[2][:5] = 0.0
+    for w in warm:
+        w[:5] = 0.0  # no gradient in the warm-up: no variance to divide by
     later = [torch.randn(40, generator=gen, dtype=torch.float64) * 30 for _ in range(6)]  # bursts
     for g in warm + later:
         if engine.global_steps == 3:
@@ -176,8 +141,11 @@ def test_adam_applies_the_averaged_momentum_with_the_frozen_floored_variance(flo
         p.grad = g.clone()
         opt.step()
         engine.global_steps += 1
-    ref = _reference_momentum_adam(p0, later, 3, warm, floor=floor)
+    ref, known = _reference_momentum_adam(p0, later, warm, fraction)
+    assert not bool(known[:5].any()) and bool(known[5:].all())
+    assert torch.equal(freeze.known[0], known)
     torch.testing.assert_close(p.detach(), ref, rtol=1e-10, atol=1e-12)
+    assert float((p.detach() - p0)[:5].abs().max()) < 0.01 * 6 * 1.5  # Adam's own steps: ~lr each
 
 
 @pytest.fixture(scope="module")
@@ -189,8 +157,7 @@ def pipe_runs(tmp_path_factory):
 
 @pytest.mark.parametrize("ci", range(len(PIPE_CASES)), ids=[f"{x}-{n}-{d}" for x, n, d in PIPE_CASES])
 def test_nothing_lost_everything_applied_plus_residuals_is_the_momenta(pipe_runs, ci):
-    """Σ_t w_t × applied_t × P + all residuals (worker and server) == Σ_t w_t × Σ_ranks M_t (float64 reference;
-    the residual is learning-rate weighted: what is handed out is in each step's own units)."""
+    """Σ_t applied_t × P + all residuals (worker and server) == Σ_t Σ_ranks M_t (float64 reference)."""
     from ds_dragonn.exchange import HashedOwnership
     exchange, n, density = PIPE_CASES[ci]
     world = 2
@@ -199,13 +166,13 @@ def test_nothing_lost_everything_applied_plus_residuals_is_the_momenta(pipe_runs
         steps = [[pipe_input(ci, r, s, mi, n) for mi in range(2)] for s in range(PIPE_STEPS)]
         last = None
         for s, m in enumerate(_reference(steps, BETA, 1.0)):
-            momenta += pipe_weight(s) * m
+            momenta += m
             last = m
         torch.testing.assert_close(pipe_runs[r][ci]["momentum"], last, rtol=1e-12, atol=1e-12)
     for r in range(world):  # every rank applied the same
         for a, b in zip(pipe_runs[0][ci]["applied"], pipe_runs[r][ci]["applied"]):
             assert torch.equal(a, b)
-    applied = (sum(pipe_weight(i // 2) * a for i, a in enumerate(pipe_runs[0][ci]["applied"])) if n
+    applied = (sum(pipe_runs[0][ci]["applied"]) if n
                else torch.zeros(0, dtype=torch.float64))  # two reductions (micro steps) per step
     held = torch.zeros(n, dtype=torch.float64)
     own = HashedOwnership(n, world)
@@ -298,33 +265,47 @@ def test_no_variance_to_freeze_where_beta2_is_zero():
     p = torch.nn.Parameter(torch.randn(5, dtype=torch.float64))
     opt = torch.optim.AdamW([p], lr=0.01, betas=(0.9, 0.0))
     engine = SimpleNamespace(optimizer=opt, global_steps=0)
-    freeze = VarianceFreeze(engine, freeze_step=1, momentum=True)
+    freeze = VarianceFreeze(engine, freeze_step=1)
     freeze.arm()
     for _ in range(3):
         p.grad = torch.randn(5, dtype=torch.float64)
         opt.step()
         engine.global_steps += 1
-    assert freeze.frozen is None and bool(torch.isfinite(p).all())
+    assert freeze.unknown() == 5 and bool(torch.isfinite(p).all())  # Adam's own update, nothing frozen
 
 
-def test_parameters_that_start_training_after_the_freeze_get_their_variance_frozen_then():
+def test_parameters_that_start_training_after_the_freeze_keep_adams_own_update():
+    """``b`` first gets gradient after the freeze: it keeps Adam's own update, exactly torch AdamW's on the same
+    gradients (an independent reference), and the state round trip maps V̂ and the masks back by position."""
     a = torch.nn.Parameter(torch.randn(4, dtype=torch.float64))
     b = torch.nn.Parameter(torch.randn(3, dtype=torch.float64))
+    b_ref = torch.nn.Parameter(b.detach().clone())
     opt = torch.optim.AdamW([a, b], lr=0.01, weight_decay=0.0)
+    ref_opt = torch.optim.AdamW([b_ref], lr=0.01, weight_decay=0.0)
     engine = SimpleNamespace(optimizer=opt, global_steps=0)
-    freeze = VarianceFreeze(engine, freeze_step=2, momentum=True)
+    freeze = VarianceFreeze(engine, freeze_step=2)
     freeze.arm()
+    gen = torch.Generator().manual_seed(2)
     for step in range(6):
-        a.grad = torch.randn(4, dtype=torch.float64)
-        b.grad = torch.randn(3, dtype=torch.float64) if step >= 3 else None  # b trains from step 3 on
+        a.grad = torch.randn(4, generator=gen, dtype=torch.float64)
+        gb = torch.randn(3, generator=gen, dtype=torch.float64) * 1000 if step >= 3 else None  # b trains from step 3
+        b.grad = None if gb is None else gb.clone()
         opt.step()
+        if gb is not None:
+            b_ref.grad = gb.clone()
+            ref_opt.step()
         engine.global_steps += 1
-    assert [tuple(p.shape) for p in freeze.params] == [(4,), (3,)]  # b's variance frozen once it had one
+    torch.testing.assert_close(b.detach(), b_ref.detach(), rtol=1e-12, atol=1e-14)
+    assert [tuple(p.shape) for p in freeze.params] == [(4,), (3,)] and freeze.unknown() == 3
     saved = freeze.state_dict()
-    other = VarianceFreeze(engine, freeze_step=2, momentum=True)
+    other = VarianceFreeze(engine, freeze_step=2)
     other.load_state_dict(saved)  # positions, not order of recording, map V̂ back onto the parameters
     assert [id(p) for p in other.params] == [id(a), id(b)]
     assert all(torch.equal(x, y) for x, y in zip(other.frozen, freeze.frozen))
+    assert all(torch.equal(x, y) for x, y in zip(other.known, freeze.known))
+    del saved["known"]  # a state saved before the masks: every element known
+    other.load_state_dict(saved)
+    assert other.unknown() == 0
 
 
 def test_the_local_momentum_follows_a_scheduled_beta1():
@@ -384,8 +365,8 @@ def _reference_refreshed_adamw(p0, grads, freeze_at, refresh_at, rho, lr=0.01, b
     return p
 
 
-@pytest.mark.parametrize("floor, decay", [(0.0, None), (0.5, 0.7)])
-def test_a_refresh_moves_the_frozen_variance_and_applies_no_update(floor, decay):
+@pytest.mark.parametrize("floor", [0.0, 0.01])
+def test_a_refresh_moves_the_frozen_variance_and_applies_no_update(floor):
     """Against float64 AdamW: refresh steps move V̂ towards g² and only decay the weights; the steps after
     them divide by the refreshed V̂. The default ρ is max(β2^R, 0.9)."""
     p = torch.nn.Parameter(torch.randn(50, dtype=torch.float64))
@@ -393,9 +374,8 @@ def test_a_refresh_moves_the_frozen_variance_and_applies_no_update(floor, decay)
     opt = torch.optim.AdamW([p], lr=0.01, weight_decay=0.1)
     engine = SimpleNamespace(optimizer=opt, global_steps=0)
     refresh_at = {5, 8}
-    freeze = VarianceFreeze(engine, freeze_step=3, floor=floor, momentum=True, refresh=lambda t: t in refresh_at,
-                            refresh_steps=3, refresh_decay=decay)
-    rho = decay if decay is not None else max(0.999 ** 3, 0.9)
+    freeze = VarianceFreeze(engine, freeze_step=3, fraction=floor, refresh=lambda t: t in refresh_at, refresh_steps=3)
+    rho = max(0.999 ** 3, 0.9)
     assert freeze.decay(0.999) == rho and VarianceFreeze(engine, 3, refresh_steps=100).decay(0.95) == 0.9
     gen = torch.Generator().manual_seed(5)
     grads = [torch.randn(50, generator=gen, dtype=torch.float64) * (1 + 10 * (t > 5)) for t in range(10)]
@@ -423,7 +403,7 @@ def test_a_refresh_step_holds_the_momentum_in_the_residual(transactional):
     p = torch.nn.Parameter(torch.ones(7, dtype=torch.float64))
     opt = torch.optim.AdamW([p], lr=0.1, betas=(0.8, 0.99))
     hook = HookBase(fake_engine(optimizer=opt), DragonnConfig(enabled=True, compress="momentum", warmup_steps=1,
-                                                             variance_refresh_steps=2))
+                                                             advanced={"variance_refresh_steps": 2}))
     hook.error_feedback.transactional = hook.momentum.transactional = transactional
     gen = torch.Generator().manual_seed(1)
     g1, g2, g3 = (torch.randn(7, generator=gen, dtype=torch.float64) for _ in range(3))
@@ -463,42 +443,55 @@ def _adamw_run(freeze, engine, opt, params, grads_of, steps, arm_at):
     return after
 
 
-def test_a_parameter_first_trained_on_a_refresh_step_gets_its_variance_from_it():
-    """Frozen at step 2, refresh at step 4: ``b`` trains from step 4 on. It does not move on the refresh step,
-    its V̂ is that step's g² (floor 0), and the next step divides by it (float64)."""
+def test_a_late_parameter_joins_at_a_refresh_where_momentum_arrived_for_it():
+    """Frozen at step 2, refresh at steps 4 and 7; ``b`` trains from step 4 (the first refresh) on. On the first
+    refresh it has no Adam state (nothing arrived): it does not move and stays unknown; then Adam's own update
+    (torch AdamW's on the same gradients, zero on the refresh step); at the second refresh its V̂ becomes
+    max(g², Adam's own bias-corrected variance), and the next step divides by it (float64)."""
     a = torch.nn.Parameter(torch.randn(6, dtype=torch.float64))
     b = torch.nn.Parameter(torch.randn(5, dtype=torch.float64))
+    b_ref = torch.nn.Parameter(b.detach().clone())
     opt = torch.optim.AdamW([a, b], lr=0.01, weight_decay=0.0)
+    ref_opt = torch.optim.AdamW([b_ref], lr=0.01, weight_decay=0.0)
     engine = SimpleNamespace(optimizer=opt, global_steps=0)
-    freeze = VarianceFreeze(engine, freeze_step=2, momentum=True, refresh=lambda t: t == 4, refresh_steps=3)
+    freeze = VarianceFreeze(engine, freeze_step=2, refresh=lambda t: t in (4, 7), refresh_steps=3)
     gen = torch.Generator().manual_seed(9)
     grads = [[torch.randn(6, generator=gen, dtype=torch.float64),
-              torch.randn(5, generator=gen, dtype=torch.float64) if t >= 4 else None] for t in range(6)]
+              torch.randn(5, generator=gen, dtype=torch.float64) if t >= 4 else None] for t in range(9)]
     b0 = b.detach().clone()
-    after = _adamw_run(freeze, engine, opt, [a, b], lambda t: grads[t], 6, arm_at=2)
+    after = _adamw_run(freeze, engine, opt, [a, b], lambda t: grads[t], 9, arm_at=2)
     assert torch.equal(after[4][1], b0) and torch.equal(after[4][0], after[3][0])  # the refresh step: no update
+    for t in (4, 5, 6):  # Adam's own update (the refresh step's gradient is zero)
+        b_ref.grad = torch.zeros(5, dtype=torch.float64) if t == 4 else grads[t][1].clone()
+        ref_opt.step()
+        torch.testing.assert_close(after[t][1], b_ref.detach(), rtol=1e-12, atol=1e-14)
     i = freeze._index[id(b)]
-    torch.testing.assert_close(freeze.frozen[i], grads[4][1] ** 2, rtol=0, atol=0)
-    t = 2.0  # b's own Adam step count at step 5 (its state was created, zero, on the refresh step)
-    expect = b0 - 0.01 * (grads[5][1] / (1 - 0.9 ** t)) / (grads[4][1].abs() + 1e-8)
-    torch.testing.assert_close(after[5][1], expect, rtol=1e-10, atol=1e-12)
+    st = ref_opt.state[b_ref]
+    own = st["exp_avg_sq"] / (1 - 0.999 ** float(st["step"]))
+    torch.testing.assert_close(freeze.frozen[i], torch.maximum(grads[7][1] ** 2, own), rtol=1e-12, atol=0)
+    assert bool(freeze.known[i].all()) and torch.equal(after[7][1], after[6][1])
+    t = float(opt.state[b]["step"])  # the step after the second refresh divides by V̂
+    expect = after[7][1] - 0.01 * (grads[8][1] / (1 - 0.9 ** t)) / (freeze.frozen[i].sqrt() + 1e-8)
+    torch.testing.assert_close(after[8][1], expect, rtol=1e-10, atol=1e-12)
 
 
-def test_without_adam_state_at_the_freeze_the_first_refresh_freezes_one():
+def test_without_adam_state_at_the_freeze_a_refresh_freezes_one():
     """A warm start without optimizer state (armed past the freeze step, Adam has nothing yet): Adam's own
-    steps until the refresh, which sets every V̂ from its g² and moves nothing; the hook stays on."""
+    steps until the refresh, which sets V̂ = max(g², Adam's own variance) and moves nothing; the hook stays on."""
     p = torch.nn.Parameter(torch.randn(8, dtype=torch.float64))
     opt = torch.optim.AdamW([p], lr=0.01, weight_decay=0.0)
     engine = SimpleNamespace(optimizer=opt, global_steps=10)
-    freeze = VarianceFreeze(engine, freeze_step=2, momentum=True, refresh=lambda t: t == 12, refresh_steps=5)
+    freeze = VarianceFreeze(engine, freeze_step=2, refresh=lambda t: t == 12, refresh_steps=5)
     gen = torch.Generator().manual_seed(4)
     grads = [[torch.randn(8, generator=gen, dtype=torch.float64)] for _ in range(4)]
     p0 = p.detach().clone()
     after = _adamw_run(freeze, engine, opt, [p], lambda t: grads[t], 4, arm_at=0)
-    assert freeze.active and freeze.frozen is not None
+    assert freeze.active and freeze.unknown() == 0
     assert not torch.equal(after[0][0], p0)  # Adam's own step (no variance to freeze yet)
     assert torch.equal(after[2][0], after[1][0])  # step 12: the refresh, no update
-    torch.testing.assert_close(freeze.frozen[0], grads[2][0] ** 2, rtol=0, atol=0)
+    v = 0.001 * 0.999 * grads[0][0] ** 2 + 0.001 * grads[1][0] ** 2
+    torch.testing.assert_close(freeze.frozen[0], torch.maximum(grads[2][0] ** 2, v / (1 - 0.999 ** 2)),
+                               rtol=1e-12, atol=0)
 
 
 def test_no_refresh_without_the_optimizer_pre_hook():
@@ -507,7 +500,7 @@ def test_no_refresh_without_the_optimizer_pre_hook():
     from tests.fakes import fake_engine
     p = torch.nn.Parameter(torch.ones(3))
     hook = HookBase(fake_engine(optimizer=torch.optim.AdamW([p], lr=0.1)),
-                    DragonnConfig(enabled=True, compress="momentum", warmup_steps=1, variance_refresh_steps=2))
+                    DragonnConfig(enabled=True, compress="momentum", warmup_steps=1, advanced={"variance_refresh_steps": 2}))
     assert hook._refreshes(2)
     hook.variance_freeze.handle.remove()
     hook.variance_freeze.handle = None
@@ -517,37 +510,7 @@ def test_no_refresh_without_the_optimizer_pre_hook():
 def test_a_changed_refresh_setting_is_reported_on_load():
     from ds_dragonn.engine.state import compare
     now = {"world_size": 2, "rank": 0, "bucketing": {}, "parameters": [], "exchange": "allgather",
-           "dragonn": DragonnConfig(enabled=True, variance_refresh_steps=50).model_dump(mode="json")}
+           "dragonn": DragonnConfig(enabled=True, advanced={"variance_refresh_steps": 50}).model_dump(mode="json")}
     saved = {**now, "dragonn": DragonnConfig(enabled=True).model_dump(mode="json")}
     _, _, kept = compare(saved, now)
     assert any("dragonn.variance_refresh_steps 100 (now 50)" in k for k in kept), kept
-
-
-def test_a_changed_lr_weighting_resets_the_residuals_on_load():
-    """A residual of (lr_t / lr_ref)-weighted momenta is not one of momenta: loading across a change resets."""
-    from ds_dragonn.engine.state import compare
-    on = DragonnConfig(enabled=True, compress="momentum", lr_weighted_residual=True).model_dump(mode="json")
-    off = DragonnConfig(enabled=True, compress="momentum").model_dump(mode="json")
-    now = {"world_size": 2, "rank": 0, "bucketing": {}, "parameters": [], "exchange": "allgather", "dragonn": off}
-    for saved, current in ((on, off), (off, on)):
-        reset, _, _ = compare({**now, "dragonn": saved}, {**now, "dragonn": current})
-        assert any("dragonn.lr_weighted_residual" in r and "other units" in r for r in reset), reset
-    old = {k: v for k, v in off.items() if k != "lr_weighted_residual"}  # saved before the key existed
-    assert compare({**now, "dragonn": old}, now)[0] == []
-    mom = LocalMomentum(0.9)  # unweighted: a saved lr_ref is not taken over
-    mom.load_state_dict({"momenta": {}, "reference_lr": 0.1})
-    assert mom.reference_lr is None
-
-
-@pytest.mark.parametrize("compress", ["momentum", "auto"])
-def test_lr_weighting_is_refused_with_fp16(compress):
-    import ds_dragonn
-    from tests.fakes import fake_engine
-    p = torch.nn.Parameter(torch.ones(3))
-    engine = fake_engine(optimizer=torch.optim.AdamW([p], lr=0.1))
-    engine.fp16_enabled = lambda: True
-    cfg = DragonnConfig(enabled=True, compress=compress, lr_weighted_residual=True)
-    with pytest.raises(ds_dragonn.DragonnUnsupportedError, match="'dragonn.lr_weighted_residual': true does not "
-                                                                  "support fp16"):
-        ds_dragonn._resolve_compress(cfg, engine)
-    assert ds_dragonn._resolve_compress(cfg.model_copy(update={"lr_weighted_residual": False}), engine)

@@ -25,7 +25,8 @@ from ..policy import AutoPolicy
 from ..schedule import UNDECIDED, DensitySchedule
 from ..telemetry import Telemetry
 from . import state
-from .adam import VarianceFreeze, adam_beta1, optimizer_lr
+from .adam import adam_beta1, optimizer_lr
+from .variance import VarianceFreeze
 from .decision import BucketDecision
 from .reporting import Reporter
 from .steps import StepGuard, loss_scale, may_skip_steps
@@ -71,19 +72,11 @@ class HookBase:
         has_optimizer = engine is not None and hasattr(engine, "optimizer")
         if cfg.compress == CompressTarget.momentum:
             beta1 = adam_beta1(engine) if has_optimizer else None
-            self.momentum = LocalMomentum(0.9 if beta1 is None else beta1, transactional=self.transactional,
-                                          lr_weighted=cfg.lr_weighted_residual)
+            self.momentum = LocalMomentum(0.9 if beta1 is None else beta1, transactional=self.transactional)
             if has_optimizer:
                 schedule = self.decision.schedule
-                self.variance_freeze = VarianceFreeze(engine, schedule.warmup_steps, cfg.variance_floor, momentum=True,
-                                                      refresh=schedule.refresh, refresh_steps=schedule.refresh_steps,
-                                                      refresh_decay=cfg.variance_refresh_decay)
-        # only where gradients are delayed (density below 1, error feedback on: bursts), and only after dense
-        # warm-up steps: a variance estimated from sparse steps is ~0 where nothing arrived yet (measured:
-        # the LM diverges when frozen at the end of the density warm-up without dense steps)
-        elif (cfg.freeze_adam_variance and cfg.density < 1.0 and cfg.error_feedback and cfg.warmup_steps != 0
-                and has_optimizer):
-            self.variance_freeze = VarianceFreeze(engine, self.decision.schedule.warmup_steps, cfg.variance_floor)
+                self.variance_freeze = VarianceFreeze(engine, schedule.warmup_steps, refresh=schedule.refresh,
+                                                      refresh_steps=schedule.refresh_steps)
 
     @property
     def policy(self) -> AutoPolicy:
@@ -203,9 +196,7 @@ class HookBase:
     def _follow_optimizer(self) -> None:
         """At the start of every reduction: ``"warmup_steps": "auto"`` without a readable scheduler decides
         the end of the dense warm-up from this step's learning rate (``LrWarmupTracker``). Momentum mode: the
-        local momentum follows the optimizer's current β1 (a scheduler may cycle it, e.g. OneCycle) and, with
-        ``lr_weighted_residual``, takes this step's residual weight from its learning rate
-        (``LocalMomentum.follow_lr``; the pipeline divides what it hands the optimizer by the same weight)."""
+        local momentum follows the optimizer's current β1 (a scheduler may cycle it, e.g. OneCycle)."""
         tracker = self.warmup_tracker
         if tracker is not None and tracker.end is None:
             lr = optimizer_lr(self.engine) if hasattr(self.engine, "optimizer") else None
@@ -216,10 +207,6 @@ class HookBase:
         beta1 = adam_beta1(self.engine) if hasattr(self.engine, "optimizer") else None
         if beta1 is not None and 0.0 < beta1 < 1.0:
             self.momentum.beta = beta1
-        if self.momentum.lr_weighted:
-            lr = optimizer_lr(self.engine)
-            if lr is not None:
-                self.momentum.follow_lr(lr)
 
     def _track_momentum(self, pipeline: CompressedAllreduce, key: Hashable, tensors, dtype: torch.dtype,
                         prescale: float) -> None:
