@@ -205,7 +205,7 @@ def _resolve_compress(cfg: DragonnConfig, engine: Any) -> DragonnConfig:
     if cfg.compress == CompressTarget.momentum:
         if why:
             raise DragonnUnsupportedError(f"'dragonn.compress': 'momentum' {why}. Use 'compress': 'gradient' with it")
-        return _refuse_lr_weighting_with_fp16(cfg, engine)
+        return cfg
     unmet = [what for what, ok in (("error feedback is off", cfg.error_feedback),
                                    ("warmup_steps is 0: no dense steps to estimate Adam's variance from",
                                     cfg.warmup_steps != 0),
@@ -213,25 +213,28 @@ def _resolve_compress(cfg: DragonnConfig, engine: Any) -> DragonnConfig:
     fits = not why and not unmet
     resolved = CompressTarget.momentum if fits else CompressTarget.gradient
     reason = "an Adam-type optimizer" if fits else (f"the momentum mode {why}" if why else "; ".join(unmet))
-    print_dist(f"DRAGONN: compress 'auto' -> '{resolved.value}' ({reason})", ranks=[0])
+    print_dist(_auto_line(resolved, reason, adam=not why), ranks=[0])
     refresh = cfg.given(*MOMENTUM_KEYS)
     if refresh and resolved == CompressTarget.gradient:
         print_dist(f"DRAGONN: warning: 'dragonn.{refresh[0]}' has no effect: it applies to the momentum mode, and "
                    f"compress 'auto' chose 'gradient' ({reason})", ranks=[0])
-    return _refuse_lr_weighting_with_fp16(cfg.model_copy(update={"compress": resolved}), engine)
+    return cfg.model_copy(update={"compress": resolved})
 
 
-def _refuse_lr_weighting_with_fp16(cfg: DragonnConfig, engine: Any) -> DragonnConfig:
-    """``cfg``, or DragonnUnsupportedError where the momentum mode's ``lr_weighted_residual`` meets fp16."""
-    if (cfg.compress == CompressTarget.momentum and cfg.lr_weighted_residual
-            and getattr(engine, "fp16_enabled", lambda: False)()):
-        raise DragonnUnsupportedError(_LR_WEIGHTED_FP16)
-    return cfg
+def _auto_line(resolved: CompressTarget, reason: str, adam: bool) -> str:
+    """The start-up line of ``compress: auto``: which mode runs and why, in plain words; a warning where an
+    Adam-type optimizer gets the gradient mode (it costs quality: docs/tuning.md)."""
+    if resolved == CompressTarget.momentum:
+        return (f"DRAGONN: compress 'auto' -> 'momentum' ({reason}): each rank's Adam momentum is sparsified, and "
+                f"Adam's variance is frozen from the dense warm-up (refreshed every "
+                f"'advanced.variance_refresh_steps')")
+    if not adam:
+        return f"DRAGONN: compress 'auto' -> 'gradient' ({reason}): the gradient is sparsified, the optimizer unchanged"
+    return (f"DRAGONN: warning: compress 'auto' -> 'gradient' although the optimizer is Adam-type, because {reason}. "
+            f"With Adam the gradient mode costs quality (docs/tuning.md#warm-ups); keep the dense warm-up (leave "
+            f"'warmup_steps' out) to get the momentum mode, or set 'compress': 'gradient' to choose this one")
 
 
-_LR_WEIGHTED_FP16 = ("'dragonn.lr_weighted_residual': true does not support fp16: the weighted residual and what is "
-                     "handed back (divided by lr_t / lr_ref) can leave fp16's range under loss scaling; use bf16, or "
-                     "set it to false")
 _NO_REDUCE_SCATTER = ("'dragonn' compresses the gradient reduce-scatter of ZeRO stages 1/2, but "
                       "'zero_optimization.reduce_scatter' is false (a dense allreduce); remove the key or set it to true")
 

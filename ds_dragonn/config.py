@@ -8,7 +8,10 @@ unknown top-level keys in ``engine.config``)::
 Validation follows DeepSpeed's ``runtime/config_utils.DeepSpeedConfigModel``: unknown keys are rejected,
 every field is typed and bounded, choices are enums, and cross-field checks raise ``ValueError``.
 Errors surface as :class:`DragonnConfigError`, whose message names the bad key, the value given and what
-is allowed.
+is allowed; a key the block no longer has (``REMOVED_KEYS``) gets what replaced it.
+
+Fourteen keys a user sets, and one ``"advanced"`` object of benchmark and research settings; what were
+internal keys are constants (``constants.py``), still readable as ``cfg.seed`` etc. (docs/config.md).
 """
 from __future__ import annotations
 
@@ -17,12 +20,14 @@ import os
 from enum import Enum
 from typing import Any, Literal, Mapping, Optional, Union
 
-from pydantic import Field, StrictInt, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, Field, StrictInt, ValidationError, ValidationInfo, computed_field, field_validator, model_validator
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+
+from . import constants
 
 DRAGONN_KEY = "dragonn"
 #: the momentum mode's own settings (refused or ignored where that mode does not run)
-MOMENTUM_KEYS = ("variance_refresh_steps", "variance_refresh_decay", "lr_weighted_residual")
+MOMENTUM_KEYS = ("variance_refresh_steps",)
 
 
 class DragonnConfigError(ValueError):
@@ -37,11 +42,6 @@ class CommBackendName(str, Enum):
 class ExchangeScheme(str, Enum):
     allgather = "allgather"  # every rank gathers every rank's (index, value) pairs (DRAGONN paper, Sec. 4)
     partitioned = "partitioned"  # sparse reduce-scatter to balanced owners + server residual + allgather
-
-
-class SelectionScope(str, Enum):
-    per_tensor = "per_tensor"  # each parameter of a bucket gets its own k and threshold (DRAGONN paper, Sec. 4)
-    global_ = "global"  # one threshold over the whole flattened bucket
 
 
 class Policy(str, Enum):
@@ -82,8 +82,96 @@ _STEPS_OR_AUTO = {
 }
 
 
+#: Keys the block had and no longer has, and what replaces each (issue 35). A block that names one is refused
+#: with this text, not with pydantic's generic "extra field".
+REMOVED_KEYS = {
+    "selection": "removed: one threshold per bucket (global) measured better than per-tensor selection",
+    "tensor_min_compress_numel": "removed with 'selection' (per-tensor selection)",
+    "compress_1d": "removed with 'selection' (per-tensor selection)",
+    "outer_momentum": "removed: no outer momentum (it made compressed local steps worse, +57.5 %)",
+    "outer_feedback_decay": "removed: the residual keeps everything unsent (a decay made local steps worse, +34.8 %)",
+    "sample_ratio": "removed: internal constant 0.001 (ds_dragonn/constants.py)",
+    "min_sample": "removed: internal constant 1024 (ds_dragonn/constants.py)",
+    "table_factor": "removed: internal constant 4.0, the paper's (ds_dragonn/constants.py)",
+    "auto_probe_steps": "removed: internal constant 3 (ds_dragonn/constants.py)",
+    "auto_recheck_interval": "removed: internal constant 1000 (ds_dragonn/constants.py)",
+    "seed": "removed: internal constant 0 (every rank advances it the same way)",
+    "freeze_adam_variance": "removed: superseded by compress: momentum",
+    "variance_floor": "removed: internal constant",
+    "variance_refresh_decay": "removed: internal constant (max(β2^100, 0.9))",
+    "lr_weighted_residual": "removed: helped one model only",
+}
+
+
+class AdvancedConfig(BaseModel):
+    """``"advanced"``: benchmark and research settings. Leave them out: the defaults are the product. (A plain
+    pydantic model: DeepSpeedConfigModel's non-strict ``__init__`` would drop "auto" values silently.)"""
+
+    model_config = {"extra": "forbid", "validate_assignment": True, "use_enum_values": False,
+                    "populate_by_name": True, "allow_inf_nan": False}
+
+    compressor: CompressorName = CompressorName.dragonn
+    """Selection method: ``dragonn`` (the product), or the baselines ``topk`` (exact) and ``randomk``."""
+
+    kernel: Kernel = Kernel.auto
+    """DRAGONN implementation: ``auto`` (``triton`` on CUDA, ``cpu`` on CPU, else ``reference``), ``reference``,
+    ``cpu`` or ``triton``; all give identical selections."""
+
+    error_feedback: bool = Field(True, strict=True)
+    """Keep what was not sent in a residual and add it back next step (nothing lost, only delayed)."""
+
+    density_warmup_start: float = Field(0.25, gt=0.0, le=1.0, strict=True)
+    """Density of the first compressed step of the density warm-up (DGC: 0.25); at or below ``density``: none."""
+
+    variance_refresh_steps: int = Field(100, ge=0, strict=True)
+    """``compress: momentum``: every this many steps one dense raw-gradient step refreshes Adam's frozen
+    variance (0/1 Adam, Lu et al. 2022); it applies no update (its momentum waits in the residual). 0: never."""
+
+    cuda_aware: bool = Field(False, strict=True)
+    """``comm_backend: mpi`` only: hand device buffers to MPI directly (true) or stage them through host memory."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_removed(cls, data: Any) -> Any:
+        return _refuse_removed_keys(data, "advanced.")
+
+    @field_validator("variance_refresh_steps")
+    @classmethod
+    def _check_refresh(cls, v: int) -> int:
+        if v == 1:
+            raise ValueError("1 would refresh at every step and send no momentum; use 0 (never) or at least 2")
+        return v
+
+
+ADVANCED_KEYS = tuple(AdvancedConfig.model_fields)
+
+
+def _refuse_removed_keys(data: Any, where: str = "") -> Any:
+    """``data``, or ValueError naming the first removed key it holds, or an advanced key set at the top level."""
+    if not isinstance(data, Mapping):
+        return data
+    for key in data:
+        if key in REMOVED_KEYS:
+            raise ValueError(f"'{DRAGONN_KEY}.{where}{key}' was {REMOVED_KEYS[key]}; delete the key (docs/config.md#removed-keys)")
+        if not where and key in ADVANCED_KEYS:
+            raise ValueError(f"'{DRAGONN_KEY}.{key}' moved under 'advanced': write \"advanced\": {{\"{key}\": {data[key]!r}}} "
+                             f"(docs/config.md#advanced)")
+    return data
+
+
+def _delegate(name: str, doc: str) -> property:
+    """A read-only ``cfg.<name>`` answering ``cfg.advanced.<name>`` (engine code reads it as before)."""
+    return computed_field(property(lambda self: getattr(self.advanced, name), doc=doc), return_type=Any)
+
+
+def _constant(name: str) -> property:
+    """A read-only ``cfg.<name>`` answering ``constants.<NAME>`` (read at each call; recorded in model_dump)."""
+    return computed_field(property(lambda self: getattr(constants, name.upper()),
+                                   doc=f"``ds_dragonn.constants.{name.upper()}`` (no longer a key)."), return_type=Any)
+
+
 class DragonnConfig(DeepSpeedConfigModel):
-    """Settings of DRAGONN gradient compression (all optional; defaults follow the DRAGONN paper)."""
+    """Settings of DRAGONN gradient compression (all optional; docs/config.md gives the reason for each default)."""
 
     # strict scalars: "true" or 1 is not a bool, true is not a density, "0.5" is not a number
     model_config = {"extra": "forbid", "validate_assignment": True, "use_enum_values": False,
@@ -93,182 +181,81 @@ class DragonnConfig(DeepSpeedConfigModel):
     """Switch compression on. When false (or the block is absent) the engine is not touched."""
 
     density: float = Field(0.01, gt=0.0, le=1.0, strict=True)
-    """Fraction of a buffer's elements kept per step, ``k = ceil(density * numel)``. 1.0 keeps everything."""
-
-    sample_ratio: float = Field(0.001, gt=0.0, le=1.0, strict=True)
-    """Fraction of the buffer sampled to estimate the top-k threshold
-    (``s = max(min_sample, ceil(r*numel), ceil(256/density))``, capped at numel)."""
-
-    min_sample: int = Field(1024, ge=1, strict=True)
-    """Lower bound on the threshold sample size, in elements (capped at the buffer size)."""
-
-    table_factor: float = Field(4.0, ge=1.0, le=1024.0, strict=True)
-    """Hash-table capacity as a multiple of k: ``m = ceil(table_factor * k)`` slots (paper: 4)."""
-
-    min_compress_numel: int = Field(1 << 16, ge=0, strict=True)
-    """Buffers with fewer elements go through DeepSpeed's dense allreduce (paper: 2^20 per tensor)."""
+    """Fraction of a bucket's elements kept per step, ``k = ceil(density * numel)``. 1.0 keeps everything."""
 
     warmup_steps: Union[Literal["auto"], StrictInt] = "auto"
-    """Optimizer steps that use the dense allreduce before compression starts (paper: 200). Adam's variance
-    is estimated from them (``freeze_adam_variance``, the momentum mode). ``"auto"`` (default): twice the
-    engine's learning-rate warm-up, at least 30 (engine/warmup.py reads DeepSpeed's ``Warmup*`` schedules and
-    torch ``LambdaLR``, e.g. Hugging Face's; where the engine holds none it can read, the hook follows the
-    optimizer's learning rate: a constant one gives 30). The dense warm-up should end after the
-    learning-rate warm-up: on the 1.85 M GPT at a better-tuned learning rate (2e-3, a 50-step learning-rate
-    warm-up) 100 steps instead of 30 cut the final gap to dense from +9.1 % to +3.7 % (docs/results.md)."""
+    """Dense optimizer steps before compression starts; Adam's variance is estimated from them (the momentum
+    mode). ``"auto"``: twice the engine's learning-rate warm-up, at least 30 (engine/warmup.py). 0: none, and
+    ``compress: auto`` then picks the gradient mode (logged)."""
 
     density_warmup_steps: Union[Literal["auto"], StrictInt] = "auto"
-    """Steps after ``warmup_steps`` over which the density falls exponentially from
-    ``density_warmup_start`` to ``density`` (DGC's warm-up, Lin et al., ICLR 2018, Sec. 3.3); 0: none.
-    ``"auto"`` (default): three times the dense warm-up, at least 100 (300 after the LM/GPT's 100 dense
-    steps; schedule.py). An element waits ~1/density steps for its turn, which costs most while the loss
-    falls fastest: on the 1.85 M GPT at lr 2e-3, 300 steps instead of 100 cut the final gap to dense from
-    +2.75 % to +1.6 % (3 seeds, docs/results.md) for 0.099 instead of 0.086 of dense bytes over 2000 steps."""
-
-    density_warmup_start: float = Field(0.25, gt=0.0, le=1.0, strict=True)
-    """Density of the first compressed step of the density warm-up (DGC: 0.25). A start at or below
-    ``density`` means no density warm-up."""
-
-    freeze_adam_variance: bool = Field(False, strict=True)
-    """Freeze an Adam-type optimizer's second moment (``exp_avg_sq``) at the end of the dense warm-up
-    (``warmup_steps``, which must be at least 1: the variance is estimated from dense steps), as 1-bit Adam
-    does: error feedback delivers what waited in a burst, which Adam's variance would otherwise divide away
-    (``engine/adam.py``). Only with error feedback and ``density`` below 1; no effect on optimizers without
-    ``exp_avg_sq``. Off by default: where an element's variance was ~0 in the warm-up and its gradient grows
-    later, the frozen preconditioner makes huge steps (measured: one of three classifier seeds diverged)."""
+    """Steps after ``warmup_steps`` over which the density falls exponentially from 0.25 to ``density`` (DGC,
+    Lin et al. 2018). ``"auto"``: three times the dense warm-up, at least 100. 0: none."""
 
     compress: CompressTarget = CompressTarget.auto
-    """What is sparsified and exchanged. ``auto`` (default): ``momentum`` for an Adam-type optimizer with
-    decoupled or no weight decay (AdamW, Adam, FusedAdam) when there is a dense warm-up, error feedback and
-    a density below 1, else ``gradient`` (logged at start-up). ``gradient``: the gradient, with error feedback;
-    the optimizer runs unchanged. ``momentum`` (Adam-type optimizers only): 1-bit Adam's structure (Tang et al., ICML 2021) with
-    DRAGONN selection in place of 1-bit quantisation: after the dense warm-up (``warmup_steps`` >= 1) each
-    rank keeps a local momentum ``β1·M + (1 − β1)·g`` of its own gradient (``β1``: the optimizer's), error
-    feedback acts on that momentum, the ranks exchange the sparse momentum, and Adam applies the average
-    with its variance frozen from the warm-up (floored: ``variance_floor``). Delays then stay linear: a
-    burst is not divided away by a variance it inflated. Costs one more fp32 buffer per gradient element
-    (two with fp16, or bf16 with ``check_grad_overflow``)."""
-
-    variance_floor: float = Field(0.01, ge=0.0, le=1.0, strict=True)
-    """Where Adam's variance is frozen (``compress: momentum``, ``freeze_adam_variance``): each parameter
-    tensor's frozen ``sqrt(v)`` is at least this fraction of the tensor's mean ``sqrt(v)``, so that an element
-    whose gradient was ~0 during the warm-up cannot take huge steps later. 0: no floor."""
-
-    variance_refresh_steps: int = Field(100, ge=0, strict=True)
-    """``compress: momentum``: every this many steps after the dense warm-up, one step reduces the raw
-    gradient densely (DeepSpeed's own collective) instead of the momentum, and Adam's frozen variance moves
-    towards its square: ``V̂ ← ρ·V̂ + (1 − ρ)·ḡ²`` (``variance_refresh_decay``). That step applies no Adam
-    update (its momentum stays in the residual, sent later: nothing is lost). 0/1 Adam's variance updates
-    (Lu et al., ICLR 2022): a variance frozen after the warm-up drifts up to ~10x per tensor from Adam's
-    over a run (docs/results/convergence/momentum/variance_drift.json). 0: never (1-bit Adam's freeze);
-    1 is refused (nothing would be sent). Costs one dense reduction per ``variance_refresh_steps`` steps."""
-
-    lr_weighted_residual: bool = Field(False, strict=True)
-    """``compress: momentum``: the residual holds each step's momentum weighted by that step's learning rate,
-    ``(lr_t / lr_ref)·M_t``, and what arrives is handed to the optimizer divided by ``lr_t / lr_ref``, so that
-    a delayed element moves by the learning rates of the steps it waited through, not by the rate of the step
-    it arrives in (the memory of EF-SGD, Karimireddy et al., ICML 2019, and of Stich et al., NeurIPS 2018,
-    holds ``γ_t·g_t``). ``lr_ref``: the first positive learning rate seen (the largest over parameter
-    groups; in the per-rank checkpoint state). Matters where the learning rate changes within a delay:
-    warm-ups, a decay to 0 over a short run. Off by default: it helped the 0.87 M LM on every run measured
-    and not the 1.85 M GPT (both seeds end behind; docs/results.md). A step at learning rate 0 hands out 0 (what it
-    sent is lost); late in a decay to 0 what is handed out grows like ``1 / w_t``, so gradient clipping can
-    bite there; refused with fp16; a checkpoint loaded with this setting changed starts with empty residuals.
-    false: the residual holds ``M_t`` (1-bit Adam, DGC)."""
-
-    variance_refresh_decay: Optional[float] = Field(None, strict=True)
-    """``ρ`` of each variance refresh, in [0.5, 1): the weight the frozen variance keeps. None (default):
-    ``max(β2^variance_refresh_steps, 0.9)``, Adam's own decay over the interval, but at least 0.9: one step's
-    squared gradient is a noisy, one-sample estimate (0 where that step's gradient is). At least 0.5 when set:
-    ``sqrt(V̂)`` then falls by at most ~30 % per refresh."""
-
-    selection: SelectionScope = SelectionScope.global_
-    """``global``: one threshold over the whole flattened bucket, so the budget goes where the gradient mass
-    is (measured better on the LM task: docs/results/convergence); tensors with small gradients are updated late.
-    ``per_tensor``: each parameter's gradient in a bucket gets its own ``k = ceil(density · numel)``,
-    threshold and hash table (DRAGONN paper, Sec. 4), in one kernel call per bucket, and small and 1-D
-    tensors are sent whole (``tensor_min_compress_numel``, ``compress_1d``)."""
-
-    tensor_min_compress_numel: int = Field(1024, ge=0, strict=True)
-    """Per-tensor selection: parameters with fewer elements are sent whole (every element, as pairs in the
-    same exchange; counted in the bytes)."""
-
-    compress_1d: bool = Field(False, strict=True)
-    """Per-tensor selection: false sends 1-D parameters (biases, norm weights) whole, as PowerSGD leaves them
-    uncompressed; true compresses them like the others."""
+    """What is sparsified: ``momentum`` (each rank's local momentum, Adam's variance frozen between refreshes:
+    1-bit Adam's structure) or ``gradient``. ``auto``: ``momentum`` for Adam-type optimizers with decoupled or no
+    weight decay, a dense warm-up and error feedback, else ``gradient`` (logged with the reason)."""
 
     policy: Policy = Policy.auto
-    """``auto``: per bucket, time the dense and the compressed reduction on the real link
-    (``auto_probe_steps`` each), agree across ranks and compress only where it is faster; re-check every
-    ``auto_recheck_interval`` steps. ``always``: compress every bucket (after the warm-up)."""
+    """``auto``: per bucket, time the dense and the compressed reduction on the real link, agree across ranks and
+    compress only where faster. ``always``: compress every bucket after the warm-up."""
 
-    auto_probe_steps: int = Field(3, ge=1, le=1000, strict=True)
-    """Timed reductions of each kind (dense, compressed) per bucket before the auto decision."""
+    exchange: ExchangeScheme = ExchangeScheme.allgather
+    """``allgather`` (P·k pairs received per rank; few ranks) or ``partitioned`` (sparse reduce-scatter to
+    hash-balanced owners, then allgather: ~2k(P−1)/P pairs per rank; from ~4 ranks up). ZeRO 0 only."""
 
-    auto_recheck_interval: int = Field(1000, ge=0, strict=True)
-    """Reductions of a bucket between auto decisions, in steps (0: decide once)."""
-
-    error_feedback: bool = Field(True, strict=True)
-    """Keep what was not sent in a residual and add it back next step (nothing lost, only delayed)."""
-
-    compressor: CompressorName = CompressorName.dragonn
-    """Selection method: ``dragonn`` (product), ``topk`` or ``randomk`` (baselines for comparison)."""
-
-    kernel: Kernel = Kernel.auto
-    """DRAGONN selection implementation: ``auto`` (``triton`` for CUDA buffers, ``cpu`` for CPU buffers, falling
-    back to ``reference``), ``reference``, ``cpu`` or ``triton``. All give identical selections for the same seed."""
+    min_compress_numel: int = Field(1 << 16, ge=0, strict=True)
+    """Buckets with fewer elements go through DeepSpeed's dense reduction."""
 
     comm_backend: CommBackendName = CommBackendName.torch
     """Collectives: ``torch`` (deepspeed.comm; NCCL on GPU, gloo on CPU) or ``mpi`` (mpi4py)."""
 
-    cuda_aware: bool = Field(False, strict=True)
-    """MPI only: hand device buffers to MPI directly (true) or stage them through host memory (false)."""
-
-    exchange: ExchangeScheme = ExchangeScheme.allgather
-    """How the selected pairs are exchanged: ``allgather`` (each rank gathers all ranks' pairs: P·k pairs
-    received per rank, fewest collectives; best for few ranks) or ``partitioned`` (each pair goes to the
-    rank owning its index, owners re-sparsify their sum with a second residual and allgather it:
-    about 2k(P−1)/P pairs per rank whatever the world size; best from ~4 ranks up)."""
-
-    seed: int = Field(0, ge=0, lt=2**32, strict=True)
-    """Base seed for threshold sampling and the hash; every rank advances it the same way each step."""
+    comm_timeout_s: Optional[float] = Field(None, gt=0.0, le=7 * 86400.0, strict=True)
+    """Seconds a collective may wait for the other ranks before it fails (a hung or dead rank ends the job).
+    None: DeepSpeed's/torch's default (30 min for gloo); under ``mpi`` it waits for ever. May differ per rank."""
 
     log_interval: int = Field(0, ge=0, strict=True)
-    """Log compression statistics every this many compressed steps on rank 0 (0 = never)."""
-
-    comm_timeout_s: Optional[float] = Field(None, gt=0.0, le=7 * 86400.0, strict=True)
-    """Seconds a collective of the data-parallel group may wait for the other ranks before it fails, so that
-    a hung or dead rank ends the job with an error (``comm_backend`` ``torch``: the gloo/NCCL timeout of the
-    world and data-parallel groups). None keeps DeepSpeed's: ``DEEPSPEED_TIMEOUT`` for the world group, and
-    torch's default for the data-parallel group (30 min for gloo). With ``comm_backend`` ``mpi`` the exchange's
-    mpi4py collectives are polled against it (None: they wait for ever)."""
+    """A statistics line on rank 0 every this many compressed reductions (``sync: local_steps``: outer steps);
+    0: never. May differ per rank."""
 
     sync: SyncMode = SyncMode.every_step
-    """``every_step``: every optimizer step's gradient is exchanged (compressed after the warm-ups).
-    ``local_steps`` (ZeRO stage 0; fp32, bf16 or fp16): after the dense ``warmup_steps`` the ranks exchange nothing
-    between syncs, each optimizer stepping on its own gradients, and every ``local_steps`` optimizer steps they
-    run an outer step on the fp32 master weights (DiLoCo, Douillard et al. 2023; SparseLoCo, 2025): the
-    pseudo-gradient ``Δ = θ_outer − θ_local`` plus its residual is DRAGONN-selected at ``density`` (a dense
-    allreduce at density 1.0), averaged over the ranks, applied to ``θ_outer`` with ``outer_lr`` and
-    ``outer_momentum``, and every rank restarts from ``θ_outer``. Each rank keeps its own inner optimizer state."""
+    """``every_step``: every step's gradient is exchanged. ``local_steps`` (ZeRO 0): ranks step alone and every
+    ``local_steps`` steps exchange a DRAGONN-selected pseudo-gradient of the fp32 weights (DiLoCo / SparseLoCo)."""
 
     local_steps: int = Field(30, ge=1, le=1_000_000, strict=True)
     """``sync: local_steps``: optimizer steps per round (H), i.e. between two outer steps."""
 
     outer_lr: float = Field(1.0, gt=0.0, le=10.0, strict=True)
-    """``sync: local_steps``: the outer learning rate applied to the averaged pseudo-gradient (SparseLoCo: 1.0;
-    DiLoCo: 0.7 with Nesterov momentum 0.9)."""
+    """``sync: local_steps``: the outer SGD's learning rate on the averaged pseudo-gradient (SparseLoCo: 1.0)."""
 
-    outer_momentum: float = Field(0.0, ge=0.0, lt=1.0, strict=True)
-    """``sync: local_steps``: Nesterov momentum of the outer SGD step (DiLoCo: 0.9); 0: plain outer SGD."""
+    advanced: AdvancedConfig = Field(default_factory=AdvancedConfig)
+    """Benchmark and research settings (:class:`AdvancedConfig`)."""
 
-    outer_feedback_decay: float = Field(1.0, ge=0.0, le=1.0, strict=True)
-    """``sync: local_steps``: the pseudo-gradient residual is multiplied by this before each round's
-    pseudo-gradient is added (SparseLoCo's decaying error-feedback accumulator); 1.0: nothing unsent is lost."""
+    compressor = _delegate("compressor", "``advanced.compressor``.")
+    kernel = _delegate("kernel", "``advanced.kernel``.")
+    error_feedback = _delegate("error_feedback", "``advanced.error_feedback``.")
+    density_warmup_start = _delegate("density_warmup_start", "``advanced.density_warmup_start``.")
+    variance_refresh_steps = _delegate("variance_refresh_steps", "``advanced.variance_refresh_steps``.")
+    cuda_aware = _delegate("cuda_aware", "``advanced.cuda_aware``.")
+    sample_ratio = _constant("sample_ratio")
+    min_sample = _constant("min_sample")
+    table_factor = _constant("table_factor")
+    auto_probe_steps = _constant("auto_probe_steps")
+    auto_recheck_interval = _constant("auto_recheck_interval")
+    seed = _constant("seed")
+    outer_momentum = _constant("outer_momentum")
+    outer_feedback_decay = _constant("outer_feedback_decay")
 
     def given(self, *keys: str) -> list:
-        """Those of ``keys`` the block sets explicitly, in the order given."""
-        return [k for k in keys if k in self.model_fields_set]
+        """Those of ``keys`` the block sets explicitly, in the order given; an advanced key as ``advanced.<key>``."""
+        top, adv = self.model_fields_set, self.advanced.model_fields_set
+        return [k if k in top else f"advanced.{k}" for k in keys if k in top or (k in ADVANCED_KEYS and k in adv)]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_removed(cls, data: Any) -> Any:
+        return _refuse_removed_keys(data)
 
     @field_validator("warmup_steps", "density_warmup_steps", mode="before")
     @classmethod
@@ -277,69 +264,12 @@ class DragonnConfig(DeepSpeedConfigModel):
             raise ValueError(f"must be an integer >= 0 {_STEPS_OR_AUTO[info.field_name]}")
         return v
 
-    @field_validator("variance_refresh_decay")
-    @classmethod
-    def _check_refresh_decay(cls, v: Optional[float]) -> Optional[float]:
-        if v is not None and not 0.5 <= v < 1.0:  # (NaN fails too)
-            raise ValueError("must be in [0.5, 1) (the weight the frozen variance keeps at a refresh), or null for "
-                             "max(beta2^variance_refresh_steps, 0.9)")
-        return v
-
     @model_validator(mode="after")
     def _check_combinations(self) -> "DragonnConfig":
-        self._check_sync()
-        if self.selection == SelectionScope.per_tensor and self.exchange == ExchangeScheme.partitioned:
-            raise ValueError("'selection': 'per_tensor' does not combine with 'exchange': 'partitioned' (its owners "
-                             "re-select their part with one global threshold, so neither the per-tensor budgets nor "
-                             "the tensors sent whole would reach the other ranks); use 'exchange': 'allgather' or "
-                             "'selection': 'global'")
-        if self.compress == CompressTarget.momentum and not self.error_feedback:
-            raise ValueError("'compress': 'momentum' needs 'error_feedback': true (the momentum not sent is kept "
-                             "in the residual; without it the update would lose ~(1 - density) of it every step)")
-        if self.compress == CompressTarget.momentum and self.warmup_steps != "auto" and self.warmup_steps < 1:
-            raise ValueError("'compress': 'momentum' needs 'warmup_steps' >= 1: Adam's variance is frozen from the "
-                             "dense warm-up steps")
-        if self.compress == CompressTarget.gradient:
-            given = self.given(*MOMENTUM_KEYS)
-            if given:
-                raise ValueError(f"'{given[0]}' applies to 'compress': 'momentum' (or 'auto') only; remove it or "
-                                 f"change 'compress'")
-        if self.variance_refresh_steps == 1:
-            raise ValueError("'variance_refresh_steps': 1 would refresh at every step and send no momentum; use 0 "
-                             "(never) or at least 2")
-        if self.variance_refresh_steps == 0 and self.variance_refresh_decay is not None:
-            raise ValueError("'variance_refresh_decay' has no effect with 'variance_refresh_steps': 0 (no refresh); "
-                             "remove one of them")
-        if self.sync == SyncMode.local_steps and self.compress == CompressTarget.momentum:
-            raise ValueError("'sync': 'local_steps' compresses the pseudo-gradient of each round; 'compress': "
-                             "'momentum' applies to 'sync': 'every_step' only (remove it or use 'auto')")
-        if self.cuda_aware and self.comm_backend != CommBackendName.mpi:
-            raise ValueError(f"'cuda_aware': true only applies to 'comm_backend': 'mpi' "
-                             f"(got 'comm_backend': '{self.comm_backend.value}')")
+        _check_sync(self)
+        _check_momentum(self)
+        _check_backend(self)
         return self
-
-    def _check_sync(self) -> None:
-        """Settings of one sync mode set under the other are refused (they would be ignored silently)."""
-        local = self.sync == SyncMode.local_steps
-        if not local:
-            given = self.given("local_steps", "outer_lr", "outer_momentum", "outer_feedback_decay")
-            if given:
-                raise ValueError(f"'{given[0]}' applies to 'sync': 'local_steps' only; add \"sync\": \"local_steps\" "
-                                 f"or remove it")
-            return
-        refresh = self.given(*MOMENTUM_KEYS)
-        if refresh:
-            raise ValueError(f"'{refresh[0]}' applies to 'sync': 'every_step' with 'compress': 'momentum' only; "
-                             f"remove it")
-        if self.freeze_adam_variance:
-            raise ValueError("'freeze_adam_variance' applies to 'sync': 'every_step' only (with local steps each rank's "
-                             "Adam runs unchanged on its own gradients)")
-        if self.selection == SelectionScope.per_tensor:
-            raise ValueError("'selection': 'per_tensor' applies to 'sync': 'every_step' only (the pseudo-gradient is "
-                             "selected with one threshold over all the weights)")
-        if self.outer_feedback_decay != 1.0 and not self.error_feedback:
-            raise ValueError("'outer_feedback_decay' decays the pseudo-gradient residual, but 'error_feedback' is false "
-                             "(there is none); remove one of them")
 
     @classmethod
     def from_ds_config(cls, ds_config: Union[str, os.PathLike, Mapping[str, Any], None]) -> "DragonnConfig":
@@ -348,7 +278,7 @@ class DragonnConfig(DeepSpeedConfigModel):
         Returns a disabled config when the block is absent.
 
         Raises:
-            DragonnConfigError: the block is null or not an object, has an unknown key or an invalid value.
+            DragonnConfigError: the block is null or not an object, has an unknown or removed key or an invalid value.
         """
         cfg = load_ds_config(ds_config)
         if DRAGONN_KEY not in cfg:
@@ -363,6 +293,47 @@ class DragonnConfig(DeepSpeedConfigModel):
             return cls(strict=True, **dict(block))
         except ValidationError as err:
             raise DragonnConfigError(_format_errors(err)) from None
+
+
+# Cross-key rules, by topic; each raises ValueError naming the keys (pydantic reports it for the whole block).
+
+def _check_momentum(cfg: DragonnConfig) -> None:
+    """The momentum mode's needs, and its own settings refused where it cannot run."""
+    if cfg.compress == CompressTarget.momentum and not cfg.error_feedback:
+        raise ValueError("'compress': 'momentum' needs 'advanced.error_feedback': true (the momentum not sent is kept "
+                         "in the residual; without it the update would lose ~(1 - density) of it every step)")
+    if cfg.compress == CompressTarget.momentum and cfg.warmup_steps != "auto" and cfg.warmup_steps < 1:
+        raise ValueError("'compress': 'momentum' needs 'warmup_steps' >= 1: Adam's variance is frozen from the "
+                         "dense warm-up steps")
+    if cfg.compress == CompressTarget.gradient:
+        given = cfg.given(*MOMENTUM_KEYS)
+        if given:
+            raise ValueError(f"'{given[0]}' applies to 'compress': 'momentum' (or 'auto') only; remove it or "
+                             f"change 'compress'")
+
+
+def _check_sync(cfg: DragonnConfig) -> None:
+    """Settings of one sync mode set under the other are refused (they would be ignored silently)."""
+    if cfg.sync != SyncMode.local_steps:
+        given = cfg.given("local_steps", "outer_lr")
+        if given:
+            raise ValueError(f"'{given[0]}' applies to 'sync': 'local_steps' only; add \"sync\": \"local_steps\" "
+                             f"or remove it")
+        return
+    refresh = cfg.given(*MOMENTUM_KEYS)
+    if refresh:
+        raise ValueError(f"'{refresh[0]}' applies to 'sync': 'every_step' with 'compress': 'momentum' only; "
+                         f"remove it")
+    if cfg.compress == CompressTarget.momentum:
+        raise ValueError("'sync': 'local_steps' compresses the pseudo-gradient of each round; 'compress': "
+                         "'momentum' applies to 'sync': 'every_step' only (remove it or use 'auto')")
+
+
+def _check_backend(cfg: DragonnConfig) -> None:
+    """Transport settings that need another transport."""
+    if cfg.cuda_aware and cfg.comm_backend != CommBackendName.mpi:
+        raise ValueError(f"'advanced.cuda_aware': true only applies to 'comm_backend': 'mpi' "
+                         f"(got 'comm_backend': '{cfg.comm_backend.value}')")
 
 
 def load_ds_config(ds_config: Union[str, os.PathLike, Mapping[str, Any], None]) -> dict:
@@ -398,10 +369,13 @@ def _format_errors(err: ValidationError) -> str:
         key = ".".join(str(p) for p in e["loc"]) or "<block>"
         where = f"'{DRAGONN_KEY}.{key}'" if e["loc"] else f"'{DRAGONN_KEY}'"
         if e["type"] == "extra_forbidden":
-            allowed = ", ".join(sorted(DragonnConfig.model_fields))
-            close = difflib.get_close_matches(str(e["loc"][-1]), list(DragonnConfig.model_fields), n=1)
+            fields = list(AdvancedConfig.model_fields if len(e["loc"]) > 1 else DragonnConfig.model_fields)
+            allowed = ", ".join(sorted(fields))
+            close = difflib.get_close_matches(str(e["loc"][-1]), fields, n=1)
             hint = f"did you mean '{close[0]}'? " if close else ""
             lines.append(f"{where}: unknown key (value {e['input']!r}); {hint}allowed keys: {allowed}")
+        elif e["msg"].startswith(f"Value error, '{DRAGONN_KEY}."):  # a removed or moved key: the message is whole
+            lines.append(e["msg"].removeprefix("Value error, "))
         elif not e["loc"]:  # a rule across keys: its message names them (the whole block is noise)
             lines.append(f"{where}: {e['msg'].removeprefix('Value error, ')}")
         else:

@@ -36,7 +36,8 @@ def get_args():
     p.add_argument("--dtypes", default="fp32,fp32+pt,bf16,bf16+pt,bf16+txn+pt",
                    help="comma-separated: fp32, bf16, fp16; '+txn' = transactional residuals, what fp16 and bf16 "
                         "engines whose steps DeepSpeed may skip on overflow run (check_grad_overflow, the default); "
-                        "'+pt' = per-tensor selection (the default 'selection'), else one global threshold")
+                        "'+pt' = the DRAGONN paper's per-tensor selection (1024-element tensors and 1-D ones sent whole; a benchmark "
+                        "variant, not a setting), else one global threshold (the product's)")
     p.add_argument("--density", type=float, default=DENSITY)
     p.add_argument("--threads", type=int, default=1, help="torch (and kernel) threads")
     p.add_argument("--steps", type=int, default=STEPS)
@@ -57,12 +58,10 @@ def make_grads(shapes, dtype, step, device):
 def bench_dtype(dtype, shapes, args, backend, transactional=False, per_tensor=False):
     from ds_dragonn.compress import DragonnCompressor
     from ds_dragonn.compress.segments import plan_segments
-    from ds_dragonn.config import DragonnConfig
     from ds_dragonn.feedback import ErrorFeedback
     from ds_dragonn.pipeline import CompressedAllreduce
 
-    d = DragonnConfig()  # the per-tensor defaults: 1-D and small tensors whole
-    segments = plan_segments(shapes, d.tensor_min_compress_numel, d.compress_1d) if per_tensor else None
+    segments = plan_segments(shapes, 1024, compress_1d=False) if per_tensor else None  # the paper's variant
     ef = ErrorFeedback(True, transactional=transactional)
     pipe = CompressedAllreduce(DragonnCompressor(args.density), backend, ef)
     device = torch.device(args.device)

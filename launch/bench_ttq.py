@@ -100,6 +100,7 @@ class Mode:
     build: Optional[Callable] = None
     reference: bool = False   # a yardstick (no exchange): shown, never declared the winner
     default: bool = True      # in the default run (False: registered, run with --modes)
+    constants: Optional[dict] = None  # ds_dragonn.constants set in each rank first (research settings, not keys)
 
     def config(self, base: dict) -> Optional[dict]:
         """The full DeepSpeed config of this mode (None for a non-DeepSpeed mode)."""
@@ -140,31 +141,27 @@ REGISTRY: Dict[str, Mode] = {m.name: m for m in (
          ds={"dragonn": {**_ON, "compress": "gradient"}}),
     Mode("dragonn_partitioned", "DRAGONN, partitioned exchange (sparse reduce-scatter to owners + allgather)",
          ds={"dragonn": {**_ON, "exchange": "partitioned"}}),
-    Mode("dragonn_per_tensor", "DRAGONN, per-tensor selection (the paper's: a k and a threshold per parameter)",
-         ds={"dragonn": {**_ON, "selection": "per_tensor"}}, default=False),  # off: the ~40 min budget
     Mode("dragonn_zero2", "DRAGONN under ZeRO-2 (sparse reduce-scatter of each micro-batch's gradients)",
          ds={"zero_optimization": {"stage": 2}, "dragonn": dict(_ON)}),
     Mode("dragonn_d0001", "DRAGONN, density 0.001", ds={"dragonn": {**_ON, "density": 0.001}}),
-    Mode("dragonn_freeze", "DRAGONN, gradient mode with Adam's variance frozen after the dense warm-up",
-         ds={"dragonn": {**_ON, "compress": "gradient", "freeze_adam_variance": True}}),
     # sync: local_steps (DiLoCo / SparseLoCo): registered, run with --modes (the local-steps sweep)
     *(Mode(f"local_h{h}_d{d}", f"DRAGONN local steps: an outer step every {h} steps, pseudo-gradient at density {d} "
            f"(error feedback, outer lr 1, no outer momentum: SparseLoCo's outer step)",
            ds={"dragonn": {**_ON, "sync": "local_steps", "local_steps": h, "density": d}}, default=False)
       for h, d in ((8, 0.01), (30, 0.01), (100, 0.01), (30, 0.1))),
     Mode("local_h30_d0.01_decay", "DRAGONN local steps every 30, density 0.01, SparseLoCo's decaying error-feedback "
-         "accumulator (outer_feedback_decay 0.95, outer lr 1)",
-         ds={"dragonn": {**_ON, "sync": "local_steps", "local_steps": 30, "density": 0.01,
-                         "outer_feedback_decay": 0.95}}, default=False),
+         "accumulator (OUTER_FEEDBACK_DECAY 0.95, outer lr 1)",
+         ds={"dragonn": {**_ON, "sync": "local_steps", "local_steps": 30, "density": 0.01}},
+         constants={"OUTER_FEEDBACK_DECAY": 0.95}, default=False),
     *(Mode(f"diloco_h{h}", f"uncompressed DiLoCo: an outer step every {h} steps, dense allreduce of the "
            f"pseudo-gradient, outer Nesterov lr 0.7 momentum 0.9",
-           ds={"dragonn": {**_ON, "sync": "local_steps", "local_steps": h, "density": 1.0, "outer_lr": 0.7,
-                           "outer_momentum": 0.9}}, default=False)
+           ds={"dragonn": {**_ON, "sync": "local_steps", "local_steps": h, "density": 1.0, "outer_lr": 0.7}},
+           constants={"OUTER_MOMENTUM": 0.9}, default=False)
       for h in (8, 30, 100)),
     *(Mode(f"local_h{h}_d{d}_nesterov", f"DRAGONN local steps every {h}, density {d}, error feedback plus DiLoCo's "
            f"outer Nesterov (lr 0.7, momentum 0.9)",
-           ds={"dragonn": {**_ON, "sync": "local_steps", "local_steps": h, "density": d, "outer_lr": 0.7,
-                           "outer_momentum": 0.9}}, default=False)
+           ds={"dragonn": {**_ON, "sync": "local_steps", "local_steps": h, "density": d, "outer_lr": 0.7}},
+           constants={"OUTER_MOMENTUM": 0.9}, default=False)
       for h, d in ((30, 0.01), (30, 0.1), (8, 0.01), (100, 0.01))),
     Mode("none", "no exchange: each rank steps on its own gradients (the step time's physical limit)",
          build=_build_none, reference=True),
@@ -358,6 +355,9 @@ def run_rank(args) -> Optional[dict]:
     if args.run not in known:
         raise ValueError(f"--run {args.run!r}: not a mode; known: {', '.join(known)}")
     mode = known[args.run]
+    from ds_dragonn import constants
+    for name, value in (mode.constants or {}).items():  # before any engine reads them
+        setattr(constants, name, value)
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     rank, world = dist.get_rank(), dist.get_world_size()
     quality = args.phase == "quality"
@@ -423,7 +423,7 @@ def run_rank(args) -> Optional[dict]:
                   "lr": peak_lr(cfg if cfg is not None else base),
                   "model": {"n_layer": args.n_layer, "d_model": args.d_model, "n_head": args.n_head, "ctx": args.ctx,
                             "micro_batch": micro, "gradient_accumulation": gas},
-                  "config": cfg, "wall_s": round(time.time() - t_start, 2), "step_ms": [round(t, 2) for t in step_ms],
+                  "config": cfg, "constants": mode.constants, "wall_s": round(time.time() - t_start, 2), "step_ms": [round(t, 2) for t in step_ms],
                   "telemetry": tel1}
         if quality:
             record.update(eval_every=args.eval_every, eval_windows=args.eval_windows, curve=curve,

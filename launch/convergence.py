@@ -17,20 +17,16 @@ gradient_0.001        the same at density 0.001
 momentum_0.01         the defaults with ``compress: momentum`` (1-bit Adam's structure), named explicitly
 momentum_0.001        the same at density 0.001
 no_density_warmup_*   the defaults without the density warm-up (straight from the dense warm-up to the density)
-lrw_0.01, lrw_0.001   the defaults with ``lr_weighted_residual`` (the momentum mode's learning-rate weighted residual)
 warm100_0.01          the defaults with a 100-step dense warm-up (``warmup_steps`` 100); warm100_0.001 the same
 warm30_0.01           the defaults with the 30-step dense warm-up that was the default before ``auto``;
                       warm30_0.001 the same
-lrw_warm100_0.01      both (what the 1.85 M GPT at a tuned learning rate preferred: docs/results.md)
 dw100_0.01            the defaults with the 100-step density warm-up that was the default before ``auto``;
                       dw100_0.001 the same
 dw300_0.01            the defaults with a 300-step density warm-up (``density_warmup_steps`` 300);
                       dw300_0.001 the same
 dw500_0.001           density 0.001 with a 500-step density warm-up (the fall from 0.25 at 0.01's pace per
                       decade); dw1000_0.001 with a 1000-step one
-per_tensor_0.01       gradient mode with per-tensor selection (small and 1-D tensors whole)
-freeze_0.01           gradient mode with Adam's variance frozen after the dense warm-up
-legacy_0.01           gradient mode with the earlier defaults: global selection, no warm-ups, no variance freeze
+legacy_0.01           gradient mode with the earlier defaults: no warm-ups
 no_ef_0.01            gradient mode without error feedback
 topk_0.01             exact top-k at 0.01 (gradient mode)
 randomk_0.01          random-k at 0.01 (gradient mode)
@@ -45,7 +41,8 @@ Writes ``<out>/convergence.json`` (one record per run and seed: task, run, selec
 error_feedback, warmup, seed, steps, metric, value, bytes_sent, dense_bytes_equivalent, wall_s, history),
 ``<out>/convergence.md`` (a table per task: mean and spread over seeds, gap to dense, bytes ratio) and
 ``<out>/convergence.png`` (held-out metric against step and against cumulative bytes sent; one panel per
-task, one line per run). ``--quick`` runs a short sweep (fewer steps, a smaller LM, three runs a task).
+task, one line per run). Runs of keys since removed (``lrw_*``, ``per_tensor_0.01``, ``freeze_0.01``) stay
+in the committed records (docs/results.md) but can no longer be run. ``--quick`` runs a short sweep (fewer steps, a smaller LM, three runs a task).
 
     bash launch/convergence.sh [--quick] [--out docs/results/convergence] [--tasks classifier,lm] [--seeds 3]
 """
@@ -74,26 +71,20 @@ RUNS = {
     "momentum_0.001": {"density": 0.001, "compress": "momentum"},
     "no_density_warmup_0.01": {"density": 0.01, "density_warmup_steps": 0},
     "no_density_warmup_0.001": {"density": 0.001, "density_warmup_steps": 0},
-    "lrw_0.01": {"density": 0.01, "lr_weighted_residual": True},
-    "lrw_0.001": {"density": 0.001, "lr_weighted_residual": True},
     "warm100_0.01": {"density": 0.01, "warmup_steps": 100},
     "warm100_0.001": {"density": 0.001, "warmup_steps": 100},
     "warm30_0.01": {"density": 0.01, "warmup_steps": 30},
     "warm30_0.001": {"density": 0.001, "warmup_steps": 30},
-    "lrw_warm100_0.01": {"density": 0.01, "lr_weighted_residual": True, "warmup_steps": 100},
     "dw100_0.01": {"density": 0.01, "density_warmup_steps": 100},
     "dw100_0.001": {"density": 0.001, "density_warmup_steps": 100},
     "dw300_0.01": {"density": 0.01, "density_warmup_steps": 300},
     "dw300_0.001": {"density": 0.001, "density_warmup_steps": 300},
     "dw500_0.001": {"density": 0.001, "density_warmup_steps": 500},
     "dw1000_0.001": {"density": 0.001, "density_warmup_steps": 1000},
-    "per_tensor_0.01": {"density": 0.01, "selection": "per_tensor", "compress": "gradient"},
-    "freeze_0.01": {"density": 0.01, "freeze_adam_variance": True, "compress": "gradient"},
-    "legacy_0.01": {"density": 0.01, "selection": "global", "warmup_steps": 0, "density_warmup_steps": 0,
-                    "freeze_adam_variance": False, "compress": "gradient"},
-    "no_ef_0.01": {"density": 0.01, "error_feedback": False, "compress": "gradient"},
-    "topk_0.01": {"density": 0.01, "compressor": "topk", "compress": "gradient"},
-    "randomk_0.01": {"density": 0.01, "compressor": "randomk", "compress": "gradient"},
+    "legacy_0.01": {"density": 0.01, "warmup_steps": 0, "density_warmup_steps": 0, "compress": "gradient"},
+    "no_ef_0.01": {"density": 0.01, "advanced": {"error_feedback": False}, "compress": "gradient"},
+    "topk_0.01": {"density": 0.01, "advanced": {"compressor": "topk"}, "compress": "gradient"},
+    "randomk_0.01": {"density": 0.01, "advanced": {"compressor": "randomk"}, "compress": "gradient"},
     "partitioned_0.01": {"density": 0.01, "exchange": "partitioned", "compress": "gradient"},
 }
 #: --lm-optimizer robust: the LM's AdamW tuned differently (merged into the config's optimizer params)
@@ -225,7 +216,7 @@ def record(task: str, run: str, seed: int, steps: int, s: dict) -> dict:
         history.append({"step": h["step"], "value": h[metric], "bytes_sent": sent})
     return {
         "task": task, "run": run,
-        "selection": (d.selection.value if d else None), "exchange": (d.exchange.value if d else "dense"),
+        "selection": ("global" if d else None),  # the engine's only selection (per-tensor was removed) "exchange": (d.exchange.value if d else "dense"),
         "compressor": (d.compressor.value if d else "dense"), "density": (d.density if d else 1.0),
         "error_feedback": (d.error_feedback if d else None),
         "warmup": ({"warmup_steps": s.get("dragonn_warmup_steps", d.warmup_steps),  # as resolved ("auto")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from tests.engines import engine_config, init_distributed, train_mlp
+from tests.engines import constants_set, engine_config, init_distributed, train_mlp
 
 ENGINE_RUNS = {
     "dense": engine_config(None),
@@ -27,8 +27,7 @@ ENGINE_RUNS = {
     "dragonn_monitor": {**engine_config({"enabled": True, "density": 0.01, "min_compress_numel": 1,
                                           "warmup_steps": 2}),
                         "csv_monitor": {"enabled": True, "job_name": "mon"}},
-    "dragonn_auto": engine_config({"enabled": True, "density": 0.01, "min_compress_numel": 1, "policy": "auto",
-                                    "auto_probe_steps": 1, "auto_recheck_interval": 2}),
+    "dragonn_auto": engine_config({"enabled": True, "density": 0.01, "min_compress_numel": 1, "policy": "auto"}),
     "dragonn_bf16": engine_config({"enabled": True, "density": 0.05, "min_compress_numel": 1}, bf16=True),
     # bf16 pairs cost 6 bytes against 2 dense: at density 1.0 the auto policy sends the bucket dense,
     # "always" compresses it anyway (bounded bytes)
@@ -37,6 +36,8 @@ ENGINE_RUNS = {
     "dragonn_bf16_d1_always": engine_config({"enabled": True, "density": 1.0, "min_compress_numel": 1}, bf16=True),
 }
 ENGINE_STEPS = 5
+#: the auto run probes once and re-checks every 2 steps (the product's 3 and 1000 would not decide in 5 steps)
+AUTO_CONSTANTS = {"dragonn_auto": {"AUTO_PROBE_STEPS": 1, "AUTO_RECHECK_INTERVAL": 2}}
 
 
 def engine_runs(rank: int, world: int, out_dir: str) -> None:
@@ -47,7 +48,8 @@ def engine_runs(rank: int, world: int, out_dir: str) -> None:
     for name, cfg in ENGINE_RUNS.items():
         if "csv_monitor" in cfg:
             cfg = {**cfg, "csv_monitor": {**cfg["csv_monitor"], "output_path": str(Path(out_dir) / "csv")}}
-        engine, hook = train_mlp(cfg, rank, (32, 64, 4), ENGINE_STEPS)
+        with constants_set(**AUTO_CONSTANTS.get(name, {})):
+            engine, hook = train_mlp(cfg, rank, (32, 64, 4), ENGINE_STEPS)
         out[name] = {"params": [p.detach().float().clone() for p in engine.module.parameters()],
                      "telemetry": hook.telemetry.summary() if hook else None,
                      "hooked": hook is not None and engine.allreduce_bucket == hook.allreduce_bucket}

@@ -3,6 +3,8 @@ tiny models, DeepSpeed configs (ZeRO 0 with SGD, ZeRO 1/2 with Adam) and a seede
 ``ds_dragonn.initialize``. Executed inside each rank by ``tests.multiproc.run_ranks``."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -12,17 +14,28 @@ def init_distributed():
 
 
 #: The engine tests run a few steps of tiny models: no warm-ups (compressed from the first step, at the density
-#: under test, unless a test sets warmup_steps), and per-tensor selection with every tensor compressed (none
-#: sent whole), so that the per-tensor path runs in every engine test. tests/test_selection.py covers the
-#: defaults and global selection.
-PINNED = {"warmup_steps": 0, "density_warmup_steps": 0, "selection": "per_tensor", "tensor_min_compress_numel": 0,
-          "compress_1d": True}
+#: under test, unless a test sets warmup_steps). tests/test_selection.py covers the defaults.
+PINNED = {"warmup_steps": 0, "density_warmup_steps": 0}
 
 
 def pinned(dragonn: dict) -> dict:
-    """:data:`PINNED`, with global selection for the partitioned exchange (per-tensor selection is refused
-    there: its owners re-select globally)."""
-    return {**PINNED, "selection": "global"} if dragonn.get("exchange") == "partitioned" else PINNED
+    """:data:`PINNED` (one place for the settings every engine test shares)."""
+    return PINNED
+
+
+@contextlib.contextmanager
+def constants_set(**values):
+    """``ds_dragonn.constants`` set to ``values`` (upper-case names) inside the block, e.g. the auto policy's
+    probe count; read by ``cfg.<name>`` at each call, so a hook built inside the block sees them."""
+    from ds_dragonn import constants
+    old = {k: getattr(constants, k) for k in values}
+    for k, v in values.items():
+        setattr(constants, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(constants, k, v)
 
 
 def engine_config(dragonn: dict | None, bf16: bool = False, predivide: float | None = None) -> dict:

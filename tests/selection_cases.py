@@ -1,8 +1,9 @@
-"""Per-tensor selection and the density schedule in real engines (2 gloo ranks; run by tests/test_selection.py).
+"""Global selection and the density schedule in real engines (2 gloo ranks; run by tests/test_selection.py),
+and the compressor's per-tensor variant (the DRAGONN paper's; benchmarks only) through each exchange.
 
 The model has one parameter whose gradients are 1000x smaller than the others' (``quiet``, a 64x64 matrix
 scaled by 1e-3 in the forward pass) and a 1-D bias (``bias``): a single global threshold over the bucket never
-reaches them; per-tensor selection gives ``quiet`` its own k and sends the 1-D ``bias`` whole.
+reaches them in a few steps (they wait in the residual).
 """
 from __future__ import annotations
 
@@ -34,20 +35,13 @@ RUNS = {
     # the product's defaults: 30 dense warm-up steps, then the density warm-up (from 0.25 over 100 steps)
     "defaults": engine_config(dict(_D)),  # dragonn block replaced below
     "density_warmup": engine_config(dict(_D)),  # dragonn block replaced below
-    "per_tensor": engine_config({**_D, "density_warmup_steps": 0, "tensor_min_compress_numel": 1024,
-                                  "compress_1d": False, "selection": "per_tensor"}),
-    "global": engine_config({**_D, "density_warmup_steps": 0, "selection": "global"}),
+    "global": engine_config({**_D, "density_warmup_steps": 0}),
     # one IPG bucket for the whole model (DeepSpeed's default size), as ZeRO-0 flattens it
-    "zero2_per_tensor": zero_config(2, {**_D, "density_warmup_steps": 0, "tensor_min_compress_numel": 1024,
-                                         "compress_1d": False, "selection": "per_tensor"},
-                                     reduce_bucket_size=500_000_000),
-    "zero2_global": zero_config(2, {**_D, "density_warmup_steps": 0, "selection": "global"},
-                                 reduce_bucket_size=500_000_000),
+    "zero2_global": zero_config(2, {**_D, "density_warmup_steps": 0}, reduce_bucket_size=500_000_000),
 }
 RUNS["defaults"]["dragonn"] = {"policy": "always", **_D}  # without the suite's pinned settings
 RUNS["density_warmup"]["dragonn"] = {"policy": "always", **_D, "warmup_steps": 2}
-for _name in ("zero2_per_tensor", "zero2_global"):  # DeepSpeed's "Adam" is AdamW: no decay, so only updates move
-    RUNS[_name]["optimizer"]["params"]["weight_decay"] = 0.0
+RUNS["zero2_global"]["optimizer"]["params"]["weight_decay"] = 0.0  # DeepSpeed's "Adam" is AdamW: only updates move
 
 
 def selection_runs(rank: int, world: int, out_dir: str) -> None:
@@ -77,8 +71,8 @@ def selection_runs(rank: int, world: int, out_dir: str) -> None:
 
 
 def exchange_runs(rank: int, world: int, out_dir: str) -> None:
-    """Per-tensor selections (with whole tensors) through each exchange and the pipeline, for fp32 and bf16 wires;
-    each rank saves its raw buffer, what it sent, the decoded sum and the bytes."""
+    """The compressor's per-tensor selections (with whole tensors; the paper's variant, benchmarks only) through
+    each exchange and the pipeline, for fp32 and bf16 wires; each rank saves its raw buffer, what it sent, the decoded sum and the bytes."""
     init_distributed()
     from ds_dragonn.comm.torch_backend import TorchCommBackend
     from ds_dragonn.compress import DragonnCompressor

@@ -6,7 +6,8 @@ import json
 import pytest
 
 import ds_dragonn
-from ds_dragonn.config import CommBackendName, DragonnConfig, DragonnConfigError
+from ds_dragonn import constants
+from ds_dragonn.config import ADVANCED_KEYS, REMOVED_KEYS, CommBackendName, DragonnConfig, DragonnConfigError, Kernel
 
 
 def test_defaults_when_absent():
@@ -27,22 +28,24 @@ def test_reads_json_path(tmp_path):
     ({"density": 0}, ["dragonn.density", "0", "greater than 0"]),
     ({"density": 1.5}, ["dragonn.density", "1.5", "less than or equal to 1"]),
     ({"density": "lots"}, ["dragonn.density", "lots"]),
-    ({"table_factor": 0.5}, ["dragonn.table_factor", "0.5"]),
     ({"warmup_steps": -1}, ["dragonn.warmup_steps", "-1"]),
     ({"comm_backend": "nccl"}, ["dragonn.comm_backend", "nccl", "torch", "mpi"]),
     ({"exchange": "ring"}, ["dragonn.exchange", "ring", "allgather"]),
     ({"enabled": "maybe"}, ["dragonn.enabled", "maybe"]),
-    ({"cuda_aware": True}, ["cuda_aware", "mpi"]),
+    ({"advanced": {"cuda_aware": True}}, ["advanced.cuda_aware", "mpi"]),
+    ({"advanced": {"kernel": "gpu"}}, ["dragonn.advanced.kernel", "gpu", "triton"]),
+    ({"advanced": {"kernal": "cpu"}}, ["dragonn.advanced.kernal", "did you mean 'kernel'?", "cuda_aware"]),
+    ({"advanced": {"variance_refresh_steps": 1}}, ["dragonn.advanced.variance_refresh_steps", "at least 2"]),
+    ({"advanced": {"compressor": "auto"}}, ["dragonn.advanced.compressor", "auto"]),  # "auto" is not dropped here
     # no lax coercion: these would otherwise silently become density 1.0, enabled, 0.5, ...
     ({"density": True}, ["dragonn.density", "True", "number"]),
     ({"density": "0.5"}, ["dragonn.density", "0.5"]),
     ({"enabled": "yes"}, ["dragonn.enabled", "yes", "boolean"]),
     ({"enabled": 1}, ["dragonn.enabled", "1", "boolean"]),
-    ({"seed": True}, ["dragonn.seed", "True", "integer"]),
-    ({"min_sample": 2.5}, ["dragonn.min_sample", "2.5"]),
-    ({"table_factor": float("inf")}, ["dragonn.table_factor", "inf", "finite"]),
+    ({"advanced": {"error_feedback": 0}}, ["dragonn.advanced.error_feedback", "0", "boolean"]),
+    ({"min_compress_numel": 2.5}, ["dragonn.min_compress_numel", "2.5"]),
+    ({"outer_lr": float("inf"), "sync": "local_steps"}, ["dragonn.outer_lr", "inf", "finite"]),
     ({"density": float("nan")}, ["dragonn.density", "nan"]),
-    ({"table_factor": 1e9}, ["dragonn.table_factor", "1024"]),
     ({"comm_timeout_s": 0}, ["dragonn.comm_timeout_s", "0", "greater than 0"]),
     ({"comm_timeout_s": "10"}, ["dragonn.comm_timeout_s", "10", "number"]),
     ({"comm_timeout_s": True}, ["dragonn.comm_timeout_s", "True"]),
@@ -52,6 +55,40 @@ def test_bad_blocks_name_key_value_and_allowed(block, needles):
         DragonnConfig.from_ds_config({"dragonn": block})
     for needle in needles:
         assert needle in str(err.value), str(err.value)
+
+
+def test_visible_keys_and_advanced():
+    """The block a user reads: fourteen keys and one "advanced" object (docs/config.md states the count)."""
+    assert len(DragonnConfig.model_fields) == 15 and "advanced" in DragonnConfig.model_fields
+    assert set(ADVANCED_KEYS) == {"compressor", "kernel", "error_feedback", "density_warmup_start",
+                                  "variance_refresh_steps", "cuda_aware"}
+    cfg = DragonnConfig.from_ds_config({"dragonn": {"enabled": True, "advanced": {"kernel": "cpu",
+                                                                                   "error_feedback": False}}})
+    assert cfg.kernel == Kernel.cpu and cfg.error_feedback is False and cfg.advanced.kernel == Kernel.cpu
+    assert cfg.given("density", "kernel", "error_feedback") == ["advanced.kernel", "advanced.error_feedback"]
+    with pytest.raises(AttributeError):
+        cfg.kernel = Kernel.reference  # read-only: set it under "advanced"
+    dump = cfg.model_dump(mode="json")  # a checkpoint's description keeps the flat names and the constants
+    assert dump["kernel"] == "cpu" and dump["error_feedback"] is False and dump["advanced"]["kernel"] == "cpu"
+    assert dump["seed"] == constants.SEED and dump["table_factor"] == constants.TABLE_FACTOR == cfg.table_factor
+    assert cfg.outer_momentum == 0.0 and cfg.outer_feedback_decay == 1.0 and cfg.auto_probe_steps == 3
+
+
+@pytest.mark.parametrize("key", sorted(REMOVED_KEYS))
+def test_removed_keys_say_what_replaced_them(key):
+    with pytest.raises(DragonnConfigError) as err:
+        DragonnConfig.from_ds_config({"dragonn": {"enabled": True, key: 1}})
+    msg = str(err.value)
+    assert f"'dragonn.{key}' was removed" in msg and REMOVED_KEYS[key] in msg and "unknown key" not in msg, msg
+    with pytest.raises(DragonnConfigError, match=f"'dragonn.advanced.{key}' was removed"):  # not hidden in advanced
+        DragonnConfig.from_ds_config({"dragonn": {"advanced": {key: 1}}})
+
+
+@pytest.mark.parametrize("key", ["kernel", "compressor", "error_feedback", "cuda_aware", "density_warmup_start",
+                                 "variance_refresh_steps"])
+def test_advanced_keys_at_the_top_level_say_where_they_moved(key):
+    with pytest.raises(DragonnConfigError, match=f"'dragonn.{key}' moved under 'advanced'"):
+        DragonnConfig.from_ds_config({"dragonn": {key: 1}})
 
 
 def test_reads_hjson_and_base64_like_deepspeed(tmp_path):

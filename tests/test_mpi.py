@@ -148,7 +148,7 @@ def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("train")
     mpi_cfg = json.loads((REPO / "configs" / "dragonn_mpi.json").read_text())
     torch_cfg = json.loads(json.dumps(mpi_cfg))
-    torch_cfg["dragonn"].update(comm_backend="torch", cuda_aware=False)
+    torch_cfg["dragonn"].update(comm_backend="torch", advanced={"cuda_aware": False})
     return {"mpi": _train(tmp, mpi_cfg, "mpi"), "torch": _train(tmp, torch_cfg, "torch")}
 
 

@@ -1,4 +1,5 @@
-"""Per-tensor selection (compress/segments.py, the kernels' segmented path) and the density schedule (schedule.py)."""
+"""The compressor's per-tensor variant (compress/segments.py, the kernels' segmented path: the DRAGONN paper's,
+kept for benchmarks; the engine selects globally), global selection in engines, and the density schedule."""
 from __future__ import annotations
 
 import math
@@ -205,21 +206,16 @@ def test_default_config_schedule_resolves_auto_density_warmup():
         assert schedule.steps == 0 and schedule.at(50) == schedule.at(51) == 0.01 and not schedule.warming(51)
 
 
-def test_per_tensor_selection_is_refused_with_the_partitioned_exchange():
-    with pytest.raises(DragonnConfigError, match="'selection': 'per_tensor' does not combine with 'exchange'"):
-        DragonnConfig.from_ds_config({"dragonn": {"enabled": True, "selection": "per_tensor",
-                                                  "exchange": "partitioned"}})
-
-
-def test_config_validates_the_new_keys():
+def test_config_validates_the_warmup_keys():
     d = DragonnConfig()
-    assert d.selection.value == "global" and not d.compress_1d and d.density_warmup_steps == "auto"
-    assert d.warmup_steps == "auto" and not d.freeze_adam_variance and d.tensor_min_compress_numel == 1024
-    for key, bad in [("selection", "layerwise"), ("density_warmup_start", 0.0), ("density_warmup_start", 1.5),
-                     ("density_warmup_steps", -1), ("density_warmup_steps", "Auto"), ("density_warmup_steps", 2.5),
-                     ("density_warmup_steps", True), ("tensor_min_compress_numel", -5), ("compress_1d", "yes")]:
+    assert d.density_warmup_steps == "auto" and d.warmup_steps == "auto" and d.density_warmup_start == 0.25
+    for key, bad in [("density_warmup_steps", -1), ("density_warmup_steps", "Auto"), ("density_warmup_steps", 2.5),
+                     ("density_warmup_steps", True)]:
         with pytest.raises(DragonnConfigError, match=f"dragonn.{key}"):
             DragonnConfig.from_ds_config({"dragonn": {"enabled": True, key: bad}})
+    for bad in (0.0, 1.5):
+        with pytest.raises(DragonnConfigError, match="dragonn.advanced.density_warmup_start"):
+            DragonnConfig.from_ds_config({"dragonn": {"enabled": True, "advanced": {"density_warmup_start": bad}}})
 
 
 # -- in real engines ----------------------------------------------------------------------------------------
@@ -237,11 +233,7 @@ def test_global_selection_starves_the_quiet_tensors(engines):
         assert moved["loud.weight"] > 0
 
 
-def test_per_tensor_selection_updates_them(engines):
-    for name in ("per_tensor", "zero2_per_tensor"):
-        moved, numel = engines[0][name]["moved"], engines[0][name]["numel"]
-        assert moved["quiet"] >= target_k(4096, 0.01), (name, moved)  # its own k, every step
-        assert moved["bias"] == numel["bias"], (name, moved)  # 1-D: sent whole
+def test_ranks_stay_bit_identical(engines):
     for name in RUNS_NAMES:
         assert all(torch.equal(a, b) for a, b in zip(engines[0][name]["params"], engines[1][name]["params"]))
 
@@ -255,7 +247,7 @@ def test_defaults_warm_up_dense_then_the_density(engines):
     assert w["density"] == pytest.approx(0.25 * (0.01 / 0.25) ** (3 / 100))
 
 
-RUNS_NAMES = ("defaults", "density_warmup", "per_tensor", "global", "zero2_per_tensor", "zero2_global")
+RUNS_NAMES = ("defaults", "density_warmup", "global", "zero2_global")
 
 
 @pytest.fixture(scope="module")

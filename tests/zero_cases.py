@@ -28,7 +28,7 @@ for _name, _d in (("dense", None), ("d1", {"enabled": True, "density": 1.0})):
     ZERO_RUNS[f"s2_bf16_accfp32_{_name}"] = {**zero_config(2, _d, bf16=True), "data_types": {"grad_accum_dtype": "fp32"}}
     # fp32 gradients reduced in bf16; error feedback off, else the residual would (rightly) carry the bf16
     # rounding of every value into the next step, which the dense path drops
-    _d = None if _d is None else {**_d, "error_feedback": False}
+    _d = None if _d is None else {**_d, "advanced": {"error_feedback": False}}
     ZERO_RUNS[f"s2_fp32_commbf16_{_name}"] = {**zero_config(2, _d), "communication_data_type": "bf16"}
 ZERO_REFUSED = {
     "stage3": zero_config(3, {"enabled": True}),

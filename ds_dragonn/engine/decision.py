@@ -1,19 +1,18 @@
-"""Per bucket and step: dense or compressed, at which density, with which per-tensor segments.
+"""Per bucket and step: dense or compressed, and at which density.
 
 Every rank must take the same branch, or the collectives would not match: the decision depends only on
 the step, the bucket's size and dtype, the world size, the config and the auto policy's agreed state.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Hashable, NamedTuple, Optional
+from typing import Any, Dict, Hashable, NamedTuple, Optional
 
 import torch
 from deepspeed.utils.logging import print_dist
 
 from ..compress import max_pairs, target_k
 from ..compress.base import Compressor
-from ..compress.segments import Segments, plan_segments
-from ..config import DragonnConfig, Policy, SelectionScope
+from ..config import DragonnConfig, Policy
 from ..pipeline import CompressedAllreduce
 from ..policy import AutoPolicy
 from ..schedule import DensitySchedule
@@ -31,8 +30,8 @@ class Choice(NamedTuple):
 
 
 class BucketDecision:
-    """The dense-or-compressed decision (``min_compress_numel``, warm-up, bytes, the auto policy), the
-    density schedule and the per-tensor segments of each bucket (planned once per key).
+    """The dense-or-compressed decision (``min_compress_numel``, warm-up, bytes, the auto policy) and the
+    density schedule of each bucket.
 
     Args:
         cfg: the validated ``"dragonn"`` block.
@@ -44,7 +43,6 @@ class BucketDecision:
         self.schedule = DensitySchedule.from_config(cfg)
         self._warned_small = False
         self._costly: Dict[Hashable, bool] = {}  # bucket key -> its pairs may cost more than dense
-        self._segments: Dict[Hashable, Optional[Segments]] = {}  # bucket key -> its per-tensor segments
 
     def choose(self, key: Hashable, numel: int, step: int, pipeline: CompressedAllreduce, dtype: torch.dtype,
                dense_bytes: Optional[int] = None) -> Choice:
@@ -70,9 +68,7 @@ class BucketDecision:
         hit = self._costly.get(key)
         if hit is None:
             world = pipeline.backend.world_size
-            segments = self._segments.get(key)  # at the target density: the density warm-up is transient
-            pairs = max_pairs(sum(segments.ks(self.cfg.density)) if segments is not None
-                              else target_k(numel, self.cfg.density))
+            pairs = max_pairs(target_k(numel, self.cfg.density))  # the target density: its warm-up is transient
             most = pipeline.exchange.max_bytes(numel, pairs, dtype, world)
             dense = pipeline.exchange.dense_bytes(numel, dtype.itemsize, world) if dense_bytes is None else dense_bytes
             hit = self._costly[key] = most > dense
@@ -83,21 +79,6 @@ class BucketDecision:
                            f"{str(dtype).replace('torch.', '')} bucket may cost {most} bytes per rank, more than "
                            f"the dense collective's {dense}: {what}", ranks=[0])
         return hit
-
-    def segments(self, key: Hashable, numel: int, shapes: Callable[[], Any]) -> Optional[Segments]:
-        """The per-tensor segments of bucket ``key`` (None: global selection), planned once per key from
-        ``shapes()``, its tensors' shapes in bucket order (called only then, and only for per-tensor
-        selection); None too where they do not add up to ``numel`` (padding). Logged once."""
-        if key not in self._segments:
-            seg = None
-            if self.cfg.selection == SelectionScope.per_tensor:
-                seg = plan_segments(shapes(), self.cfg.tensor_min_compress_numel, self.cfg.compress_1d)
-                if seg.numel != numel:
-                    seg = None
-                elif not any(s is not None for s in self._segments.values()):
-                    print_dist(f"DRAGONN: per-tensor selection, first bucket: {seg.describe()}", ranks=[0])
-            self._segments[key] = seg
-        return self._segments[key]
 
     def set_density(self, compressor: Compressor, step: int) -> None:
         """The compressor's density for this step (the density warm-up); the same on every rank."""

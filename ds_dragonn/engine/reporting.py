@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 from deepspeed.utils.logging import print_dist
 
-from ..config import DragonnConfig, Policy, SelectionScope
+from ..config import DragonnConfig, Policy
 from ..pipeline import ReduceStats
 from ..schedule import DensitySchedule
 from ..telemetry import Telemetry, log_reduction, monitor_events
@@ -33,14 +33,11 @@ class Reporter:
     def start(self, hook_name: str, compressor_name: str, exchange: str) -> None:
         """The start-up line: every setting that shapes the run."""
         cfg = self.cfg
-        per_tensor = (f" (tensor_min_compress_numel={cfg.tensor_min_compress_numel} compress_1d={cfg.compress_1d})"
-                      if cfg.selection == SelectionScope.per_tensor else "")
         probe = (f" (probe {cfg.auto_probe_steps} steps, re-check every {cfg.auto_recheck_interval})"
                  if cfg.policy == Policy.auto else "")
         print_dist(f"DRAGONN enabled ({hook_name}): compressor={compressor_name} density={cfg.density} "
                    f"kernel={getattr(cfg.kernel, 'value', cfg.kernel)} "
-                   f"sample_ratio={cfg.sample_ratio} table_factor={cfg.table_factor} "
-                   f"min_compress_numel={cfg.min_compress_numel} selection={cfg.selection.value}{per_tensor} "
+                   f"min_compress_numel={cfg.min_compress_numel} "
                    f"schedule: {self.schedule.describe()}; "
                    f"error_feedback={cfg.error_feedback} comm_backend={cfg.comm_backend.value} "
                    f"exchange={exchange} policy={cfg.policy.value}{probe}", ranks=[0])

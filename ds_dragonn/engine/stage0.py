@@ -98,7 +98,6 @@ class Stage0Hook(HookBase):
             out = self._dense_allreduce_bucket(bucket, dp_group, dp_world_size)
             self._record_dense(key, numel, comm_dtype.itemsize, world, clock.lap(), True)
             return out
-        segments = self.decision.segments(key, numel, lambda: [t.shape for t in bucket])
         dense, fixed = self.decision.choose(key, numel, step, pipeline, comm_dtype)
         if dense:
             clock = PhaseClock(bucket[0].device)
@@ -121,7 +120,7 @@ class Stage0Hook(HookBase):
         # returns its persistent decode buffer, which is unflattened and copied into them
         into = into_bucket and pipeline.can_reduce_into(bucket, comm_dtype)
         out, stats = pipeline.reduce(bucket, key, bucket_seed(self.cfg.seed, step, ordinal), scales.prescale,
-                                     scales.postscale, comm_dtype, into_inputs=into, segments=segments)
+                                     scales.postscale, comm_dtype, into_inputs=into)
         self._record_compressed(key, stats, pipeline, ordinal, step, bucket[0].device)
         return out
 

@@ -97,7 +97,6 @@ class Stage12Hook(HookBase):
             self._dense_average_tensor(tensor, dt)
             dense_bytes = self._dense_bytes(numel, dt.itemsize, world)
             return self._record_dense(key, numel, dt.itemsize, world, clock.lap(), True, dense_bytes)
-        segments = self.decision.segments(key, numel, lambda: self._shapes(dt))
         dense, fixed = self.decision.choose(key, numel, step, pipeline, dt, self._dense_bytes(numel, dt.itemsize, world))
         flush = dense and (key in self.pending or self._carries_momentum(step))  # residual (and momentum) go out
         clock = PhaseClock(tensor.device)
@@ -131,7 +130,7 @@ class Stage12Hook(HookBase):
         self.reporter.announce(step)
         self.decision.set_density(self.compressor, step)
         out, stats = pipeline.reduce(tensor, key, bucket_seed(self.cfg.seed, step, ordinal), 1.0, 1.0, dt,
-                                     segments=segments, ownership=RangeOwnership(numel, ranges, world))
+                                     ownership=RangeOwnership(numel, ranges, world))
         self._write_owned(tensor, out, mine)
         self._record_compressed(key, stats, pipeline, ordinal, step, tensor.device)
 
@@ -202,12 +201,6 @@ class Stage12Hook(HookBase):
             synced = out[start:start + buf.numel()].view_as(buf)
             opt._add_to_grad_partition_buffer(output, synced)
             buf.copy_(synced)
-
-    def _shapes(self, dt: torch.dtype):
-        """The IPG bucket's parameter shapes in bucket order (DeepSpeed appends each gradient at
-        ``bucket.elements``)."""
-        params = self.optimizer.bit16_groups
-        return [tuple(params[g][i].shape) for g, i, _ in self.optimizer.ipg_buckets[dt].params]
 
     def _layout(self, dt: torch.dtype) -> str:
         """Digest of the IPG bucket's parameters (ids and shapes), part of the residual's key."""

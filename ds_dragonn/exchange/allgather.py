@@ -39,8 +39,7 @@ def exchange_header(count: int, numel: int, wire_dtype: torch.dtype, backend: Co
     check_agreement([h[1] for h in header], [h[2] for h in header], backend.rank)
     if len({h[3] for h in header}) > 1:
         raise BufferMismatchError(f"rank {backend.rank}: ranks send different whole tensors in one bucket "
-                                  f"({[h[3] for h in header]} elements per rank): their per-tensor settings "
-                                  f"('tensor_min_compress_numel', 'compress_1d', 'selection') differ")
+                                  f"({[h[3] for h in header]} elements per rank): their per-tensor segments differ")
     return [h[0] for h in header]
 
 

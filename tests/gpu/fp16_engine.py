@@ -37,8 +37,7 @@ def main() -> int:
            "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
            "zero_optimization": {"stage": 0}, "steps_per_print": 10**6,
            "dragonn": {"enabled": True, "density": 0.05, "min_compress_numel": 1, "policy": "always",
-                       "warmup_steps": 0, "density_warmup_steps": 0, "selection": "per_tensor",
-                       "tensor_min_compress_numel": 0, "compress_1d": True}}
+                       "warmup_steps": 0, "density_warmup_steps": 0}}
     if args.precision == "fp16":
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 12, "loss_scale_window": 3, "hysteresis": 1}
     else:

@@ -1,0 +1,37 @@
+"""Internal settings: once keys of the ``"dragonn"`` block, now fixed (issue 35). Each names what backs it.
+
+``DragonnConfig`` still answers ``cfg.seed``, ``cfg.sample_ratio`` ... with these values, and a checkpoint's
+description records them, so engine code and saved runs read them as before; benchmarks that need another
+value pass it to the compressor or the policy directly.
+"""
+
+#: Fraction of a bucket sampled for the threshold; the sample is at least MIN_SAMPLE and 256 / density elements
+#: (>= 256 expected hits: ~6 % spread of the candidate count; docs/kernels.md). At 2^24 fp32, density 0.01 it
+#: keeps 0.973 of exact top-k's squared mass with kept/k 0.99 (docs/results.md#selection-kernels).
+SAMPLE_RATIO = 0.001
+
+#: Lower bound on the threshold sample, in elements (capped at the bucket size, where it gives the exact one).
+MIN_SAMPLE = 1024
+
+#: Hash-table slots per kept element, ``m = ceil(TABLE_FACTOR * k)``: the DRAGONN paper's 4 (Sec. 4); with the
+#: candidate rate 1.151 x density, kept/k is ~1 after collisions (docs/kernels.md).
+TABLE_FACTOR = 4.0
+
+#: Timed reductions of each kind (dense, compressed) per bucket before the auto policy decides; the ranks sum
+#: their medians (docs/design.md#the-auto-policy). On the 1 Gbit/s link the two differ ~13x (776 ms against 60 ms).
+AUTO_PROBE_STEPS = 3
+
+#: Reductions of a bucket between two auto decisions (a link's speed can change over a long run).
+AUTO_RECHECK_INTERVAL = 1000
+
+#: Base seed of threshold sampling and hashing; every rank advances it the same way each step, so any fixed
+#: value gives the same guarantees (docs/design.md#guarantees).
+SEED = 0
+
+#: ``sync: local_steps``: no outer momentum. DiLoCo's Nesterov 0.9 (outer lr 0.7) made compressed local steps
+#: worse: +57.5 % against +32.8 % at H = 30, density 0.01 (docs/results.md, local steps).
+OUTER_MOMENTUM = 0.0
+
+#: ``sync: local_steps``: the pseudo-gradient residual keeps everything unsent. SparseLoCo's decay 0.95 made
+#: compressed local steps worse: +34.8 % against +32.8 % (docs/results.md, local steps).
+OUTER_FEEDBACK_DECAY = 1.0
