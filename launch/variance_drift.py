@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench.common import pyplot, save_figure, write_json  # noqa: E402
 from train_lm import CTX, D_MODEL, N_HEAD, N_LAYER, SEED, ByteGPT, stdlib_corpus, windows  # noqa: E402
 
-from ds_dragonn.engine.adam import default_refresh_decay, floor_variance_  # noqa: E402
+from ds_dragonn.engine.variance_math import VARIANCE_FLOOR, default_refresh_decay, floor_variance_  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -57,7 +57,7 @@ def get_args(argv=None):
     p.add_argument("--at", default="30,60,100,200,300,400,600", help="steps to record (comma-separated)")
     p.add_argument("--refresh-steps", type=int, default=100, help="variance refresh interval (0: none)")
     p.add_argument("--refresh-decay", type=float, default=None, help="rho of a refresh (default max(beta2^R, 0.9))")
-    p.add_argument("--floor", type=float, default=0.01, help="variance_floor of the frozen/refreshed variance")
+    p.add_argument("--floor", type=float, default=VARIANCE_FLOOR, help="floor of the frozen/refreshed variance (variance_math.VARIANCE_FLOOR)")
     p.add_argument("--ranks", type=int, default=2, help="data-parallel ranks the batch stands for")
     p.add_argument("--seed", type=int, default=SEED)
     p.add_argument("--json", default=str(REPO / "runs" / "variance_drift.json"))

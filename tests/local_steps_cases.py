@@ -86,8 +86,7 @@ RUNS = {
     "allgather_fp32": ({}, {}, 11),
     "partitioned_fp32": ({"exchange": "partitioned"}, {}, 11),
     "bf16_gas2_clip_sched": ({"density": 0.01}, {"bf16": True, "gas": 2, "clip": 1.0, "schedule": True}, 11),
-    "nesterov": ({"outer_lr": 0.7, "outer_momentum": 0.9}, {}, 11),
-    "decay": ({"outer_feedback_decay": 0.5}, {}, 11),
+    "outer_lr": ({"outer_lr": 0.7}, {}, 11),
     "dense_delta": ({"density": 1.0}, {"bf16": True}, 8),
     "no_warmup_h1": ({"warmup_steps": 0, "local_steps": 1}, {}, 4),
 }
@@ -137,7 +136,7 @@ def resume(rank: int, world: int, out_dir: str) -> None:
     ckpt = str(Path(out_dir) / "ckpt")
     out = {}
     for name, kwargs in (("fp32", {}), ("bf16_gas2", {"bf16": True, "gas": 2, "clip": 1.0, "schedule": True})):
-        dragonn = {"outer_momentum": 0.9, "outer_lr": 0.7, "density": 0.05}
+        dragonn = {"outer_lr": 0.7, "density": 0.05}
         cfg = config(dragonn, **kwargs)
         engine = build(cfg)
         gas = engine.gradient_accumulation_steps()
@@ -198,4 +197,87 @@ def warm_starts(rank: int, world: int, out_dir: str) -> None:
     train(engine, micro_batches(rank, 2, torch.float32))
     out["by_hand"] = {"init": init, "after": weights(engine)}
     torch.save(out, Path(out_dir) / f"warm_rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+#: the collectives a rank can issue through deepspeed.comm / torch.distributed (counted by :func:`count_collectives`)
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
+               "all_to_all_single", "all_gather_object", "barrier", "reduce", "gather", "all_reduce_coalesced")
+
+
+def count_collectives() -> tuple:
+    """Wrap torch.distributed's collectives (deepspeed.comm calls them at call time) with a counter; returns
+    ``(counts, restore)``."""
+    import torch.distributed as tdist
+    counts, originals = {"n": 0}, {}
+    for name in COLLECTIVES:
+        fn = getattr(tdist, name, None)
+        if fn is None:
+            continue
+        originals[name] = fn
+
+        def counted(*args, _fn=fn, **kwargs):
+            counts["n"] += 1
+            return _fn(*args, **kwargs)
+        setattr(tdist, name, counted)
+    from deepspeed.comm import comm as dscomm  # deepspeed.comm binds these two at init
+    bound = {n: getattr(dscomm.cdb, n) for n in ("all_gather_function", "reduce_scatter_function")
+             if getattr(dscomm.cdb, n, None) is not None}
+    for name, fn in bound.items():
+        def counted_bound(*args, _fn=fn, **kwargs):
+            counts["n"] += 1
+            return _fn(*args, **kwargs)
+        setattr(dscomm.cdb, name, counted_bound)
+
+    def restore():
+        for n, f in originals.items():
+            setattr(tdist, n, f)
+        for n, f in bound.items():
+            setattr(dscomm.cdb, n, f)
+    return counts, restore
+
+
+def collectives_per_step(rank: int, world: int, out_dir: str) -> None:
+    """Collectives issued in each optimizer step (warm-up 2, rounds of 3: steps 3-4 local, 5 a sync), with
+    DeepSpeed's default clipping (1.0) in fp32 and bf16."""
+    init_distributed()
+    out = {}
+    for name, kwargs in (("fp32_clip", {"clip": 1.0}), ("bf16_clip", {"bf16": True, "clip": 1.0})):
+        engine = build(config({}, **kwargs))
+        counts, restore = count_collectives()
+        per_step = []
+        for x, y in micro_batches(rank, 8, next(engine.module.parameters()).dtype):
+            before = counts["n"]
+            loss = torch.nn.functional.cross_entropy(engine(x).float(), y)
+            engine.backward(loss)
+            engine.step()
+            per_step.append(counts["n"] - before)
+        restore()
+        out[name] = {"per_step": per_step, "weights": weights(engine)}
+    torch.save(out, Path(out_dir) / f"collectives_rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+def save_mid_round(rank: int, world: int, out_dir: str) -> None:
+    """Train 7 steps (warm-up 2, rounds end at 5 and 8) and save at step 7, mid-round; record θ_outer."""
+    init_distributed()
+    engine = build(config({"density": 0.1}))
+    train(engine, micro_batches(rank, 7, torch.float32))
+    engine.save_checkpoint(str(Path(out_dir) / "ckpt"), tag="mid")
+    torch.save({"anchor": [a.clone() for a in engine.dragonn.outer.anchor], "weights": weights(engine),
+                "rounds": engine.dragonn.outer.rounds}, Path(out_dir) / f"saved_rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+def load_other_world(rank: int, world: int, out_dir: str) -> None:
+    """Load the 2-rank mid-round checkpoint at this world size, then train to step 8 (a sync)."""
+    init_distributed()
+    engine = build(config({"density": 0.1}))
+    engine.load_checkpoint(str(Path(out_dir) / "ckpt"), tag="mid")
+    hook = engine.dragonn
+    out = {"loaded": weights(engine), "rounds": hook.outer.rounds, "notes": list(hook.notes)}
+    train(engine, micro_batches(100 + rank, 1, torch.float32))
+    out["after"] = weights(engine)
+    out["rounds_after"] = hook.outer.rounds
+    torch.save(out, Path(out_dir) / f"world{world}_rank{rank}.pt")
     torch.distributed.destroy_process_group()

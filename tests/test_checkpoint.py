@@ -134,9 +134,6 @@ def test_load_state_dict_refuses_what_is_not_a_state():
                         ("description", dict(good["description"], parameters=None))):
         with pytest.raises(ValueError, match="not a valid DRAGONN state"):
             hook.load_state_dict(dict(good, **{part: value}))
-    for ref in (0.0, -1.0, float("nan"), float("inf"), "0.1", True):  # the residual weighting's lr_ref
-        with pytest.raises(ValueError, match="'momentum.reference_lr' is"):
-            hook.load_state_dict(dict(good, momentum={"momenta": {}, "reference_lr": ref}))
     newer = dict(good, description=dict(good["description"], format=99))
     with pytest.raises(ValueError, match="format 99"):
         hook.load_state_dict(newer)
@@ -145,6 +142,46 @@ def test_load_state_dict_refuses_what_is_not_a_state():
                  error_feedback={"enabled": True, "residuals": {"b": torch.ones(3)}})
     hook.load_state_dict(other, source="y.pt")
     assert hook.error_feedback.residuals == {} and "zero_optimization.stage 2 (now 0)" in hook.notes[-1]
+
+
+@pytest.mark.parametrize("saved, now", [("momentum", "gradient"), ("gradient", "momentum")])
+def test_a_compress_mode_switch_resets_the_residuals_naming_both_modes(saved, now):
+    """Unsent momenta are not unsent gradients (reused, they moved the weights 12-42 learning rates at once):
+    a state saved in the other ``compress`` mode starts empty, with a warning naming both modes; the same mode
+    keeps its residuals."""
+    from ds_dragonn.config import DragonnConfig
+    from ds_dragonn.engine.base import HookBase
+    from tests.fakes import fake_engine
+
+    def hook(mode):
+        p = torch.nn.Parameter(torch.ones(6))
+        return HookBase(fake_engine(optimizer=torch.optim.AdamW([p], lr=0.1)),
+                        DragonnConfig(enabled=True, compress=mode, warmup_steps=1))
+    key = (0, "torch.float32", 6, "abc")
+    source = hook(saved)
+    source.error_feedback.residuals[key] = torch.ones(6)
+    state = source.state_dict()
+    target = hook(now)
+    target.load_state_dict(state, source="z.pt")
+    assert target.error_feedback.residuals == {} and not target.pending
+    assert f"dragonn.compress {saved} (now {now})" in target.notes[-1] and "start empty" in target.notes[-1]
+    same = hook(saved)
+    same.load_state_dict(state, source="z.pt")
+    assert [r.tolist() for r in same.error_feedback.residuals.values()] == [[1.0] * 6] and not same.notes
+
+
+@pytest.mark.parametrize("saved, now, kind", [("allgather", "partitioned", "kept"),
+                                              ("partitioned", "allgather", "fold")])
+def test_an_exchange_switch_keeps_or_folds_the_residuals(saved, now, kind):
+    """Another exchange holds the same units: the worker residuals are kept, and the partitioned exchange's
+    server residuals are folded into them (engine/state.py)."""
+    from ds_dragonn.config import DragonnConfig
+    from ds_dragonn.engine.state import compare
+    desc = {"world_size": 2, "rank": 0, "bucketing": {}, "parameters": []}
+    dump = (lambda x: {**desc, "exchange": x, "dragonn": DragonnConfig(enabled=True, exchange=x).model_dump(mode="json")})
+    reset, fold, kept = compare(dump(saved), dump(now))
+    assert not reset
+    assert (fold if kind == "fold" else kept) and f"partitioned" in " ".join(fold + kept)
 
 
 def test_ranks_resuming_different_tags_fail_on_every_rank(ckpt):

@@ -66,8 +66,8 @@ def test_pseudo_gradient_restart_and_state():
 
 
 @pytest.mark.parametrize("block,key", [({"local_steps": 0}, "local_steps"), ({"sync": "sometimes"}, "sync"),
-                                       ({"outer_momentum": 1.0}, "outer_momentum"), ({"outer_lr": 0.0}, "outer_lr"),
-                                       ({"outer_feedback_decay": 1.5}, "outer_feedback_decay"),
+                                       ({"outer_momentum": 0.9}, "outer_momentum"), ({"outer_lr": 0.0}, "outer_lr"),
+                                       ({"outer_feedback_decay": 1.0}, "outer_feedback_decay"),
                                        ({"local_steps": 3.0}, "local_steps")])
 def test_config_names_the_bad_key(block, key):
     with pytest.raises(DragonnConfigError, match=f"dragonn.{key}"):
@@ -83,7 +83,7 @@ def test_settings_of_the_other_sync_mode_are_refused(block, match):
     with pytest.raises(DragonnConfigError, match=match):
         DragonnConfig.from_ds_config({"dragonn": {"enabled": True, **block}})
     DragonnConfig.from_ds_config({"dragonn": {"enabled": True, "sync": "local_steps", "local_steps": 8,
-                                              "exchange": "partitioned", "outer_feedback_decay": 0.9}})
+                                              "exchange": "partitioned", "outer_lr": 0.7}})
 
 
 def test_a_state_of_the_other_sync_mode_is_reset_naming_sync():
@@ -137,15 +137,15 @@ def test_ranks_end_every_round_bit_identical(rounds, name):
     assert not torch.equal(runs[0]["delta"][0], runs[1]["delta"][0])
 
 
-@pytest.mark.parametrize("name", ["allgather_fp32", "partitioned_fp32", "nesterov", "decay", "no_warmup_h1"])
+@pytest.mark.parametrize("name", ["allgather_fp32", "partitioned_fp32", "outer_lr", "no_warmup_h1"])
 def test_nothing_lost_over_the_rounds(rounds, name):
-    """float64: Σ_ranks residual = Σ_rounds decay^(R−r) (Σ_ranks Δ_r − P·Δ̄_r) (decay 1: what was applied × P
-    plus every residual, server residuals included, is every pseudo-gradient); θ_outer = θ_0 minus the outer
-    steps of the applied Δ̄ (a float64 Nesterov reference)."""
+    """float64: Σ_ranks residual = Σ_rounds (Σ_ranks Δ_r − P·Δ̄_r) (what was applied × P plus every residual,
+    server residuals included, is every pseudo-gradient); θ_outer = θ_0 minus the outer steps of the applied Δ̄
+    (a float64 outer-SGD reference)."""
     world = len(rounds)
     runs = [r[name] for r in rounds]
     block = RUNS[name][0]
-    decay, lr, mu = block.get("outer_feedback_decay", 1.0), block.get("outer_lr", 1.0), block.get("outer_momentum", 0.0)
+    decay, lr, mu = 1.0, block.get("outer_lr", 1.0), 0.0
     total = len(runs[0]["applied"])
     expected = torch.zeros_like(runs[0]["delta"][0])
     for i in range(total):
@@ -215,3 +215,43 @@ def test_unsupported_set_ups_are_refused_by_name(tmp_path):
     for r in load_rank_files(tmp_path, "refusals", 2):
         assert "ZeRO stage 1" in r["zero1"] and "'dragonn.sync': 'local_steps'" in r["zero1"]
         assert "ZeRO stage 2" in r["zero2"]
+
+
+def test_no_collective_between_syncs(tmp_path):
+    """DeepSpeed clips by the ranks' common norm (an allreduce per step) and checks bf16/fp16 overflow over
+    every rank: between syncs each rank clips and checks its own, so a local step issues no collective; the
+    warm-up and the sync steps do (the counter counts)."""
+    run_ranks("tests.local_steps_cases:collectives_per_step", world_size=2, out_dir=tmp_path, timeout=300)
+    ranks = load_rank_files(tmp_path, "collectives", 2)
+    for r in ranks:
+        for name, run in r.items():
+            steps = run["per_step"]  # steps 1-2 warm-up, 3 starts the rounds, 3-4 local, 5 sync, 6-7 local, 8 sync
+            assert steps[0] > 0 and steps[1] > 0, (name, steps)
+            assert steps[2] == 1, (name, steps)  # θ_outer from rank 0's weights: one allreduce, once
+            assert steps[3] == steps[5] == steps[6] == 0, (name, steps)
+            assert steps[4] > 0 and steps[7] > 0, (name, steps)
+    for name in ranks[0]:  # a sync step still ends with bit-identical weights
+        assert all(torch.equal(a, b) for a, b in zip(ranks[0][name]["weights"], ranks[1][name]["weights"]))
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_a_checkpoint_of_another_world_size_restarts_every_rank_from_theta_outer(tmp_path, world):
+    """Saved mid-round by 2 ranks, loaded by 1 or 3: every rank holds the saved θ_outer (not rank 0's
+    mid-round local weights), the round count is kept, the warning names what was reset, and the next sync
+    leaves the ranks bit-identical."""
+    run_ranks("tests.local_steps_cases:save_mid_round", world_size=2, out_dir=tmp_path, timeout=300)
+    saved = load_rank_files(tmp_path, "saved", 2)
+    run_ranks("tests.local_steps_cases:load_other_world", world_size=world, out_dir=tmp_path, timeout=300)
+    runs = load_rank_files(tmp_path, f"world{world}", world)
+    assert not all(torch.equal(a, b) for a, b in zip(saved[0]["weights"], [x.view_as(w) for x, w in
+                                                                           zip(saved[0]["anchor"], saved[0]["weights"])]))
+    for r, run in enumerate(runs):
+        for got, anchor in zip(run["loaded"], saved[0]["anchor"]):
+            assert torch.equal(got, anchor.view_as(got)), r
+        assert run["rounds"] == saved[0]["rounds"] == 1
+        text = " ".join(run["notes"])
+        assert "θ_outer" in text and f"world size {world}" in text and "residuals" in text, text
+        assert "next outer step comes at step 8" in text, text
+        assert run["rounds_after"] == 2
+    for run in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(run["after"], runs[0]["after"]))

@@ -289,6 +289,13 @@ class HookBase:
     def reset_extra_state(self) -> None:
         """:meth:`extra_state` starts afresh (a state that does not apply here, or a warm start)."""
 
+    def restore_after_reset(self, saved: dict, reasons: List[str]) -> None:
+        """A saved state was reset for ``reasons`` (``engine/state.py``): take from it what still applies."""
+
+    def after_load(self, saved_worlds: List[Optional[int]]) -> None:
+        """After every rank applied its state file (collective, on every rank): ``saved_worlds`` is each
+        rank's saved world size (None: no file)."""
+
     def reset_state(self, why: str) -> None:
         """Start with empty residuals (and no pending flush), with a warning saying why."""
         state.reset_state(self, why)

@@ -162,6 +162,7 @@ def install(hook: Any) -> None:
         except Exception as err:  # noqa: BLE001 - every rank raises it, named, in agree()
             error = err
         agree(hook, error, what)
+        hook.after_load([w for _, _, w, _ in everyone])
         return out
 
     save_checkpoint.__wrapped__ = save

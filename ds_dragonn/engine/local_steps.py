@@ -4,13 +4,16 @@ optimizer steps (DiLoCo, Douillard et al. 2023; SparseLoCo, 2025), at ZeRO stage
 Hook points (DeepSpeed 0.19.8 ``runtime/engine.py``), overridden on the engine *instance*:
 
 * ``allreduce_gradients``: DeepSpeed's own during the dense ``warmup_steps``; afterwards nothing, so each
-  rank's optimizer steps on its own gradients (accumulation, clipping and the LR schedule unchanged);
+  rank's optimizer steps on its own gradients (accumulation and the LR schedule unchanged);
+* ``clip_fp32_gradients`` (fp32) and the bf16/fp16 optimizer's overflow check: DeepSpeed's own during the
+  warm-up; afterwards each rank's own (its own gradient norm, its own overflow), because DeepSpeed's run an
+  allreduce over every rank per step, a round trip on the slow link that local steps exist to avoid;
 * ``step``: DeepSpeed's, then, once ``global_steps`` ends a round (every ``local_steps`` steps after the
   warm-up; ``global_steps`` counts skipped steps too, so every rank agrees), the outer step on the fp32
   master weights (the innermost optimizer's parameters: the model's own in fp32, ``FP16_Optimizer``'s flat
   fp32 groups in bf16/fp16):
 
-  Δ = θ_outer − θ_local  →  residual + Δ (× ``outer_feedback_decay`` first)  →  DRAGONN selection at
+  Δ = θ_outer − θ_local  →  residual + Δ  →  DRAGONN selection at
   ``density``  →  exchange (allgather or partitioned)  →  Δ̄ = Σ/P  →  ``OuterStep.apply_``  →  every
   rank's masters (and low-precision weights) ← θ_outer.
 
@@ -32,14 +35,14 @@ from ..feedback import ErrorFeedback, segment_views
 from ..outer import OuterStep
 from ..pipeline import PhaseClock
 from .adam import base_optimizer
+from . import state
 from .base import HookBase
 from .bucket import OUTER, BucketKey, bucket_seed
 from .checkpoint import install as install_checkpointing
 
 
 #: keys of the per-step exchange that an outer step does not use (warned about when given)
-IGNORED_KEYS = frozenset({"policy", "auto_probe_steps", "auto_recheck_interval", "min_compress_numel",
-                          "density_warmup_steps", "density_warmup_start", "tensor_min_compress_numel", "compress_1d"})
+IGNORED_KEYS = ("policy", "min_compress_numel", "density_warmup_steps", "density_warmup_start")
 
 
 class LocalStepsUnsupported(ValueError):
@@ -57,7 +60,7 @@ class LocalStepsHook(HookBase):
         # the outer step runs after DeepSpeed has applied or skipped the step: nothing to undo
         self.transactional = False
         self.error_feedback = ErrorFeedback(cfg.error_feedback, transactional=False)
-        self.outer = OuterStep(cfg.outer_lr, cfg.outer_momentum)
+        self.outer = OuterStep(cfg.outer_lr)  # plain outer SGD (an outer momentum measured worse, docs/results.md)
         self._dense_allreduce_gradients = engine.allreduce_gradients
         self._engine_step = engine.step
         self.group = None
@@ -82,6 +85,7 @@ class LocalStepsHook(HookBase):
         self.pipeline(self.group)  # the transport now: a wrong launch fails at initialize
         self.engine.allreduce_gradients = self.allreduce_gradients
         self.engine.step = self.step
+        self._local_norms()
         self.engine.dragonn = self
         install_checkpointing(self)
         cfg = self.cfg
@@ -89,15 +93,38 @@ class LocalStepsHook(HookBase):
                 f"at density {cfg.density} (compressor={self.compressor.name} kernel={cfg.kernel.value} "
                 f"exchange={cfg.exchange.value} error_feedback={cfg.error_feedback})")
         print_dist(f"DRAGONN enabled ({self.hook_name}): {cfg.warmup_steps} dense warm-up steps, then an outer "
-                   f"step every {cfg.local_steps} optimizer steps (outer_lr={cfg.outer_lr} "
-                   f"outer_momentum={cfg.outer_momentum} outer_feedback_decay={cfg.outer_feedback_decay}); the "
+                   f"step every {cfg.local_steps} optimizer steps (outer_lr={cfg.outer_lr}); the "
                    f"pseudo-gradient goes out {sent}; comm_backend={cfg.comm_backend.value}", ranks=[0])
-        ignored = sorted(IGNORED_KEYS & cfg.model_fields_set)
+        ignored = cfg.given(*IGNORED_KEYS)
         if ignored:
             from deepspeed.utils import logger
             logger.warning("DRAGONN: under 'sync': 'local_steps' these keys have no effect (they shape the per-step "
                            "exchange): " + ", ".join(f"'dragonn.{k}'" for k in ignored))
         return self
+
+    def _local(self) -> bool:
+        """Between syncs: the rounds have started (the dense warm-up is over)."""
+        return self.outer.started and int(self.engine.global_steps) >= self.cfg.warmup_steps
+
+    def _local_norms(self) -> None:
+        """Clipping and the overflow check without a collective between syncs (module docstring)."""
+        engine = self.engine
+        dense_clip = engine.clip_fp32_gradients
+
+        def clip_fp32_gradients():
+            if not self._local():
+                return dense_clip()
+            params = [p for p in engine.module.parameters() if p.grad is not None]
+            if params:  # torch's clipping: this rank's own norm
+                torch.nn.utils.clip_grad_norm_(params, max_norm=engine.gradient_clipping())
+        engine.clip_fp32_gradients = clip_fp32_gradients
+        checker = getattr(engine.optimizer, "overflow_checker", None)
+        if checker is not None and callable(getattr(checker, "has_overflow_serial", None)):
+            dense_check = checker.has_overflow
+
+            def has_overflow(params, *args, **kwargs):
+                return checker.has_overflow_serial(params) if self._local() else dense_check(params, *args, **kwargs)
+            checker.has_overflow = has_overflow
 
     # -- the weights -------------------------------------------------------------------------------
     def masters(self) -> List[torch.Tensor]:
@@ -189,7 +216,6 @@ class LocalStepsHook(HookBase):
         deltas = self.outer.pseudo_gradient(masters)
         numel = sum(d.numel() for d in deltas)
         key = BucketKey(OUTER, 0, str(dtype), numel, self._layout(masters))
-        self.error_feedback.rescale_(self.cfg.outer_feedback_decay, key=key)
         stats = None
         if self.cfg.density >= 1.0:
             out = pipeline.reduce_dense(deltas, key, 1.0, 1.0 / world, dtype)
@@ -237,7 +263,60 @@ class LocalStepsHook(HookBase):
 
     def reset_extra_state(self) -> None:
         """No θ_outer: the next step starts the rounds from rank 0's weights as they are then."""
-        self.outer = OuterStep(self.cfg.outer_lr, self.cfg.outer_momentum)
+        self.outer = OuterStep(self.cfg.outer_lr)
+
+    def restore_after_reset(self, saved: dict, reasons: List[str]) -> None:
+        """Saved at another world size (or by another rank): the residuals and this rank's replica do not
+        apply, but θ_outer and the round count do (every rank held the same); :meth:`after_load` restarts
+        every rank from them."""
+        outer = saved.get("outer")
+        if not all(r.startswith(("world size", "rank ")) for r in reasons) or not isinstance(outer, dict):
+            return
+        try:
+            self.outer.load_state_dict({**outer, "velocity": None}, self.masters())
+        except (ValueError, TypeError):
+            self.reset_extra_state()
+
+    @torch.no_grad()
+    def after_load(self, saved_worlds: List[Optional[int]]) -> None:
+        """A checkpoint of another world size: every rank restarts from rank 0's θ_outer (the last synchronised
+        weights) and its round count, one dense allreduce of rank 0's θ_outer and zeros; each rank keeps the
+        inner optimizer state DeepSpeed loaded (rank 0's). The warning names everything that was reset."""
+        rank, world = self.where()
+        saved = {w for w in saved_worlds if w is not None}
+        if not saved or saved == {world}:
+            return
+        masters = self.masters()
+        backend = self.pipeline(self.group).backend
+        info = torch.tensor([float(self.outer.started), float(self.outer.rounds)], dtype=torch.float64)
+        flat = (torch.cat([a.reshape(-1) for a in self.outer.anchor]) if self.outer.started
+                else torch.cat([m.detach().float().reshape(-1) for m in masters]))
+        if world > 1:
+            if rank != 0:
+                info.zero_()
+                flat.zero_()
+            backend.all_reduce_sum_(info)  # x + 0 = x: rank 0's, exactly
+        old = "/".join(str(w) for w in sorted(saved))
+        if not info[0]:
+            state.note(self, f"[rank {rank}] DRAGONN: local steps resumed at world size {world} from a checkpoint of "
+                             f"world size {old} saved before the rounds started: they start at the next local step")
+            return
+        if world > 1:
+            backend.all_reduce_sum_(flat)
+        self.outer = OuterStep(self.cfg.outer_lr)
+        for m, w in zip(masters, segment_views(flat, masters)):
+            m.copy_(w)
+        self.outer.start(masters)
+        self.outer.rounds = int(info[1])
+        self._masters_to_model()
+        steps, warmup, h = int(self.engine.global_steps), self.cfg.warmup_steps, self.cfg.local_steps
+        nxt = steps + (h - (steps - warmup) % h)
+        state.note(self, f"[rank {rank}] DRAGONN: local steps resumed at world size {world} from a checkpoint of "
+                         f"world size {old}: every rank restarts from the last synchronised weights θ_outer (after "
+                         f"outer step {self.outer.rounds}, rank 0's), not from its mid-round local weights; reset: "
+                         f"the pseudo-gradient residuals and each rank's own replica (its local weights and inner "
+                         f"optimizer state: every rank keeps the inner optimizer state DeepSpeed loaded, rank 0's); "
+                         f"the next outer step comes at step {nxt} (a round of {nxt - steps} steps)")
 
     @staticmethod
     def _layout(masters: List[torch.Tensor]) -> str:

@@ -14,11 +14,17 @@ differs, none is silent):
   size or communication dtype: the residuals belong to other buckets or other ranks' gradients; another
   ``gradient_predivide_factor`` or ``prescale_gradients``: they are in other units. They are **reset**
   (start empty);
+* another ``compress`` mode (``gradient`` / ``momentum``) or ``sync`` mode: the residuals hold unsent gradients
+  in one and unsent momenta (or pseudo-gradients) in the other; reused, they moved the weights by 12–42
+  learning rates in one step (issue 34). They are **reset**, with a warning naming both modes;
 * another exchange scheme: the partitioned exchange's server residuals are **folded** into this rank's
   worker residuals at the indices it owned (exact: the same unsent sum goes out with the next
   compressed reduction);
-* another density, compressor, kernel, sample size, warm-up or policy: the residuals are unsent gradients
-  in the same units whatever those settings, so they are **kept**.
+* another density, compressor, kernel, warm-up or policy: the residuals are unsent gradients (or momenta) in
+  the same units whatever those settings, so they are **kept**.
+
+Where the residuals are reset, the hook may still take what applies (:meth:`HookBase.restore_after_reset`:
+under local steps, ``θ_outer``, which every rank held alike).
 """
 from __future__ import annotations
 
@@ -37,11 +43,11 @@ FORMAT = 1
 
 #: Settings of the "dragonn" block whose difference keeps the residuals (they are unsent gradients in the same
 #: units whatever these say); the difference is logged.
-_KEPT_FIELDS = ("density", "compressor", "kernel", "sample_ratio", "min_sample", "table_factor", "warmup_steps",
-                "policy", "auto_probe_steps", "auto_recheck_interval", "min_compress_numel", "seed",
-                "density_warmup_steps", "density_warmup_start", "selection", "tensor_min_compress_numel",
-                "compress_1d", "freeze_adam_variance", "compress", "variance_floor", "variance_refresh_steps",
-                "variance_refresh_decay")
+_KEPT_FIELDS = ("density", "compressor", "kernel", "warmup_steps", "policy", "min_compress_numel",
+                "density_warmup_steps", "density_warmup_start", "variance_refresh_steps", "local_steps", "outer_lr")
+
+#: the modes whose residuals hold different things (``compress`` as resolved at start-up)
+_MODES = ("gradient", "momentum")
 
 
 def describe(hook: Any) -> Dict[str, Any]:
@@ -62,11 +68,6 @@ def describe(hook: Any) -> Dict[str, Any]:
     return {"format": FORMAT, "rank": rank, "world_size": world, "global_steps": int(engine.global_steps),
             "dragonn": hook.cfg.model_dump(mode="json"), "exchange": hook.exchange_name, "bucketing": bucketing,
             "parameters": params}
-
-
-def _lr_weighted(dragonn: Dict[str, Any]) -> bool:
-    """Whether a described run's residuals were learning-rate weighted (the momentum mode's key; absent: no)."""
-    return dragonn.get("compress") == "momentum" and bool(dragonn.get("lr_weighted_residual", False))
 
 
 def compare(saved: Dict[str, Any], current: Dict[str, Any]) -> Tuple[List[str], List[str], List[str]]:
@@ -94,9 +95,13 @@ def compare(saved: Dict[str, Any], current: Dict[str, Any]) -> Tuple[List[str], 
     sd, cd = saved.get("dragonn", {}), current["dragonn"]
     if sd.get("sync", "every_step") != cd.get("sync", "every_step"):  # a gradient residual is no pseudo-gradient's
         reset.append(f"dragonn.sync {sd.get('sync', 'every_step')} (now {cd.get('sync', 'every_step')})")
-    weighted_s, weighted_c = _lr_weighted(sd), _lr_weighted(cd)
-    if weighted_s != weighted_c:  # a residual of (lr_t / lr_ref)-weighted momenta is not one of momenta
-        reset.append(f"dragonn.lr_weighted_residual {weighted_s} (now {weighted_c}): the residuals are in other units")
+    if sd.get("lr_weighted_residual", False):  # a residual of lr-weighted momenta (a removed key) is in other units
+        reset.append("dragonn.lr_weighted_residual true (removed since): the residuals are in other units")
+    ms, mc = sd.get("compress"), cd.get("compress")
+    if ms != mc and ms in _MODES and mc in _MODES:
+        held = {"gradient": "unsent gradients", "momentum": "unsent Adam momenta"}
+        reset.append(f"dragonn.compress {ms} (now {mc}): the residuals hold {held[ms]}, which this mode would "
+                     f"apply as {held[mc]}")
     if sd.get("error_feedback", True) != cd["error_feedback"] and not cd["error_feedback"]:
         reset.append("error_feedback off now")
     ran, runs = saved.get("exchange", sd.get("exchange")), current["exchange"]  # the scheme the hook ran
@@ -149,9 +154,6 @@ def validate(state: Any, where: str) -> None:
     momentum = state.get("momentum")
     if momentum is not None and (not isinstance(momentum, dict) or not isinstance(momentum.get("momenta", {}), dict)):
         raise bad("'momentum' is not a dict with a 'momenta' dict")
-    ref = (momentum or {}).get("reference_lr")
-    if ref is not None and (not isinstance(ref, (int, float)) or isinstance(ref, bool) or not 0.0 < ref < float("inf")):
-        raise bad(f"'momentum.reference_lr' is {ref!r}, not a positive finite number")
     _check_buffers(bad, "residual", ef.get("residuals", {}))
     _check_buffers(bad, "momentum", (momentum or {}).get("momenta", {}))
 
@@ -220,6 +222,7 @@ def load_state_dict(hook: Any, state: dict, source: str = "the state") -> None:
         fold, kept = [], []
     if reset:
         reset_state(hook, f"{source} does not apply here: " + "; ".join(reset))
+        hook.restore_after_reset(state, reset)
         return
     hook.forget_round()
     device = getattr(hook.engine, "device", None)
@@ -230,10 +233,8 @@ def load_state_dict(hook: Any, state: dict, source: str = "the state") -> None:
         hook.variance_freeze.load_state_dict(state.get("variance"))
     if hook.momentum is not None:  # a state saved in the gradient mode has none: the momentum starts at 0
         saved_m = state.get("momentum") or {}
-        if not saved_m.get("momenta") and state["error_feedback"].get("residuals"):
-            kept.append("no local momentum (compress: gradient), so the momentum starts at zero")
-        hook.momentum.load_state_dict({"momenta": {_key(k): v for k, v in saved_m.get("momenta", {}).items()},
-                                       "reference_lr": saved_m.get("reference_lr")}, device)
+        hook.momentum.load_state_dict({"momenta": {_key(k): v for k, v in saved_m.get("momenta", {}).items()}},
+                                      device)
     exchanges = [_exchange_state(ex) for ex in state.get("exchange", [])]
     pipes = hook.pipelines
     for pipe in pipes:
@@ -254,8 +255,9 @@ def load_state_dict(hook: Any, state: dict, source: str = "the state") -> None:
         if hasattr(hook.telemetry, field) and isinstance(value, (int, float)):
             setattr(hook.telemetry, field, value)
     if kept:
+        what = "momenta" if hook.momentum is not None else "gradients"
         note(hook, f"[rank {rank}] DRAGONN: {source} was saved with {'; '.join(kept)}; its residuals are "
-                   f"kept (unsent gradients, in the same units whatever these settings)")
+                   f"kept (unsent {what}, in the same units whatever these settings)")
 
 
 def fold_server_residuals(hook: Any, exchanges: list) -> None:
