@@ -8,7 +8,7 @@ compress → exchange → decode → error-feedback order lives in ``ds_dragonn.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Hashable, List, Optional
+from typing import Any, Dict, Hashable, Optional
 
 import torch
 from deepspeed.utils.logging import print_dist
@@ -22,24 +22,27 @@ from ..feedback import ErrorFeedback
 from ..momentum import LocalMomentum
 from ..pipeline import CompressedAllreduce, ReduceStats
 from ..policy import AutoPolicy
-from ..schedule import UNDECIDED, DensitySchedule
+from ..schedule import DensitySchedule
 from ..telemetry import Telemetry
-from . import state
-from .adam import adam_beta1, optimizer_lr
-from .variance import VarianceFreeze
+from .adam import adam_beta1
 from .decision import BucketDecision
+from .follow import FollowsOptimizer
+from .hook_state import HookState
+from .variance import VarianceFreeze
 from .reporting import Reporter
 from .steps import StepGuard, loss_scale, may_skip_steps
 from .warmup import LrWarmupTracker, resolve_warmup_steps
 
 
-class HookBase:
+class HookBase(FollowsOptimizer, HookState):
     """Per-engine DRAGONN state, installed as ``engine.dragonn``.
 
     Fields: the config (``cfg``); the compressor, error-feedback store and one pipeline per data-parallel
-    group; the bucket decision (``decision``: auto policy, density schedule, segments); the reporter
-    (``reporter``: logs, monitor, :class:`Telemetry` totals); the step transaction (``steps``); the buckets
-    whose residual may hold unsent gradient (``pending``).
+    group; the bucket decision (``decision``: auto policy, density schedule); the reporter (``reporter``:
+    logs, monitor, :class:`Telemetry` totals); the step transaction (``steps``); the buckets whose residual
+    may hold unsent gradient (``pending``). The methods that follow the optimizer (online warm-up, momentum
+    mode) are :class:`~ds_dragonn.engine.follow.FollowsOptimizer`'s, the state methods
+    :class:`~ds_dragonn.engine.hook_state.HookState`'s.
     """
 
     #: what the hook replaces, for the start-up line
@@ -169,52 +172,6 @@ class HookBase:
         self._ordinal += 1
         return self._ordinal - 1
 
-    def _carries_momentum(self, step: int) -> bool:
-        """Momentum mode after the dense warm-up: every reduction of this step, dense ones included, sends
-        the local momentum (the optimizer applies what arrives as the momentum itself)."""
-        if self.momentum is None or self.decision.schedule.dense(step):
-            return False
-        if self.variance_freeze is not None:
-            self.variance_freeze.arm()
-        return True
-
-    def _refreshes(self, step: int) -> bool:
-        """Momentum mode: ``step`` refreshes Adam's frozen variance (``schedule.refresh``): every bucket is
-        reduced densely as the raw gradient (:meth:`_hold_momentum` first), whatever the decision."""
-        freeze = self.variance_freeze  # without its optimizer pre-hook nothing would zero the step's update
-        return freeze is not None and freeze.active and self.momentum is not None and self.decision.schedule.refresh(step)
-
-    def _hold_momentum(self, key: Hashable, tensors, dtype: torch.dtype, prescale: float) -> None:
-        """A variance-refresh step, before DeepSpeed's dense reduction of the raw gradients: fold them into the
-        local momentum and add this step's momentum to the residual, unsent (it goes out with later steps;
-        transactional like every residual update)."""
-        self.variance_freeze.arm()
-        held, pre = self.momentum.update(key, tensors, dtype, prescale)
-        self.error_feedback.compensate_(key, held, dtype, pre)
-        self.pending.add(key)
-
-    def _follow_optimizer(self) -> None:
-        """At the start of every reduction: ``"warmup_steps": "auto"`` without a readable scheduler decides
-        the end of the dense warm-up from this step's learning rate (``LrWarmupTracker``). Momentum mode: the
-        local momentum follows the optimizer's current β1 (a scheduler may cycle it, e.g. OneCycle)."""
-        tracker = self.warmup_tracker
-        if tracker is not None and tracker.end is None:
-            lr = optimizer_lr(self.engine) if hasattr(self.engine, "optimizer") else None
-            if tracker.observe(int(self.engine.global_steps), lr) is not None:
-                self._end_warmup(tracker.end, log=True)
-        if self.momentum is None:
-            return
-        beta1 = adam_beta1(self.engine) if hasattr(self.engine, "optimizer") else None
-        if beta1 is not None and 0.0 < beta1 < 1.0:
-            self.momentum.beta = beta1
-
-    def _track_momentum(self, pipeline: CompressedAllreduce, key: Hashable, tensors, dtype: torch.dtype,
-                        prescale: float) -> None:
-        """Momentum mode, dense warm-up: fold the local gradients into the local momentum (sent from the
-        first compressed step on, so that it does not start from zero)."""
-        if self.momentum is not None and tensors:
-            self.momentum.update(key, tensors, dtype, prescale)
-
     def _record_dense(self, key: Hashable, numel: int, itemsize: int, world: int, ms: float, fixed: bool,
                       dense_bytes: Optional[int] = None) -> None:
         self.decision.record_dense(key, ms, fixed)
@@ -231,85 +188,3 @@ class HookBase:
         if decided is not None:
             self.reporter.decided(ordinal, stats.numel, decided)
         self.reporter.compressed(stats, step)
-
-    # -- state (engine/state.py) -------------------------------------------------------------------
-    @property
-    def pipelines(self) -> List[CompressedAllreduce]:
-        """The pipelines built so far, one per data-parallel group, in creation order."""
-        return list(self._pipelines.values())
-
-    def where(self) -> tuple:
-        """(rank, world size) of this hook's data-parallel group."""
-        backend = next(iter(self._pipelines.values())).backend if self._pipelines else None
-        if backend is not None:
-            return backend.rank, backend.world_size
-        import torch.distributed as dist  # before the first reduction (a save at step 0): DeepSpeed's group
-        if dist.is_available() and dist.is_initialized():
-            group = getattr(self.engine, "data_parallel_group", None)
-            return dist.get_rank(group=group), dist.get_world_size(group=group)
-        return 0, 1
-
-    def state_dict(self) -> dict:
-        """This rank's DRAGONN state: residuals (the partitioned exchange's server residuals too), the
-        buckets that may hold unsent gradient, telemetry totals, and the description of the run they belong
-        to (:func:`ds_dragonn.engine.state.describe`). Each rank holds its own: ``engine.save_checkpoint``
-        writes one file per rank (``engine/checkpoint.py``)."""
-        return state.state_dict(self)
-
-    #: whether ``"warmup_steps": "auto"`` may follow the learning rate online (else: the scheduler or 30)
-    follows_lr = True
-
-    def _end_warmup(self, end: int, log: bool = False) -> None:
-        """The dense warm-up decided online ends at step ``end``: the schedule and the variance freeze follow."""
-        self.decision.schedule.warmup_steps = end
-        if self.variance_freeze is not None:
-            self.variance_freeze.freeze_step = end
-        if log:
-            rise = self.warmup_tracker.last_rise
-            why = f"the learning rate rose until step {rise}" if rise else "the learning rate did not rise"
-            ramp = self.decision.schedule
-            then = (f"; then the density falls to {ramp.density:g} over {ramp.steps} steps" if ramp.steps else "")
-            print_dist(f"DRAGONN: warmup_steps 'auto': {why}; the dense warm-up ends at step {end} "
-                       f"(max(30, 2 x {rise})){then}", ranks=[0])
-
-    def load_warmup_state(self, saved: Optional[dict]) -> None:
-        """Restore the online warm-up decision (``state_dict()["warmup"]``) where this hook follows one."""
-        if self.warmup_tracker is None:
-            return
-        self.warmup_tracker.load_state_dict(saved)
-        self._end_warmup(UNDECIDED if self.warmup_tracker.end is None else self.warmup_tracker.end)
-
-    def extra_state(self) -> dict:
-        """Parts of this rank's state that only some hooks have (merged into :meth:`state_dict`)."""
-        return {}
-
-    def load_extra_state(self, saved: dict) -> None:
-        """Restore :meth:`extra_state` from a saved state that applies here (after the residuals)."""
-
-    def reset_extra_state(self) -> None:
-        """:meth:`extra_state` starts afresh (a state that does not apply here, or a warm start)."""
-
-    def restore_after_reset(self, saved: dict, reasons: List[str]) -> None:
-        """A saved state was reset for ``reasons`` (``engine/state.py``): take from it what still applies."""
-
-    def after_load(self, saved_worlds: List[Optional[int]]) -> None:
-        """After every rank applied its state file (collective, on every rank): ``saved_worlds`` is each
-        rank's saved world size (None: no file)."""
-
-    def reset_state(self, why: str) -> None:
-        """Start with empty residuals (and no pending flush), with a warning saying why."""
-        state.reset_state(self, why)
-
-    def load_state_dict(self, saved: dict, source: str = "the state") -> None:
-        """Restore :meth:`state_dict` of this rank, by the rules of ``engine/state.py``: residuals saved by
-        another rank, world size, model, bucketing or gradient scaling are reset, server residuals saved
-        under another exchange are folded into the worker residuals, other setting changes keep them; each
-        case logs a warning naming what differs. Any open step transaction is dropped and bucket ordinals
-        count from 0 again (a load in the middle of a run starts a fresh round).
-
-        Raises:
-            ValueError: ``saved`` is not a valid DRAGONN state (:func:`~ds_dragonn.engine.state.validate`:
-                a missing or malformed part, a newer format, a residual that is not a finite 1-D float tensor
-                of its bucket's length and residual dtype), naming ``source`` and what is wrong.
-        """
-        state.load_state_dict(self, saved, source)

@@ -35,10 +35,11 @@ from ..feedback import ErrorFeedback, segment_views
 from ..outer import OuterStep
 from ..pipeline import PhaseClock
 from .adam import base_optimizer
-from . import state
 from .base import HookBase
 from .bucket import OUTER, BucketKey, bucket_seed
 from .checkpoint import install as install_checkpointing
+from .local_norms import install_local_norms
+from .local_resume import keep_outer, restart_from_outer
 
 
 #: keys of the per-step exchange that an outer step does not use (warned about when given)
@@ -65,19 +66,7 @@ class LocalStepsHook(HookBase):
         self._engine_step = engine.step
         self.group = None
         self.optimizer = base_optimizer(engine)
-        self._check_optimizer()
-
-    def _check_optimizer(self) -> None:
-        from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-        wrapper = getattr(self.engine, "optimizer", None)
-        if isinstance(wrapper, BF16_Optimizer):
-            raise LocalStepsUnsupported(
-                "'dragonn.sync': 'local_steps' needs every rank's full fp32 master weights, but this engine runs "
-                "DeepSpeed's BF16_Optimizer (bf16 with 'data_types.grad_accum_dtype': 'fp32'), which partitions them "
-                "across the ranks. Drop 'grad_accum_dtype' or use 'sync': 'every_step'")
-        if self.optimizer is None or not self.masters():
-            raise LocalStepsUnsupported(f"'dragonn.sync': 'local_steps' needs a torch optimizer inside the engine; "
-                                        f"found {type(wrapper).__name__}")
+        _check_optimizer(engine, self.optimizer, self.masters)
 
     def install(self) -> "LocalStepsHook":
         from deepspeed.utils import groups
@@ -85,7 +74,7 @@ class LocalStepsHook(HookBase):
         self.pipeline(self.group)  # the transport now: a wrong launch fails at initialize
         self.engine.allreduce_gradients = self.allreduce_gradients
         self.engine.step = self.step
-        self._local_norms()
+        install_local_norms(self.engine, self._local)
         self.engine.dragonn = self
         install_checkpointing(self)
         cfg = self.cfg
@@ -105,26 +94,6 @@ class LocalStepsHook(HookBase):
     def _local(self) -> bool:
         """Between syncs: the rounds have started (the dense warm-up is over)."""
         return self.outer.started and int(self.engine.global_steps) >= self.cfg.warmup_steps
-
-    def _local_norms(self) -> None:
-        """Clipping and the overflow check without a collective between syncs (module docstring)."""
-        engine = self.engine
-        dense_clip = engine.clip_fp32_gradients
-
-        def clip_fp32_gradients():
-            if not self._local():
-                return dense_clip()
-            params = [p for p in engine.module.parameters() if p.grad is not None]
-            if params:  # torch's clipping: this rank's own norm
-                torch.nn.utils.clip_grad_norm_(params, max_norm=engine.gradient_clipping())
-        engine.clip_fp32_gradients = clip_fp32_gradients
-        checker = getattr(engine.optimizer, "overflow_checker", None)
-        if checker is not None and callable(getattr(checker, "has_overflow_serial", None)):
-            dense_check = checker.has_overflow
-
-            def has_overflow(params, *args, **kwargs):
-                return checker.has_overflow_serial(params) if self._local() else dense_check(params, *args, **kwargs)
-            checker.has_overflow = has_overflow
 
     # -- the weights -------------------------------------------------------------------------------
     def masters(self) -> List[torch.Tensor]:
@@ -266,62 +235,33 @@ class LocalStepsHook(HookBase):
         self.outer = OuterStep(self.cfg.outer_lr)
 
     def restore_after_reset(self, saved: dict, reasons: List[str]) -> None:
-        """Saved at another world size (or by another rank): the residuals and this rank's replica do not
-        apply, but θ_outer and the round count do (every rank held the same); :meth:`after_load` restarts
-        every rank from them."""
-        outer = saved.get("outer")
-        if not all(r.startswith(("world size", "rank ")) for r in reasons) or not isinstance(outer, dict):
-            return
-        try:
-            self.outer.load_state_dict({**outer, "velocity": None}, self.masters())
-        except (ValueError, TypeError):
-            self.reset_extra_state()
+        """Saved at another world size (or by another rank): keep θ_outer and the round count
+        (``local_resume.keep_outer``)."""
+        keep_outer(self, saved, reasons)
 
-    @torch.no_grad()
     def after_load(self, saved_worlds: List[Optional[int]]) -> None:
-        """A checkpoint of another world size: every rank restarts from rank 0's θ_outer (the last synchronised
-        weights) and its round count, one dense allreduce of rank 0's θ_outer and zeros; each rank keeps the
-        inner optimizer state DeepSpeed loaded (rank 0's). The warning names everything that was reset."""
-        rank, world = self.where()
-        saved = {w for w in saved_worlds if w is not None}
-        if not saved or saved == {world}:
-            return
-        masters = self.masters()
-        backend = self.pipeline(self.group).backend
-        info = torch.tensor([float(self.outer.started), float(self.outer.rounds)], dtype=torch.float64)
-        flat = (torch.cat([a.reshape(-1) for a in self.outer.anchor]) if self.outer.started
-                else torch.cat([m.detach().float().reshape(-1) for m in masters]))
-        if world > 1:
-            if rank != 0:
-                info.zero_()
-                flat.zero_()
-            backend.all_reduce_sum_(info)  # x + 0 = x: rank 0's, exactly
-        old = "/".join(str(w) for w in sorted(saved))
-        if not info[0]:
-            state.note(self, f"[rank {rank}] DRAGONN: local steps resumed at world size {world} from a checkpoint of "
-                             f"world size {old} saved before the rounds started: they start at the next local step")
-            return
-        if world > 1:
-            backend.all_reduce_sum_(flat)
-        self.outer = OuterStep(self.cfg.outer_lr)
-        for m, w in zip(masters, segment_views(flat, masters)):
-            m.copy_(w)
-        self.outer.start(masters)
-        self.outer.rounds = int(info[1])
-        self._masters_to_model()
-        steps, warmup, h = int(self.engine.global_steps), self.cfg.warmup_steps, self.cfg.local_steps
-        nxt = steps + (h - (steps - warmup) % h)
-        state.note(self, f"[rank {rank}] DRAGONN: local steps resumed at world size {world} from a checkpoint of "
-                         f"world size {old}: every rank restarts from the last synchronised weights θ_outer (after "
-                         f"outer step {self.outer.rounds}, rank 0's), not from its mid-round local weights; reset: "
-                         f"the pseudo-gradient residuals and each rank's own replica (its local weights and inner "
-                         f"optimizer state: every rank keeps the inner optimizer state DeepSpeed loaded, rank 0's); "
-                         f"the next outer step comes at step {nxt} (a round of {nxt - steps} steps)")
+        """A checkpoint of another world size: every rank restarts from rank 0's θ_outer
+        (``local_resume.restart_from_outer``)."""
+        restart_from_outer(self, saved_worlds)
 
     @staticmethod
     def _layout(masters: List[torch.Tensor]) -> str:
         import hashlib
         return hashlib.blake2b(repr([tuple(m.shape) for m in masters]).encode(), digest_size=8).hexdigest()
+
+
+def _check_optimizer(engine: Any, optimizer: Any, masters: Any) -> None:
+    """Refuse an engine whose optimizer does not keep every rank's full fp32 master weights."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    wrapper = getattr(engine, "optimizer", None)
+    if isinstance(wrapper, BF16_Optimizer):
+        raise LocalStepsUnsupported(
+            "'dragonn.sync': 'local_steps' needs every rank's full fp32 master weights, but this engine runs "
+            "DeepSpeed's BF16_Optimizer (bf16 with 'data_types.grad_accum_dtype': 'fp32'), which partitions them "
+            "across the ranks. Drop 'grad_accum_dtype' or use 'sync': 'every_step'")
+    if optimizer is None or not masters():
+        raise LocalStepsUnsupported(f"'dragonn.sync': 'local_steps' needs a torch optimizer inside the engine; "
+                                    f"found {type(wrapper).__name__}")
 
 
 def check_local_steps_hook_point(engine_cls: Optional[type] = None) -> None:
