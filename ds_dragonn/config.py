@@ -44,6 +44,12 @@ class ExchangeScheme(str, Enum):
     partitioned = "partitioned"  # sparse reduce-scatter to balanced owners + server residual + allgather
 
 
+class Hierarchy(str, Enum):
+    auto = "auto"  # node when the launcher reports several nodes of several ranks each, else flat (logged)
+    flat = "flat"  # every rank selects over the whole bucket and exchanges with every rank
+    node = "node"  # dense reduce-scatter inside the node, compressed exchange across nodes, allgather inside
+
+
 class Policy(str, Enum):
     auto = "auto"  # compress a bucket only where it measured faster than the dense allreduce
     always = "always"  # compress every bucket above min_compress_numel after the warm-up
@@ -130,6 +136,10 @@ class AdvancedConfig(BaseModel):
     cuda_aware: bool = Field(False, strict=True)
     """``comm_backend: mpi`` only: hand device buffers to MPI directly (true) or stage them through host memory."""
 
+    ranks_per_node: Optional[int] = Field(None, ge=1, strict=True)
+    """Ranks per node for ``hierarchy`` (None: the launcher's ``LOCAL_SIZE``); ranks must be laid out node by
+    node (ranks ``i·L … i·L + L − 1`` on node ``i``), as the deepspeed launcher assigns them."""
+
     @model_validator(mode="before")
     @classmethod
     def _refuse_removed(cls, data: Any) -> Any:
@@ -208,6 +218,11 @@ class DragonnConfig(DeepSpeedConfigModel):
     min_compress_numel: int = Field(1 << 16, ge=0, strict=True)
     """Buckets with fewer elements go through DeepSpeed's dense reduction."""
 
+    hierarchy: Hierarchy = Hierarchy.auto
+    """``node``: sum each bucket densely inside the node, compress one shard per rank across nodes, gather it
+    back inside the node (ZeRO 0, torch backend). ``flat``: every rank exchanges with every rank. ``auto``:
+    ``node`` on several nodes of several ranks (the launcher's ``LOCAL_SIZE``), else ``flat`` (logged)."""
+
     comm_backend: CommBackendName = CommBackendName.torch
     """Collectives: ``torch`` (deepspeed.comm; NCCL on GPU, gloo on CPU) or ``mpi`` (mpi4py)."""
 
@@ -238,6 +253,7 @@ class DragonnConfig(DeepSpeedConfigModel):
     density_warmup_start = _delegate("density_warmup_start", "``advanced.density_warmup_start``.")
     variance_refresh_steps = _delegate("variance_refresh_steps", "``advanced.variance_refresh_steps``.")
     cuda_aware = _delegate("cuda_aware", "``advanced.cuda_aware``.")
+    ranks_per_node = _delegate("ranks_per_node", "``advanced.ranks_per_node``.")
     sample_ratio = _constant("sample_ratio")
     min_sample = _constant("min_sample")
     table_factor = _constant("table_factor")

@@ -27,6 +27,7 @@ from ..telemetry import Telemetry
 from .adam import adam_beta1
 from .decision import BucketDecision
 from .follow import FollowsOptimizer
+from .pipelines import build_pipeline
 from .hook_state import HookState
 from .variance import VarianceFreeze
 from .reporting import Reporter
@@ -47,6 +48,10 @@ class HookBase(FollowsOptimizer, HookState):
 
     #: what the hook replaces, for the start-up line
     hook_name = "base"
+    #: whether ``hierarchy`` may resolve to the node-aware pipeline (engine/pipelines.py)
+    supports_hierarchy = False
+    #: the node layout of the node-aware pipeline (None: flat), set when the first pipeline is built
+    layout = None
 
     @property
     def exchange_name(self) -> str:
@@ -141,8 +146,7 @@ class HookBase(FollowsOptimizer, HookState):
         if key not in self._pipelines:
             self._apply_timeout(group)
             backend: CommBackend = build_backend(self.cfg, group)
-            self._pipelines[key] = CompressedAllreduce(self.compressor, backend, self.error_feedback,
-                                                       self._build_exchange(backend), self.momentum)
+            self._pipelines[key] = build_pipeline(self, backend)  # flat, or node-aware (hierarchy)
         return self._pipelines[key]
 
     def _apply_timeout(self, group: Any) -> None:

@@ -36,13 +36,14 @@ class FollowsOptimizer:
         freeze = self.variance_freeze  # without its optimizer pre-hook nothing would zero the step's update
         return freeze is not None and freeze.active and self.momentum is not None and self.decision.schedule.refresh(step)
 
-    def _hold_momentum(self, key: Hashable, tensors, dtype: torch.dtype, prescale: float) -> None:
+    def _hold_momentum(self, key: Hashable, tensors, dtype: torch.dtype, prescale: float, pipeline=None) -> None:
         """A variance-refresh step, before DeepSpeed's dense reduction of the raw gradients: fold them into the
         local momentum and add this step's momentum to the residual, unsent (it goes out with later steps;
         transactional like every residual update)."""
         self.variance_freeze.arm()
-        held, pre = self.momentum.update(key, tensors, dtype, prescale)
-        self.error_feedback.compensate_(key, held, dtype, pre)
+        skey, tensors, prescale = _shard_view(pipeline, key, tensors, prescale)
+        held, pre = self.momentum.update(skey, tensors, dtype, prescale)
+        self.error_feedback.compensate_(skey, held, dtype, pre)
         self.pending.add(key)
 
     def _follow_optimizer(self) -> None:
@@ -65,7 +66,8 @@ class FollowsOptimizer:
         """Momentum mode, dense warm-up: fold the local gradients into the local momentum (sent from the
         first compressed step on, so that it does not start from zero)."""
         if self.momentum is not None and tensors:
-            self.momentum.update(key, tensors, dtype, prescale)
+            skey, tensors, prescale = _shard_view(pipeline, key, tensors, prescale)
+            self.momentum.update(skey, tensors, dtype, prescale)
 
     #: whether ``"warmup_steps": "auto"`` may follow the learning rate online (else: the scheduler or 30)
     follows_lr = True
@@ -89,3 +91,11 @@ class FollowsOptimizer:
             return
         self.warmup_tracker.load_state_dict(saved)
         self._end_warmup(UNDECIDED if self.warmup_tracker.end is None else self.warmup_tracker.end)
+
+
+def _shard_view(pipeline, key: Hashable, tensors, prescale: float) -> tuple:
+    """``(key, tensors, prescale)`` as the pipeline keeps its residuals and momenta: unchanged for the flat
+    pipeline, this rank's shard of the node's sum for the node-aware one (``NodeAllreduce.shard_view``: one
+    dense allreduce inside the node)."""
+    view = getattr(pipeline, "shard_view", None)
+    return (key, tensors, prescale) if view is None else view(key, tensors, prescale)

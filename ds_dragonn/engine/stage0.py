@@ -43,6 +43,7 @@ def reduction_scales(engine: Any, dp_world_size: float) -> Scales:
 class Stage0Hook(HookBase):
     """ZeRO stage 0: compresses ``DeepSpeedEngine.allreduce_bucket`` / ``allreduce_and_copy``."""
 
+    supports_hierarchy = True  # engine/pipelines.py: the node-aware pipeline
     hook_name = "ZeRO stage 0 allreduce"
 
     def __init__(self, engine: Any, cfg):
@@ -94,7 +95,7 @@ class Stage0Hook(HookBase):
         key = BucketKey(ALLREDUCE, ordinal, str(comm_dtype), numel, self._layout(bucket))
         if self._refreshes(step):  # momentum mode: the raw gradient, densely, refreshes Adam's variance
             clock = PhaseClock(bucket[0].device)
-            self._hold_momentum(key, bucket, comm_dtype, reduction_scales(engine, dp_world_size).prescale)
+            self._hold_momentum(key, bucket, comm_dtype, reduction_scales(engine, dp_world_size).prescale, pipeline)
             out = self._dense_allreduce_bucket(bucket, dp_group, dp_world_size)
             self._record_dense(key, numel, comm_dtype.itemsize, world, clock.lap(), True)
             return out

@@ -1,0 +1,77 @@
+"""The pipeline a hook reduces a data-parallel group's buckets with: flat, or node-aware (``hierarchy``).
+
+``hierarchy`` ``auto`` resolves to the node-aware pipeline (``ds_dragonn/hierarchy.py``) on several nodes of
+several ranks where the hook supports it (ZeRO stage 0, every step, ``comm_backend: torch``, the
+data-parallel group being the world), else to the flat one; the choice and its reason are logged once.
+``node`` where it cannot run is refused at ``initialize``, naming the reason.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from deepspeed.utils.logging import print_dist
+
+from ..comm import build_backend
+from ..comm.base import CommBackend
+from ..comm.topology import NodeLayout, node_groups, resolve_layout
+from ..config import CommBackendName, Hierarchy
+from ..hierarchy import NodeAllreduce
+from ..pipeline import CompressedAllreduce
+
+
+class HierarchyUnsupported(ValueError):
+    """``hierarchy: node`` where the node-aware exchange cannot run (the message says why)."""
+
+
+def _unsupported(hook: Any, backend: CommBackend) -> Optional[str]:
+    """Why this hook cannot run the node-aware exchange on ``backend``'s group, or None."""
+    if not getattr(hook, "supports_hierarchy", False):
+        return f"the node-aware exchange runs at ZeRO stage 0 with 'sync': 'every_step' only (this is {hook.hook_name})"
+    if hook.cfg.comm_backend != CommBackendName.torch:
+        return "the node-aware exchange runs over 'comm_backend': 'torch' only"
+    import deepspeed.comm as dist
+    if backend.world_size != dist.get_world_size():
+        return (f"the data-parallel group ({backend.world_size} ranks) is not the world ({dist.get_world_size()}): "
+                f"model or sequence parallelism")
+    return None
+
+
+def node_layout(hook: Any, backend: CommBackend) -> Optional[NodeLayout]:
+    """The node layout this hook's pipeline runs on (None: flat), decided once and logged.
+
+    Raises:
+        HierarchyUnsupported: ``hierarchy: node`` where it cannot run (``_unsupported``, or not several
+            nodes of several ranks).
+    """
+    mode = hook.cfg.hierarchy
+    if mode == Hierarchy.flat:
+        return None
+    why = _unsupported(hook, backend) if backend.world_size > 1 else "one rank"
+    if why is not None:
+        if mode == Hierarchy.node:
+            raise HierarchyUnsupported(f"'dragonn.hierarchy': 'node': {why}; use 'hierarchy': 'flat' or 'auto'")
+        print_dist(f"DRAGONN: hierarchy 'auto' -> flat: {why}", ranks=[0])
+        return None
+    try:
+        resolved = resolve_layout(mode.value, backend, hook.cfg.ranks_per_node)
+    except ValueError as err:
+        raise HierarchyUnsupported(str(err)) from None
+    print_dist(f"DRAGONN: hierarchy '{mode.value}' -> {resolved.reason}", ranks=[0])
+    return resolved.layout
+
+
+def build_pipeline(hook: Any, backend: CommBackend) -> Any:
+    """A :class:`~ds_dragonn.pipeline.CompressedAllreduce` over ``backend``, or a
+    :class:`~ds_dragonn.hierarchy.NodeAllreduce` whose shard pipeline runs over the ranks of this local index."""
+    layout = node_layout(hook, backend)
+    hook.layout = layout
+    if layout is None:
+        return CompressedAllreduce(hook.compressor, backend, hook.error_feedback, hook._build_exchange(backend),
+                                   hook.momentum)
+    node_group, cross_group = node_groups(layout)
+    cross = build_backend(hook.cfg, cross_group)
+    shard = CompressedAllreduce(hook.compressor, cross, hook.error_feedback, hook._build_exchange(cross), hook.momentum)
+    return NodeAllreduce(shard, build_backend(hook.cfg, node_group), backend, layout)
+
+
+__all__ = ["HierarchyUnsupported", "build_pipeline", "node_layout"]

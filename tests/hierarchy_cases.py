@@ -1,0 +1,103 @@
+"""Multi-rank cases of the node-aware exchange (``hierarchy: node``, ds_dragonn/hierarchy.py), for
+``tests/test_hierarchy.py``; executed inside each rank by ``tests.multiproc.run_ranks`` with ``LOCAL_SIZE``
+set, as the deepspeed launcher sets it, so that 4 ranks on one host are 2 nodes of 2 ranks."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from tests.engines import init_distributed, train_mlp, zero_config
+
+#: pipeline cases: (exchange, numel, density); float64 buckets. 1001 is not divisible by 2 ranks per node,
+#: 7 gives shards below one pair's worth, 0 is empty
+PIPE_CASES = [("allgather", 1000, 0.05), ("partitioned", 1001, 0.05), ("allgather", 7, 0.5), ("allgather", 0, 0.1),
+              ("allgather", 1000, 1.0)]
+STEPS = 4
+
+
+def set_layout(rank: int, per_node: int) -> None:
+    """What the deepspeed launcher exports on a node of ``per_node`` ranks."""
+    os.environ["LOCAL_SIZE"] = str(per_node)
+    os.environ["LOCAL_RANK"] = str(rank % per_node)
+
+
+def grad(case: int, rank: int, step: int, numel: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * case + 10 * step + rank)
+    return torch.randn(numel, generator=g, dtype=torch.float64) * (1.0 + step)
+
+
+def pipeline_runs(rank: int, world: int, out_dir: str) -> None:
+    """The node-aware and the flat pipeline on the same float64 buckets: every step's output and bytes, and the
+    residuals at the end (worker and, partitioned, server)."""
+    set_layout(rank, 2)
+    init_distributed()
+    from ds_dragonn.comm.topology import node_groups, resolve_layout
+    from ds_dragonn.comm.torch_backend import TorchCommBackend
+    from ds_dragonn.compress import DragonnCompressor
+    from ds_dragonn.exchange import AllgatherExchange, PartitionedExchange
+    from ds_dragonn.feedback import ErrorFeedback
+    from ds_dragonn.hierarchy import NodeAllreduce
+    from ds_dragonn.pipeline import CompressedAllreduce
+
+    full = TorchCommBackend()
+    layout = resolve_layout("auto", full).layout
+    node_group, cross_group = node_groups(layout)
+    node, cross = TorchCommBackend(node_group), TorchCommBackend(cross_group)
+
+    def exchange(name, backend, density):
+        return (PartitionedExchange(backend, DragonnCompressor(density, min_sample=64)) if name == "partitioned"
+                else AllgatherExchange(backend))
+    out = {"layout": (layout.nodes, layout.ranks_per_node, layout.node, layout.local_rank), "cases": []}
+    for c, (name, numel, density) in enumerate(PIPE_CASES):
+        runs = {}
+        for kind in ("node", "flat"):
+            ef = ErrorFeedback(True)
+            if kind == "node":
+                inner = CompressedAllreduce(DragonnCompressor(density, min_sample=64), cross, ef,
+                                            exchange(name, cross, density))
+                pipe = NodeAllreduce(inner, node, full, layout)
+            else:
+                pipe = CompressedAllreduce(DragonnCompressor(density, min_sample=64), full, ef,
+                                           exchange(name, full, density))
+            applied, sent = [], []
+            for step in range(STEPS):
+                o, stats = pipe.reduce([grad(c, rank, step, numel)], ("b", c), seed=7 * step, postscale=1.0 / world)
+                applied.append(o.clone())
+                sent.append(stats.bytes_sent)
+                ef.end_step(True)
+            server = getattr(pipe.exchange, "server", None)
+            runs[kind] = {"applied": applied, "sent": sent,
+                          "residuals": {str(k): v.clone() for k, v in ef.residuals.items()},
+                          "server": {str(k): v.clone() for k, v in (server.residuals if server else {}).items()}}
+        out["cases"].append(runs)
+    torch.save(out, Path(out_dir) / f"hpipe_rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+_H = {"enabled": True, "density": 0.05, "hierarchy": "node", "warmup_steps": 2}
+#: engine runs at ZeRO 0, 2 nodes x 2 ranks: the gradient and the momentum mode (Adam), density 1.0 against
+#: the dense engine, and the flat exchange for comparison
+ENGINE_RUNS = {
+    "gradient": zero_config(0, {**_H, "compress": "gradient"}),
+    "momentum": {**zero_config(0, {**_H, "compress": "momentum", "advanced": {"variance_refresh_steps": 3}}),
+                 "gradient_clipping": 0.0},
+    "bf16_partitioned": zero_config(0, {**_H, "compress": "gradient", "exchange": "partitioned"}, bf16=True),
+    "dense_d1": {**zero_config(0, {**_H, "density": 1.0, "compress": "gradient"}), "gradient_clipping": 0.0},
+    "dense": {**zero_config(0, None), "gradient_clipping": 0.0},
+}
+LAYERS = (32, 64, 10)
+
+
+def engine_runs(rank: int, world: int, out_dir: str) -> None:
+    set_layout(rank, 2)
+    init_distributed()
+    out = {}
+    for name, cfg in ENGINE_RUNS.items():
+        engine, hook = train_mlp(cfg, rank, LAYERS, 8)
+        out[name] = {"params": [p.detach().float().clone() for p in engine.module.parameters()],
+                     "layout": str(getattr(hook, "layout", None)) if hook else None,
+                     "telemetry": hook.telemetry.summary() if hook else None}
+    torch.save(out, Path(out_dir) / f"hengine_rank{rank}.pt")
+    torch.distributed.destroy_process_group()
