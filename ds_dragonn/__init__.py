@@ -173,7 +173,11 @@ def _initialize(ds_initialize: Any, *args: Any, **kwargs: Any):
             except LocalStepsUnsupported as err:
                 raise DragonnUnsupportedError(str(err)) from None
         elif stage == 0:
-            Stage0Hook(engine, cfg).install()
+            from .engine.pipelines import HierarchyUnsupported
+            try:
+                Stage0Hook(engine, cfg).install()
+            except HierarchyUnsupported as err:  # every rank reached the same decision (a gathered layout)
+                raise DragonnUnsupportedError(str(err)) from None
         elif stage in (1, 2) and hasattr(engine.optimizer, "average_tensor"):
             if not engine.optimizer.reduce_scatter:
                 raise DragonnUnsupportedError(_NO_REDUCE_SCATTER)
@@ -271,6 +275,9 @@ def _check_zero(stage: int, zero: dict, ds_config: dict, cfg: Optional[DragonnCo
     """Refuse what the hooks do not cover, before DeepSpeed starts (a clear error instead of a wrong result)."""
     if cfg is not None and cfg.sync == SyncMode.local_steps and stage != 0:
         raise DragonnUnsupportedError(_LOCAL_STEPS_ZERO.format(stage=stage))
+    if cfg is not None and cfg.hierarchy.value == "node" and stage != 0:
+        raise DragonnUnsupportedError(f"'dragonn.hierarchy': 'node' runs at ZeRO stage 0 only for now; "
+                                      f"'zero_optimization.stage' is {stage}. Use 'hierarchy': 'auto' or 'flat'")
     if stage >= 3:
         raise DragonnUnsupportedError(
             f"'dragonn' compresses the gradient reduction of ZeRO stages 0, 1 and 2; 'zero_optimization.stage' is "

@@ -284,6 +284,7 @@ class DragonnConfig(DeepSpeedConfigModel):
     def _check_combinations(self) -> "DragonnConfig":
         _check_sync(self)
         _check_momentum(self)
+        _check_hierarchy(self)
         _check_backend(self)
         return self
 
@@ -326,6 +327,18 @@ def _check_momentum(cfg: DragonnConfig) -> None:
         if given:
             raise ValueError(f"'{given[0]}' applies to 'compress': 'momentum' (or 'auto') only; remove it or "
                              f"change 'compress'")
+
+
+def _check_hierarchy(cfg: DragonnConfig) -> None:
+    """``hierarchy: node`` where the node-aware exchange does not run yet is refused (``auto`` falls back)."""
+    if cfg.hierarchy != Hierarchy.node:
+        return
+    if cfg.sync == SyncMode.local_steps:
+        raise ValueError("'hierarchy': 'node' applies to 'sync': 'every_step' only (local steps exchange the "
+                         "pseudo-gradient flat); use 'hierarchy': 'auto' or 'flat'")
+    if cfg.comm_backend != CommBackendName.torch:
+        raise ValueError("'hierarchy': 'node' runs over 'comm_backend': 'torch' only; use 'hierarchy': 'auto' or "
+                         "'flat' with 'mpi'")
 
 
 def _check_sync(cfg: DragonnConfig) -> None:

@@ -62,6 +62,15 @@ def test_accuracy(engine, x_te, y_te, device, dtype) -> float:
     return (pred == y_te).float().mean().item()
 
 
+def weights_agree(model: torch.nn.Module) -> bool:
+    """Whether every rank holds bit-identical weights (a digest of each rank's, gathered: collective)."""
+    import hashlib
+    digest = hashlib.sha256(b"".join(p.detach().float().cpu().numpy().tobytes() for p in model.parameters()))
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, digest.hexdigest())
+    return len(set(everyone)) == 1
+
+
 def main():
     args = get_args()
     setup_mpi_env()  # under mpirun: RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR=127.0.0.1/MASTER_PORT from MPI's vars
@@ -117,7 +126,9 @@ def main():
                "density": dragonn.cfg.density if dragonn else 1.0, "test_accuracy": acc,
                "exchange": dragonn.exchange_name if dragonn else None,
                "zero_stage": int(engine.zero_optimization_stage()),
-               "final_loss": last_loss, "wall_s": time.time() - t0}
+               "final_loss": last_loss, "wall_s": time.time() - t0,
+               "hierarchy": str(dragonn.layout) if dragonn is not None and dragonn.layout is not None else "flat",
+               "ranks_in_sync": weights_agree(model)}
     finish(summary, dragonn, model, world, rank, f"test_accuracy {acc:.4f} | final_loss {last_loss:.4f}",
            args.summary)
 

@@ -141,3 +141,50 @@ def test_convergence_quick_sweep(tmp_path):
             assert (r["warmup"]["warmup_steps"] == 0) == (r["run"] == "legacy_0.01")
     assert "| dragonn_0.01 |" in (out / "convergence.md").read_text()
     assert (out / "convergence.png").stat().st_size > 10_000
+
+
+def _two_node_launch(tmp_path, dragonn: dict, steps: int = 12) -> dict:
+    """Two ``deepspeed --hostfile H --no_ssh --node_rank i`` launchers on this host (loopback), 2 ranks each:
+    the launcher's own multi-node mode, as SLURM / Kubernetes users run it. Returns rank 0's summary."""
+    launcher = shutil.which("deepspeed") or os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    (tmp_path / "hostfile").write_text("nodeA slots=2\nnodeB slots=2\n")
+    cfg = json.loads((REPO / "configs" / "dragonn.json").read_text())
+    cfg["dragonn"].update(dragonn)
+    (tmp_path / "ds.json").write_text(json.dumps(cfg))
+    summary = tmp_path / "summary.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
+               PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    for _ in range(PORT_ATTEMPTS):
+        port = free_port()
+        procs = [subprocess.Popen([launcher, "--hostfile", str(tmp_path / "hostfile"), "--no_ssh", "--node_rank",
+                                   str(i), "--master_addr", "127.0.0.1", "--master_port", str(port),
+                                   "launch/train.py", "--deepspeed_config", str(tmp_path / "ds.json"), "--steps",
+                                   str(steps), "--log-interval", str(steps), "--summary", str(summary)],
+                                  cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for i in range(2)]
+        outs = []
+        for p in procs:
+            try:
+                outs.append(p.communicate(timeout=400)[0])
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                raise
+        text = "\n".join(outs)
+        if all(p.returncode == 0 for p in procs) or not port_was_taken(text, port):
+            break
+    assert all(p.returncode == 0 for p in procs), text[-4000:]
+    return json.loads(summary.read_text()), text
+
+
+@pytest.mark.timeout(900)
+def test_two_launchers_with_node_ranks_run_the_node_aware_exchange(tmp_path):
+    """2 nodes x 2 ranks from two launcher invocations: 'hierarchy': 'auto' finds the layout in the launcher's
+    LOCAL_SIZE and logs its choice; the ranks end bit-identical, in both the node-aware and the flat run."""
+    node, log = _two_node_launch(tmp_path, {"hierarchy": "auto"})
+    assert node["world_size"] == 4 and node["hierarchy"] == "2 nodes x 2 ranks" and node["ranks_in_sync"]
+    assert "hierarchy 'auto' -> node-aware: 2 nodes x 2 ranks (the launcher)" in log
+    assert node["compressed_reductions"] == 12
+    flat, log = _two_node_launch(tmp_path, {"hierarchy": "flat"})
+    assert flat["hierarchy"] == "flat" and flat["ranks_in_sync"]
+    assert 0 < node["bytes_sent"] < flat["bytes_sent"] / 2 * 1.15  # one shard per rank: 1/L of the bytes

@@ -61,6 +61,8 @@ def describe(hook: Any) -> Dict[str, Any]:
                  "communication_data_type": str(comm).replace("torch.", "") if comm is not None else None}
     if hasattr(engine, "zero_reduce_bucket_size"):
         bucketing["zero_optimization.reduce_bucket_size"] = int(engine.zero_reduce_bucket_size())
+    if getattr(hook, "layout", None) is not None:  # node-aware: the residuals are shards of this layout's node sums
+        bucketing["hierarchy"] = str(hook.layout)
     # the residuals are in units of the prescaled gradients: DeepSpeed's averaging settings fix that scale
     for name in ("gradient_predivide_factor", "postscale_gradients"):
         if hasattr(engine, name):
