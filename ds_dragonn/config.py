@@ -10,7 +10,7 @@ every field is typed and bounded, choices are enums, and cross-field checks rais
 Errors surface as :class:`DragonnConfigError`, whose message names the bad key, the value given and what
 is allowed; a key the block no longer has (``REMOVED_KEYS``) gets what replaced it.
 
-Fourteen keys a user sets, and one ``"advanced"`` object of benchmark and research settings; what were
+Fifteen keys a user sets, and one ``"advanced"`` object of benchmark and research settings; what were
 internal keys are constants (``constants.py``), still readable as ``cfg.seed`` etc. (docs/config.md).
 """
 from __future__ import annotations

@@ -47,7 +47,7 @@ def test_config_md_lists_every_key_with_config_py_default():
     text = (REPO / "docs" / "config.md").read_text()
     main = {r[0].strip("`"): r for r in _table(text, "| key | type | default |")}
     visible = [k for k in DragonnConfig.model_fields if k != "advanced"]
-    assert list(main) == visible and len(main) == 14, list(main)
+    assert list(main) == visible and len(main) == 15, list(main)
     for key, row in main.items():
         assert _literal(row[2]) == _default(DragonnConfig, key), (key, row[2])
     adv = {r[0].strip("`"): r for r in _table(_section(text, "## advanced"), "| key | type | default |")}
