@@ -1,0 +1,207 @@
+"""Two-node benchmark (root): flat against node-aware exchanges across a throttled link between two nodes.
+
+Two network namespaces are two nodes; each runs the ``deepspeed`` launcher in its multi-node mode without ssh
+(``--hostfile H --no_ssh --node_rank i``) with 2 ranks that talk over the namespace's own loopback. A veth
+pair throttled with tc's tbf joins the nodes: only inter-node traffic crosses it, and its own counters
+(``/sys/class/net/IF/statistics/tx_bytes`` inside each namespace) count it, independently of our telemetry.
+Addresses come from 198.51.100.0/24 and exist only inside the namespaces, which are deleted on exit.
+
+The workload is the main job's classifier (``launch/train.py``: real digits, a 166 k-parameter MLP, one
+gradient bucket), 2 x 2 ranks on this machine's cores. Each mode runs twice, for ``--steps`` S1 and S2
+steps; per step means (S2 − S1)'s difference over S2 − S1 steps, so start-up traffic and time cancel:
+
+    none             no inter-node exchange: each node trains as its own 2-rank job (dense fp32 inside)
+    dense_fp32       DeepSpeed's flat dense allreduce, fp32
+    dense_bf16       the same with "communication_data_type": "bf16"
+    dragonn_flat     DRAGONN at density 0.01, every rank exchanges with every rank ("hierarchy": "flat")
+    dragonn_node     DRAGONN, dense inside the node, one shard per rank across ("hierarchy": "node")
+    part_flat        dragonn_flat with "exchange": "partitioned"
+    part_node        dragonn_node with "exchange": "partitioned"
+
+    sudo python launch/bench_nodes.py --links "100mbit 1gbit" --out docs/results/nodes
+
+prints a table and writes nodes.json and nodes.png under --out. On 2 cores the 4 ranks share 2 cores:
+step times are dominated by compute contention; compare each mode with ``none`` of the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+NS = ("dragonn_nodeA", "dragonn_nodeB")
+IF = ("nveth0", "nveth1")
+ADDR = ("198.51.100.21", "198.51.100.22")
+
+MODES = {
+    "none": None,
+    "dense_fp32": {},
+    "dense_bf16": {"communication_data_type": "bf16"},
+    "dragonn_flat": {"dragonn": {"hierarchy": "flat"}},
+    "dragonn_node": {"dragonn": {"hierarchy": "node"}},
+    "part_flat": {"dragonn": {"hierarchy": "flat", "exchange": "partitioned"}},
+    "part_node": {"dragonn": {"hierarchy": "node", "exchange": "partitioned"}},
+}
+
+
+def sh(*cmd: str) -> None:
+    subprocess.run(cmd, check=True)
+
+
+def netns_down() -> None:
+    for ns in NS:
+        subprocess.run(["ip", "netns", "del", ns], stderr=subprocess.DEVNULL)
+    # DeepSpeed's CPU shm allreduce never unlinks its buffers; ours carry the namespaces' addresses
+    for f in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*_198.51.100.2*"):
+        f.unlink(missing_ok=True)
+
+
+def netns_up(link: str) -> None:
+    """Two namespaces joined by a veth pair, both ends throttled to ``link`` (or unthrottled)."""
+    netns_down()
+    for ns in NS:
+        sh("ip", "netns", "add", ns)
+    sh("ip", "link", "add", IF[0], "netns", NS[0], "type", "veth", "peer", "name", IF[1], "netns", NS[1])
+    for ns, dev, addr in zip(NS, IF, ADDR):
+        sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+        sh("ip", "-n", ns, "link", "set", "lo", "up")
+        sh("ip", "-n", ns, "link", "set", dev, "up")
+        if link != "unthrottled":
+            sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", link, "burst", "1mbit",
+               "latency", "400ms")
+
+
+def tx_bytes(i: int) -> int:
+    """Bytes node ``i`` sent on the inter-node link (the veth's own counter, read inside its namespace)."""
+    out = subprocess.run(["ip", "netns", "exec", NS[i], "cat", f"/sys/class/net/{IF[i]}/statistics/tx_bytes"],
+                         check=True, capture_output=True, text=True).stdout
+    return int(out)
+
+
+def config(mode: str, out: Path) -> Path:
+    cfg = json.loads((REPO / "configs" / "dragonn.json").read_text())
+    extra = MODES[mode] or {}
+    if "dragonn" in extra:
+        cfg["dragonn"].update(extra["dragonn"])
+    else:
+        cfg.pop("dragonn")
+        cfg.update(extra)
+    path = out / f"{mode}.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def run(mode: str, steps: int, out: Path, port: int, timeout: int) -> dict:
+    """One run of ``mode`` for ``steps`` steps on both nodes; its summary (rank 0 of node A), wall seconds of the
+    training loop, and the bytes each node put on the link."""
+    cfg = config("dense_fp32" if mode == "none" else mode, out)
+    (out / "hostfile").write_text("nodeA slots=2\nnodeB slots=2\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
+               PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    before = [tx_bytes(i) for i in range(2)]
+    procs, summaries = [], []
+    for i in range(2):
+        summary = out / f"{mode}_{steps}_node{i}.json"
+        summaries.append(summary)
+        if mode == "none":  # each node its own job: its own master, nothing crosses the link
+            where = ["--num_gpus", "2", "--master_addr", ADDR[i], "--master_port", str(port + i)]
+        else:
+            where = ["--hostfile", str(out / "hostfile"), "--no_ssh", "--node_rank", str(i), "--master_addr",
+                     ADDR[0], "--master_port", str(port)]
+        cmd = ["ip", "netns", "exec", NS[i], "env", f"GLOO_SOCKET_IFNAME={IF[i]}", "deepspeed", *where,
+               "launch/train.py", "--deepspeed_config", str(cfg), "--steps", str(steps), "--log-interval",
+               str(steps), "--summary", str(summary)]
+        log = open(out / f"{mode}_{steps}_node{i}.log", "w")
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
+    for p in procs:
+        p.wait(timeout=timeout)
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"{mode} ({steps} steps) failed: see {out}/{mode}_{steps}_node*.log")
+    after = [tx_bytes(i) for i in range(2)]
+    s = json.loads(summaries[0].read_text())
+    return {"wall_s": s["wall_s"], "tx": [a - b for a, b in zip(after, before)], "bytes_sent": s.get("bytes_sent"),
+            "test_accuracy": s["test_accuracy"], "hierarchy": s.get("hierarchy"), "in_sync": s.get("ranks_in_sync")}
+
+
+def measure(links, modes, s1: int, s2: int, out: Path, timeout: int) -> list:
+    rows, port = [], 29950
+    for link in links:
+        netns_up(link)
+        try:
+            for mode in modes:
+                a = run(mode, s1, out, port, timeout)
+                b = run(mode, s2, out, port + 2, timeout)
+                port += 4
+                n = s2 - s1
+                rows.append({"link": link, "mode": mode, "ms_per_step": (b["wall_s"] - a["wall_s"]) / n * 1e3,
+                             "inter_node_mb_per_step_per_node": sum(bb - aa for aa, bb in zip(a["tx"], b["tx"]))
+                             / 2 / n / 1e6,
+                             "telemetry_mb_per_step_per_rank": ((b["bytes_sent"] - a["bytes_sent"]) / n / 1e6
+                                                                if b["bytes_sent"] is not None else None),
+                             "hierarchy": b["hierarchy"], "ranks_in_sync": b["in_sync"],
+                             "test_accuracy": b["test_accuracy"], "steps": [s1, s2]})
+                print(json.dumps(rows[-1]), flush=True)
+        finally:
+            netns_down()
+    return rows
+
+
+def report(rows: list, out: Path) -> None:
+    """Table (stdout), JSON and a bar chart of ms per step and inter-node MB per step per node."""
+    print(f"{'link':>12} {'mode':>13} {'ms/step':>9} {'x none':>7} {'link MB/step/node':>18} {'telemetry MB/rank':>18}")
+    for r in rows:
+        none = next((x["ms_per_step"] for x in rows if x["link"] == r["link"] and x["mode"] == "none"), None)
+        rel = f"{r['ms_per_step'] / none:7.2f}" if none else "      -"
+        tel = r["telemetry_mb_per_step_per_rank"]
+        print(f"{r['link']:>12} {r['mode']:>13} {r['ms_per_step']:9.1f} {rel} "
+              f"{r['inter_node_mb_per_step_per_node']:18.4f} {'-' if tel is None else f'{tel:18.4f}'}")
+    (out / "nodes.json").write_text(json.dumps({"rows": rows}, indent=1))
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    links = sorted({r["link"] for r in rows})
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, field, label in ((axes[0], "ms_per_step", "ms per step"),
+                             (axes[1], "inter_node_mb_per_step_per_node", "inter-node MB per step per node")):
+        modes = list(dict.fromkeys(r["mode"] for r in rows))
+        width = 0.8 / max(len(links), 1)
+        for j, link in enumerate(links):
+            vals = [next((r[field] for r in rows if r["link"] == link and r["mode"] == m), 0) for m in modes]
+            ax.bar([i + j * width for i in range(len(modes))], vals, width, label=link)
+        ax.set_xticks([i + width * (len(links) - 1) / 2 for i in range(len(modes))], modes, rotation=30, ha="right")
+        ax.set_ylabel(label)
+        ax.legend()
+    fig.suptitle("2 nodes x 2 ranks (network namespaces, tc-throttled veth), launch/train.py")
+    fig.tight_layout()
+    fig.savefig(out / "nodes.png", dpi=110)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--links", default="100mbit 1gbit")
+    p.add_argument("--modes", default=" ".join(MODES))
+    p.add_argument("--steps", default="20 60", help="S1 S2: per-step numbers are (S2 - S1)'s differences")
+    p.add_argument("--out", default=str(REPO / "runs" / "bench_nodes"))
+    p.add_argument("--timeout", type=int, default=900)
+    a = p.parse_args(argv)
+    if os.geteuid() != 0:
+        sys.exit("bench_nodes.py: needs root (network namespaces, tc)")
+    bad = [m for m in a.modes.split() if m not in MODES]
+    if bad:
+        sys.exit(f"bench_nodes.py: unknown mode(s) {bad}; choose from {list(MODES)}")
+    out = Path(a.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    s1, s2 = (int(x) for x in a.steps.split())
+    t0 = time.time()
+    rows = measure(a.links.split(), a.modes.split(), s1, s2, out, a.timeout)
+    report(rows, out)
+    print(f"({time.time() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
