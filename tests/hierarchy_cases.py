@@ -101,3 +101,28 @@ def engine_runs(rank: int, world: int, out_dir: str) -> None:
                      "telemetry": hook.telemetry.summary() if hook else None}
     torch.save(out, Path(out_dir) / f"hengine_rank{rank}.pt")
     torch.distributed.destroy_process_group()
+
+
+def fold_runs(rank: int, world: int, out_dir: str) -> None:
+    """Node-aware, partitioned: save after 3 steps, load node-aware with allgather (the server residuals fold into
+    the worker residuals) and flat (another layout: reset). Each rank's residual sums before and after."""
+    set_layout(rank, 2)
+    init_distributed()
+    ckpt = str(Path(out_dir) / "ckpt")
+    cfg = zero_config(0, {**_H, "compress": "gradient", "exchange": "partitioned", "density": 0.02})
+    engine, hook = train_mlp(cfg, rank, LAYERS, 3)
+    hook.settle()
+    worker = {str(k): v.double().clone() for k, v in hook.error_feedback.residuals.items()}
+    server = {str(k): v.double().clone() for p in hook.pipelines for k, v in p.exchange.server.residuals.items()}
+    before = sum(float(r.sum()) for r in worker.values()) + sum(float(r.sum()) for r in server.values())
+    engine.save_checkpoint(ckpt, tag="t")
+    out = {"before": before, "worker": worker, "server": server}
+    for name, block in (("allgather", {"exchange": "allgather"}), ("flat", {"hierarchy": "flat"})):
+        other, ohook = train_mlp(zero_config(0, {**_H, "compress": "gradient", "density": 0.02, **block}), rank,
+                                 LAYERS, 0)
+        other.load_checkpoint(ckpt, tag="t")
+        out[name] = {"after": sum(float(r.double().sum()) for r in ohook.error_feedback.residuals.values()),
+                     "residuals": {str(k): v.double().clone() for k, v in ohook.error_feedback.residuals.items()},
+                     "notes": list(ohook.notes)}
+    torch.save(out, Path(out_dir) / f"hfold_rank{rank}.pt")
+    torch.distributed.destroy_process_group()

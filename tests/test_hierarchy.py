@@ -125,3 +125,21 @@ def test_engines_train_node_aware_in_sync(engine_runs, name):
 def test_density_one_engine_is_the_dense_engine(engine_runs):
     for a, b in zip(engine_runs[0]["dense_d1"]["params"], engine_runs[0]["dense"]["params"]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_node_aware_checkpoint_folds_or_resets_on_load(tmp_path):
+    """Saved node-aware with the partitioned exchange: loaded node-aware with allgather, each rank's server
+    residuals fold into its shard's worker residual at the positions it owned in its cross-node group (nothing
+    lost: the same sum); loaded flat, the residuals (shards of node sums) reset with a warning naming the layout."""
+    run_ranks("tests.hierarchy_cases:fold_runs", WORLD, tmp_path, timeout=400)
+    for rank, r in enumerate(load_rank_files(tmp_path, "hfold", WORLD)):
+        assert r["before"] != 0.0 and r["server"]
+        assert r["allgather"]["after"] == pytest.approx(r["before"], rel=1e-6, abs=1e-9)
+        for key, srv in r["server"].items():  # at the positions this rank owns among the N ranks of its index
+            per = r["worker"][key].numel()
+            expect = r["worker"][key].clone()
+            expect.index_add_(0, HashedOwnership(per, WORLD // L).to_index(rank // L, torch.arange(srv.numel())), srv)
+            torch.testing.assert_close(r["allgather"]["residuals"][key], expect, rtol=1e-6, atol=1e-7)
+        assert any("exchange partitioned" in n for n in r["allgather"]["notes"])
+        assert r["flat"]["after"] == 0.0
+        assert any("hierarchy 2 nodes x 2 ranks (now None)" in n for n in r["flat"]["notes"]), r["flat"]["notes"]

@@ -264,8 +264,13 @@ def load_state_dict(hook: Any, state: dict, source: str = "the state") -> None:
 
 def fold_server_residuals(hook: Any, exchanges: list) -> None:
     """Add saved partitioned-exchange server residuals into the worker residuals of the same buckets, at
-    the indices this rank owned (the owner map of the saved world size, which equals this one)."""
+    the indices this rank owned (the owner map of the saved world size, which equals this one; node-aware:
+    of the ranks that exchange this rank's shards, its cross-node group)."""
     rank, world = hook.where()
+    pipes = hook.pipelines
+    cross = getattr(pipes[0], "cross", None) if pipes else None
+    if cross is not None:  # (the layout is in the description: a saved one of another layout was reset)
+        rank, world = cross.backend.rank, cross.backend.world_size
     residuals = hook.error_feedback.residuals
     for ex_state in exchanges:
         numels = ex_state.get("numel", {})
