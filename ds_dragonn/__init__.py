@@ -235,7 +235,7 @@ def _auto_line(resolved: CompressTarget, reason: str, adam: bool) -> str:
     if not adam:
         return f"DRAGONN: compress 'auto' -> 'gradient' ({reason}): the gradient is sparsified, the optimizer unchanged"
     return (f"DRAGONN: warning: compress 'auto' -> 'gradient' although the optimizer is Adam-type, because {reason}. "
-            f"With Adam the gradient mode costs quality (docs/tuning.md#warm-ups); keep the dense warm-up (leave "
+            f"With Adam the gradient mode costs quality (docs/tuning.md#3-warm-ups); keep the dense warm-up (leave "
             f"'warmup_steps' out) to get the momentum mode, or set 'compress': 'gradient' to choose this one")
 
 

@@ -164,7 +164,7 @@ def _refuse_removed_keys(data: Any, where: str = "") -> Any:
         if key in REMOVED_KEYS:
             raise ValueError(f"'{DRAGONN_KEY}.{where}{key}' was {REMOVED_KEYS[key]}; delete the key (docs/config.md#removed-keys)")
         if not where and key in ADVANCED_KEYS:
-            raise ValueError(f"'{DRAGONN_KEY}.{key}' moved under 'advanced': write \"advanced\": {{\"{key}\": {data[key]!r}}} "
+            raise ValueError(f"'{DRAGONN_KEY}.{key}' belongs under 'advanced': write \"advanced\": {{\"{key}\": {data[key]!r}}} "
                              f"(docs/config.md#advanced)")
     return data
 

@@ -87,7 +87,7 @@ def test_removed_keys_say_what_replaced_them(key):
 @pytest.mark.parametrize("key", ["kernel", "compressor", "error_feedback", "cuda_aware", "density_warmup_start",
                                  "variance_refresh_steps"])
 def test_advanced_keys_at_the_top_level_say_where_they_moved(key):
-    with pytest.raises(DragonnConfigError, match=f"'dragonn.{key}' moved under 'advanced'"):
+    with pytest.raises(DragonnConfigError, match=f"'dragonn.{key}' belongs under 'advanced'"):
         DragonnConfig.from_ds_config({"dragonn": {key: 1}})
 
 

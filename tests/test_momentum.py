@@ -90,7 +90,7 @@ def test_momentum_state_round_trip_and_errors():
     ({"variance_floor": 0.01}, "'dragonn.variance_floor' was removed"),
     ({"lr_weighted_residual": False}, "'dragonn.lr_weighted_residual' was removed"),
     ({"freeze_adam_variance": True}, "'dragonn.freeze_adam_variance' was removed: superseded by compress: momentum"),
-    ({"variance_refresh_steps": 50}, "moved under 'advanced'"),
+    ({"variance_refresh_steps": 50}, "belongs under 'advanced'"),
 ])
 def test_config_refuses_what_cannot_work(block, words):
     with pytest.raises(DragonnConfigError, match=words):
