@@ -16,6 +16,7 @@ internal keys are constants (``constants.py``), still readable as ``cfg.seed`` e
 from __future__ import annotations
 
 import difflib
+import json
 import os
 from enum import Enum
 from typing import Any, Literal, Mapping, Optional, Union
@@ -156,6 +157,14 @@ class AdvancedConfig(BaseModel):
 ADVANCED_KEYS = tuple(AdvancedConfig.model_fields)
 
 
+def _json(value: Any) -> str:
+    """``value`` as JSON where it can be (the block's own syntax), else its repr."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
 def _refuse_removed_keys(data: Any, where: str = "") -> Any:
     """``data``, or ValueError naming the first removed key it holds, or an advanced key set at the top level."""
     if not isinstance(data, Mapping):
@@ -164,8 +173,8 @@ def _refuse_removed_keys(data: Any, where: str = "") -> Any:
         if key in REMOVED_KEYS:
             raise ValueError(f"'{DRAGONN_KEY}.{where}{key}' was {REMOVED_KEYS[key]}; delete the key (docs/config.md#removed-keys)")
         if not where and key in ADVANCED_KEYS:
-            raise ValueError(f"'{DRAGONN_KEY}.{key}' belongs under 'advanced': write \"advanced\": {{\"{key}\": {data[key]!r}}} "
-                             f"(docs/config.md#advanced)")
+            raise ValueError(f"'{DRAGONN_KEY}.{key}' belongs under 'advanced': write \"advanced\": "
+                             f"{{{json.dumps(key)}: {_json(data[key])}}} (docs/config.md#advanced)")
     return data
 
 
@@ -246,6 +255,13 @@ class DragonnConfig(DeepSpeedConfigModel):
 
     advanced: AdvancedConfig = Field(default_factory=AdvancedConfig)
     """Benchmark and research settings (:class:`AdvancedConfig`)."""
+
+    @field_validator("advanced", mode="before")
+    @classmethod
+    def _check_advanced_object(cls, v: Any) -> Any:
+        if not isinstance(v, (Mapping, AdvancedConfig)):
+            raise ValueError('must be a JSON object of advanced settings, e.g. {"kernel": "cpu"} (or leave it out)')
+        return v
 
     compressor = _delegate("compressor", "``advanced.compressor``.")
     kernel = _delegate("kernel", "``advanced.kernel``.")
@@ -330,7 +346,11 @@ def _check_momentum(cfg: DragonnConfig) -> None:
 
 
 def _check_hierarchy(cfg: DragonnConfig) -> None:
-    """``hierarchy: node`` where the node-aware exchange does not run yet is refused (``auto`` falls back)."""
+    """``hierarchy: node`` where the node-aware exchange does not run yet is refused (``auto`` falls back), and
+    ``advanced.ranks_per_node`` where nothing reads it."""
+    if cfg.ranks_per_node is not None and (cfg.hierarchy == Hierarchy.flat or cfg.sync == SyncMode.local_steps):
+        why = "'hierarchy': 'flat'" if cfg.hierarchy == Hierarchy.flat else "'sync': 'local_steps' (exchanged flat)"
+        raise ValueError(f"'advanced.ranks_per_node' has no effect with {why}; remove it")
     if cfg.hierarchy != Hierarchy.node:
         return
     if cfg.sync == SyncMode.local_steps:

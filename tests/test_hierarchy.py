@@ -24,7 +24,8 @@ def test_layout_groups():
 
 @pytest.mark.parametrize("views, override, size, words", [
     ([[2, 0], [2, 1], [2, 0], [2, 1]], None, 2, ""),
-    ([[2, 0], [2, 1], [2, 0], [2, 1]], 4, None, "not numbered node by node"),  # local ranks say 2 per node
+    ([[2, 0], [2, 1], [2, 0], [2, 1]], 4, None, "'advanced.ranks_per_node' 4 contradicts"),  # 2 per node
+    ([[-2, -1]] * 4, None, None, "did not export"),  # a malformed LOCAL_SIZE
     ([[0, -1], [0, -1]], None, None, "did not export"),
     ([[0, -1], [0, -1], [0, -1], [0, -1]], 2, 2, ""),  # the override alone
     ([[2, 0], [3, 1], [3, 2]], None, None, "unequal nodes"),
@@ -41,10 +42,16 @@ def test_launcher_view_reads_the_launchers_variables():
     assert launcher_view({"LOCAL_WORLD_SIZE": "4", "LOCAL_RANK": "0"}) == (4, 0)  # torchrun
     assert launcher_view({"OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1"}) == (2, 1)
     assert launcher_view({}) == (None, None) and launcher_view({"LOCAL_SIZE": "x"}) == (None, None)
+    assert launcher_view({"LOCAL_SIZE": "--2", "LOCAL_RANK": "-1"}) == (None, None)
 
 
 @pytest.mark.parametrize("block, words", [({"hierarchy": "nodes"}, "hierarchy"),
-                                          ({"advanced": {"ranks_per_node": 0}}, "ranks_per_node")])
+                                          ({"advanced": {"ranks_per_node": 0}}, "ranks_per_node"),
+                                          ({"hierarchy": "flat", "advanced": {"ranks_per_node": 2}}, "no effect"),
+                                          ({"advanced": None}, "must be a JSON object"),
+                                          ({"advanced": []}, "must be a JSON object"),
+                                          ({"ranks_per_node": 2}, '"advanced": {"ranks_per_node": 2}'),
+                                          ({"hierarchy": "node", "sync": "local_steps"}, "every_step")])
 def test_config_names_the_bad_value(block, words):
     with pytest.raises(DragonnConfigError, match=words):
         DragonnConfig.from_ds_config({"dragonn": {"enabled": True, **block}})
@@ -142,4 +149,4 @@ def test_a_node_aware_checkpoint_folds_or_resets_on_load(tmp_path):
             torch.testing.assert_close(r["allgather"]["residuals"][key], expect, rtol=1e-6, atol=1e-7)
         assert any("exchange partitioned" in n for n in r["allgather"]["notes"])
         assert r["flat"]["after"] == 0.0
-        assert any("hierarchy 2 nodes x 2 ranks (now None)" in n for n in r["flat"]["notes"]), r["flat"]["notes"]
+        assert any("hierarchy 2 nodes x 2 ranks (now flat)" in n for n in r["flat"]["notes"]), r["flat"]["notes"]

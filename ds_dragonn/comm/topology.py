@@ -63,7 +63,7 @@ class Resolved(NamedTuple):
 def _env_int(names, env: Mapping[str, str]) -> Optional[int]:
     for name in names:
         value = env.get(name)
-        if value is not None and str(value).strip().lstrip("-").isdigit():
+        if value is not None and str(value).strip().isdigit():
             return int(value)
     return None
 
@@ -84,7 +84,7 @@ def check_layout(views: List[List[int]], override: Optional[int]) -> Tuple[Optio
     """
     world = len(views)
     sizes = {override} if override is not None else {v[0] for v in views}
-    if 0 in sizes or not sizes:
+    if not sizes or min(sizes) <= 0:
         return None, "the launcher did not export the ranks per node (LOCAL_SIZE) on every rank"
     if len(sizes) > 1:
         return None, f"ranks report different ranks per node ({sorted(sizes)}): unequal nodes"
@@ -93,8 +93,9 @@ def check_layout(views: List[List[int]], override: Optional[int]) -> Tuple[Optio
         return None, f"{world} ranks do not fill nodes of {size} ranks: unequal nodes"
     bad = [r for r, (_, local) in enumerate(views) if local >= 0 and local != r % size]
     if bad:
-        return None, (f"ranks are not numbered node by node (rank {bad[0]} has local rank {views[bad[0]][1]}, "
-                      f"expected {bad[0] % size})")
+        what = (f"'advanced.ranks_per_node' {size} contradicts the launcher's local ranks" if override is not None
+                else "ranks are not numbered node by node")
+        return None, f"{what} (rank {bad[0]} has local rank {views[bad[0]][1]}, expected {bad[0] % size})"
     return size, ""
 
 
@@ -119,8 +120,9 @@ def resolve_layout(mode: str, backend: CommBackend, override: Optional[int] = No
         per_node = None
     if per_node is None:
         if mode == "node":
+            hint = "Set 'advanced.ranks_per_node', or use" if "did not export" in why else "Use"
             raise ValueError(f"'dragonn.hierarchy': 'node' needs several nodes of several ranks each: {why}. "
-                             f"Set 'advanced.ranks_per_node', or use 'hierarchy': 'flat'")
+                             f"{hint} 'hierarchy': 'flat' or 'auto'")
         return Resolved(None, f"flat: {why}")
     layout = NodeLayout(world, per_node, backend.rank)
     return Resolved(layout, f"node-aware: {layout} ({'advanced.ranks_per_node' if override else 'the launcher'})")

@@ -85,7 +85,9 @@ def compare(saved: Dict[str, Any], current: Dict[str, Any]) -> Tuple[List[str], 
     sb, cb = saved.get("bucketing", {}), current["bucketing"]
     for field in sorted(set(sb) | set(cb)):
         if sb.get(field) != cb.get(field):
-            reset.append(f"{field} {sb.get(field)} (now {cb.get(field)})")
+            was, now = ((sb.get(field) or "flat", cb.get(field) or "flat") if field == "hierarchy"
+                        else (sb.get(field), cb.get(field)))
+            reset.append(f"{field} {was} (now {now})")
     sp = [(n, tuple(s)) for n, s in saved.get("parameters", [])]
     cp = current["parameters"]
     if sp != cp:
