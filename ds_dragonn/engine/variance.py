@@ -29,6 +29,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 from deepspeed.utils.logging import print_dist
 
+from ..feedback import residual_dtype
 from . import variance_math
 from .adam import base_optimizer
 from .variance_math import (bias_correction2, default_refresh_decay, floor_variance_, known_mask,
@@ -114,8 +115,7 @@ class VarianceFreeze:
                     continue
                 i = self._index.get(id(p))
                 if i is None:  # first gradient after the freeze: Adam's own update until a refresh
-                    i, new = self._append(p, torch.zeros_like(p, dtype=torch.float32 if p.dtype in (
-                        torch.float16, torch.bfloat16) else p.dtype), known=False), new + 1
+                    i, new = self._append(p, torch.zeros_like(p, dtype=residual_dtype(p.dtype)), known=False), new + 1
                 state = optimizer.state.get(p, {})
                 t = _step_count(state)
                 if refreshing:
@@ -204,8 +204,8 @@ class VarianceFreeze:
             return
         self.frozen = []
         for p, v, k in zip(params, frozen, known):  # copies: refreshes change V̂ in place
-            self._append(p, v.to(device=p.device, dtype=torch.float32 if p.dtype in (torch.float16, torch.bfloat16)
-                                 else p.dtype, copy=True), k.to(device=p.device, dtype=torch.bool, copy=True))
+            self._append(p, v.to(device=p.device, dtype=residual_dtype(p.dtype), copy=True),
+                         k.to(device=p.device, dtype=torch.bool, copy=True))
 
 
 __all__ = ["VarianceFreeze"]
