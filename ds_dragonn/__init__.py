@@ -275,9 +275,6 @@ def _check_zero(stage: int, zero: dict, ds_config: dict, cfg: Optional[DragonnCo
     """Refuse what the hooks do not cover, before DeepSpeed starts (a clear error instead of a wrong result)."""
     if cfg is not None and cfg.sync == SyncMode.local_steps and stage != 0:
         raise DragonnUnsupportedError(_LOCAL_STEPS_ZERO.format(stage=stage))
-    if cfg is not None and cfg.hierarchy.value == "node" and stage != 0:
-        raise DragonnUnsupportedError(f"'dragonn.hierarchy': 'node' runs at ZeRO stage 0 only for now; "
-                                      f"'zero_optimization.stage' is {stage}. Use 'hierarchy': 'auto' or 'flat'")
     if stage >= 3:
         raise DragonnUnsupportedError(
             f"'dragonn' compresses the gradient reduction of ZeRO stages 0, 1 and 2; 'zero_optimization.stage' is "

@@ -77,8 +77,8 @@ def pipeline_runs(rank: int, world: int, out_dir: str) -> None:
 
 
 _H = {"enabled": True, "density": 0.05, "hierarchy": "node", "warmup_steps": 2}
-#: engine runs at ZeRO 0, 2 nodes x 2 ranks: the gradient and the momentum mode (Adam), density 1.0 against
-#: the dense engine, and the flat exchange for comparison
+#: engine runs at 2 nodes x 2 ranks, ZeRO 0, 1 and 2: the gradient and the momentum mode (Adam), density 1.0
+#: against the dense engine of the same stage
 ENGINE_RUNS = {
     "gradient": zero_config(0, {**_H, "compress": "gradient"}),
     "momentum": {**zero_config(0, {**_H, "compress": "momentum", "advanced": {"variance_refresh_steps": 3}}),
@@ -86,6 +86,12 @@ ENGINE_RUNS = {
     "bf16_partitioned": zero_config(0, {**_H, "compress": "gradient", "exchange": "partitioned"}, bf16=True),
     "dense_d1": {**zero_config(0, {**_H, "density": 1.0, "compress": "gradient"}), "gradient_clipping": 0.0},
     "dense": {**zero_config(0, None), "gradient_clipping": 0.0},
+    # ZeRO 1/2: the node's result, each owner its slices
+    "zero2_partitioned": zero_config(2, {**_H, "compress": "gradient", "exchange": "partitioned"}),
+    "zero1_momentum": {**zero_config(1, {**_H, "compress": "momentum", "advanced": {"variance_refresh_steps": 3}}),
+                       "gradient_clipping": 0.0},
+    "zero2_d1": {**zero_config(2, {**_H, "density": 1.0, "compress": "gradient"}), "gradient_clipping": 0.0},
+    "zero2_dense": {**zero_config(2, None), "gradient_clipping": 0.0},
 }
 LAYERS = (32, 64, 10)
 
@@ -125,4 +131,35 @@ def fold_runs(rank: int, world: int, out_dir: str) -> None:
                      "residuals": {str(k): v.double().clone() for k, v in ohook.error_feedback.residuals.items()},
                      "notes": list(ohook.notes)}
     torch.save(out, Path(out_dir) / f"hfold_rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+#: node-aware runs saved at step K and resumed by a fresh engine: ZeRO 2 partitioned, ZeRO 0 momentum
+RESUME_RUNS = {
+    "zero2_partitioned": zero_config(2, {**_H, "compress": "gradient", "exchange": "partitioned", "density": 0.02}),
+    "zero0_momentum": {**zero_config(0, {**_H, "compress": "momentum", "advanced": {"variance_refresh_steps": 3}}),
+                       "gradient_clipping": 0.0},
+}
+
+
+def resume_runs(rank: int, world: int, out_dir: str) -> None:
+    """Each of RESUME_RUNS: 2K uninterrupted steps saving at K, and a fresh engine that loads K and trains to 2K."""
+    from tests.ckpt_cases import K, _engine, _params, _residual_mass, _train
+    set_layout(rank, 2)
+    init_distributed()
+    out = {}
+    for name, cfg in RESUME_RUNS.items():
+        ckpt = str(Path(out_dir) / "ckpt" / name)
+        engine = _engine(cfg)
+        _train(engine, rank, 0, K)
+        mass = _residual_mass(engine)
+        engine.save_checkpoint(ckpt, tag="k")
+        _train(engine, rank, K, 2 * K)
+        resumed = _engine(cfg)
+        resumed.load_checkpoint(ckpt, tag="k")
+        loaded_mass = _residual_mass(resumed)
+        _train(resumed, rank, K, 2 * K)
+        out[name] = {"params": _params(engine), "resumed": _params(resumed), "mass": mass, "loaded_mass": loaded_mass,
+                     "notes": list(resumed.dragonn.notes), "layout": str(resumed.dragonn.layout)}
+    torch.save(out, Path(out_dir) / f"hresume_rank{rank}.pt")
     torch.distributed.destroy_process_group()

@@ -9,7 +9,7 @@ import torch
 from ds_dragonn.comm.topology import NodeLayout, check_layout, launcher_view
 from ds_dragonn.config import DragonnConfig, DragonnConfigError
 from ds_dragonn.exchange import HashedOwnership
-from tests.hierarchy_cases import ENGINE_RUNS, PIPE_CASES, STEPS, grad
+from tests.hierarchy_cases import ENGINE_RUNS, PIPE_CASES, RESUME_RUNS, STEPS, grad
 from tests.multiproc import load_rank_files, run_ranks
 
 WORLD, L = 4, 2
@@ -112,7 +112,7 @@ def test_each_rank_sends_a_shard_not_a_bucket(pipe_runs, ci):
         assert 0 < node <= flat / L * 1.15, (node, flat)
 
 
-# -- engines at ZeRO 0, 2 nodes x 2 ranks -----------------------------------------------------------------------
+# -- engines at ZeRO 0, 1 and 2, 2 nodes x 2 ranks -----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def engine_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("hengine")
@@ -120,7 +120,7 @@ def engine_runs(tmp_path_factory):
     return load_rank_files(out, "hengine", WORLD)
 
 
-@pytest.mark.parametrize("name", [n for n in ENGINE_RUNS if n != "dense"])
+@pytest.mark.parametrize("name", [n for n in ENGINE_RUNS if "dense" not in n])
 def test_engines_train_node_aware_in_sync(engine_runs, name):
     for r in engine_runs:
         assert r[name]["layout"] == "2 nodes x 2 ranks"
@@ -129,9 +129,11 @@ def test_engines_train_node_aware_in_sync(engine_runs, name):
     assert engine_runs[0][name]["telemetry"]["compressed_reductions"] > 0
 
 
-def test_density_one_engine_is_the_dense_engine(engine_runs):
-    for a, b in zip(engine_runs[0]["dense_d1"]["params"], engine_runs[0]["dense"]["params"]):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+@pytest.mark.parametrize("d1, dense", [("dense_d1", "dense"), ("zero2_d1", "zero2_dense")])
+def test_density_one_engine_is_the_dense_engine(engine_runs, d1, dense):
+    for r in engine_runs:
+        for a, b in zip(r[d1]["params"], r[dense]["params"]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_a_node_aware_checkpoint_folds_or_resets_on_load(tmp_path):
@@ -150,3 +152,22 @@ def test_a_node_aware_checkpoint_folds_or_resets_on_load(tmp_path):
         assert any("exchange partitioned" in n for n in r["allgather"]["notes"])
         assert r["flat"]["after"] == 0.0
         assert any("hierarchy 2 nodes x 2 ranks (now flat)" in n for n in r["flat"]["notes"]), r["flat"]["notes"]
+
+
+
+@pytest.fixture(scope="module")
+def resume_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hresume")
+    run_ranks("tests.hierarchy_cases:resume_runs", WORLD, out, timeout=600)
+    return load_rank_files(out, "hresume", WORLD)
+
+
+@pytest.mark.parametrize("name", list(RESUME_RUNS))
+def test_a_node_aware_resume_equals_the_uninterrupted_run(resume_runs, name):
+    """Saved at step K and loaded by a fresh engine of the same layout: the same weights at 2K, bit for bit, on
+    every rank, with the shards' residuals (and momenta) restored and nothing reset."""
+    for r in resume_runs:
+        run = r[name]
+        assert run["layout"] == "2 nodes x 2 ranks" and run["notes"] == [], run["notes"]
+        assert run["mass"] > 0 and run["loaded_mass"] == pytest.approx(run["mass"], rel=1e-12)
+        assert all(torch.equal(a, b) for a, b in zip(run["params"], run["resumed"]))

@@ -1,8 +1,8 @@
 """The pipeline a hook reduces a data-parallel group's buckets with: flat, or node-aware (``hierarchy``).
 
 ``hierarchy`` ``auto`` resolves to the node-aware pipeline (``ds_dragonn/hierarchy.py``) on several nodes of
-several ranks where the hook supports it (ZeRO stage 0, every step, ``comm_backend: torch``, the
-data-parallel group being the world), else to the flat one; the choice and its reason are logged once.
+several ranks where the hook supports it (ZeRO stages 0-2, ``comm_backend: torch``, the data-parallel
+group being the world), else to the flat one; the choice and its reason are logged once.
 ``node`` where it cannot run is refused at ``initialize``, naming the reason.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ class HierarchyUnsupported(ValueError):
 def _unsupported(hook: Any, backend: CommBackend) -> Optional[str]:
     """Why this hook cannot run the node-aware exchange on ``backend``'s group, or None."""
     if not getattr(hook, "supports_hierarchy", False):
-        return f"the node-aware exchange runs at ZeRO stage 0 with 'sync': 'every_step' only (this is {hook.hook_name})"
+        return f"the node-aware exchange does not run under {hook.hook_name}"
     if hook.cfg.comm_backend != CommBackendName.torch:
         return "the node-aware exchange runs over 'comm_backend': 'torch' only"
     import deepspeed.comm as dist

@@ -19,6 +19,12 @@ owning its offset), and each owner writes the decoded sum of its slices exactly 
 DeepSpeed's ``reduce``. Anything else in the recording (multi-rank slices of Muon, MoE expert groups)
 is replayed through DeepSpeed's own methods: dense, never wrong.
 
+Several nodes (``hierarchy: node``, ``engine/pipelines.py``): the bucket goes through the node-aware pipeline
+(:class:`~ds_dragonn.hierarchy.NodeAllreduce`: dense inside the node, the shard compressed across nodes with
+``exchange``, the shards gathered inside the node), and each owner takes its slices from the node's result, as
+from DeepSpeed's default ``allreduce_and_scatter``. ZeRO's partitions then decide nothing on the slow link:
+each rank sends one shard's pairs to the ranks of its local index, whoever owns them.
+
 What stays dense: ZeRO's parameter all-gather after the optimizer step (the same bytes as the dense
 gradient reduce-scatter), warm-up steps, buckets below ``min_compress_numel``, and the auto policy's
 dense choices.
@@ -54,6 +60,7 @@ class Stage12Hook(HookBase):
     """ZeRO stage 1/2: compresses ``DeepSpeedZeroOptimizer.average_tensor`` with a sparse reduce-scatter."""
 
     hook_name = "ZeRO stage 1/2 reduce-scatter"
+    supports_hierarchy = True  # engine/pipelines.py: the node-aware pipeline, owners take their slices of its result
 
     def __init__(self, engine: Any, cfg):
         super().__init__(engine, cfg)
@@ -62,9 +69,11 @@ class Stage12Hook(HookBase):
 
     @property
     def exchange_name(self) -> str:
-        return "reduce_scatter"
+        return "reduce_scatter" if self.layout is None else self.cfg.exchange.value
 
     def _build_exchange(self, backend: CommBackend) -> Exchange:
+        if self.layout is not None:  # node-aware: the shard's exchange across nodes is "exchange" (allgather/partitioned)
+            return super()._build_exchange(backend)
         return ReduceScatterExchange(backend)  # ZeRO's partitions are the owners, whatever "exchange" says
 
     def install(self) -> "Stage12Hook":
@@ -72,7 +81,9 @@ class Stage12Hook(HookBase):
         self.optimizer.average_tensor = self.average_tensor
         self.engine.dragonn = self
         install_checkpointing(self)  # engine.save_checkpoint / load_checkpoint carry the residuals
-        self.reporter.start(self.hook_name, self.compressor.name, "reduce_scatter (ZeRO partitions)")
+        scheme = ("reduce_scatter (ZeRO partitions)" if self.layout is None else
+                  f"node-aware {self.cfg.exchange.value} across nodes, ZeRO partitions from the node's sum")
+        self.reporter.start(self.hook_name, self.compressor.name, scheme)
         return self
 
     # -- the hook -----------------------------------------------------------------------------------
