@@ -13,10 +13,15 @@ steps; per step means (S2 − S1)'s difference over S2 − S1 steps, so start-up
     none             no inter-node exchange: each node trains as its own 2-rank job (dense fp32 inside)
     dense_fp32       DeepSpeed's flat dense allreduce, fp32
     dense_bf16       the same with "communication_data_type": "bf16"
+    hier_bf16        a dense allreduce node by node: fp32 inside, bf16 shards across (launch/bench/hier_dense.py)
     dragonn_flat     DRAGONN at density 0.01, every rank exchanges with every rank ("hierarchy": "flat")
     dragonn_node     DRAGONN, dense inside the node, one shard per rank across ("hierarchy": "node")
     part_flat        dragonn_flat with "exchange": "partitioned"
     part_node        dragonn_node with "exchange": "partitioned"
+    zero2_flat       dragonn_flat at ZeRO 2 (the sparse reduce-scatter to ZeRO's partitions)
+    zero2_node       dragonn_node at ZeRO 2 (owners take their slices of the node's result)
+    diloco_flat      uncompressed DiLoCo: local steps, a dense outer step every 10 steps, every rank a worker
+    diloco_node      the same, each node one worker (dense allreduce inside the node every step)
 
     sudo python launch/bench_nodes.py --links "100mbit 1gbit" --out docs/results/nodes
 
@@ -34,18 +39,26 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+#: local steps (uncompressed DiLoCo): an outer step every 10 steps, so that a 40-step difference holds 4
+_DILOCO = {"sync": "local_steps", "local_steps": 10, "density": 1.0}
 NS = ("dragonn_nodeA", "dragonn_nodeB")
 IF = ("nveth0", "nveth1")
 ADDR = ("198.51.100.21", "198.51.100.22")
 
+#: mode -> (DeepSpeed config overrides, "dragonn" overrides or None for no DRAGONN, extra train.py arguments)
 MODES = {
-    "none": None,
-    "dense_fp32": {},
-    "dense_bf16": {"communication_data_type": "bf16"},
-    "dragonn_flat": {"dragonn": {"hierarchy": "flat"}},
-    "dragonn_node": {"dragonn": {"hierarchy": "node"}},
-    "part_flat": {"dragonn": {"hierarchy": "flat", "exchange": "partitioned"}},
-    "part_node": {"dragonn": {"hierarchy": "node", "exchange": "partitioned"}},
+    "none": ({}, None, []),
+    "dense_fp32": ({}, None, []),
+    "dense_bf16": ({"communication_data_type": "bf16"}, None, []),
+    "hier_bf16": ({}, None, ["--hier-dense", "bf16"]),
+    "dragonn_flat": ({}, {"hierarchy": "flat"}, []),
+    "dragonn_node": ({}, {"hierarchy": "node"}, []),
+    "part_flat": ({}, {"hierarchy": "flat", "exchange": "partitioned"}, []),
+    "part_node": ({}, {"hierarchy": "node", "exchange": "partitioned"}, []),
+    "zero2_flat": ({"zero_optimization": {"stage": 2}}, {"hierarchy": "flat"}, []),
+    "zero2_node": ({"zero_optimization": {"stage": 2}}, {"hierarchy": "node"}, []),
+    "diloco_flat": ({}, {**_DILOCO, "hierarchy": "flat"}, []),
+    "diloco_node": ({}, {**_DILOCO, "hierarchy": "node"}, []),
 }
 
 
@@ -85,12 +98,14 @@ def tx_bytes(i: int) -> int:
 
 def config(mode: str, out: Path) -> Path:
     cfg = json.loads((REPO / "configs" / "dragonn.json").read_text())
-    extra = MODES[mode] or {}
-    if "dragonn" in extra:
-        cfg["dragonn"].update(extra["dragonn"])
-    else:
+    ds, dragonn, _ = MODES[mode]
+    if dragonn is None:
         cfg.pop("dragonn")
-        cfg.update(extra)
+    else:
+        base = {k: cfg["dragonn"][k] for k in ("enabled", "density", "log_interval")}
+        cfg["dragonn"] = {**(base if dragonn.get("sync") == "local_steps" else cfg["dragonn"]), **dragonn}
+    for key, value in ds.items():
+        cfg[key] = {**cfg.get(key, {}), **value} if isinstance(value, dict) else value
     path = out / f"{mode}.json"
     path.write_text(json.dumps(cfg))
     return path
@@ -115,7 +130,7 @@ def run(mode: str, steps: int, out: Path, port: int, timeout: int) -> dict:
                      ADDR[0], "--master_port", str(port)]
         cmd = ["ip", "netns", "exec", NS[i], "env", f"GLOO_SOCKET_IFNAME={IF[i]}", "deepspeed", *where,
                "launch/train.py", "--deepspeed_config", str(cfg), "--steps", str(steps), "--log-interval",
-               str(steps), "--summary", str(summary)]
+               str(steps), "--summary", str(summary), *MODES[mode][2]]
         log = open(out / f"{mode}_{steps}_node{i}.log", "w")
         procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
     for p in procs:

@@ -86,6 +86,9 @@ RUNS = {
     "topk_0.01": {"density": 0.01, "advanced": {"compressor": "topk"}, "compress": "gradient"},
     "randomk_0.01": {"density": 0.01, "advanced": {"compressor": "randomk"}, "compress": "gradient"},
     "partitioned_0.01": {"density": 0.01, "exchange": "partitioned", "compress": "gradient"},
+    # several nodes (--nodes 2): the defaults flat, and node-aware (dense inside the node, a shard across)
+    "flat_0.01": {"density": 0.01, "hierarchy": "flat"},
+    "node_0.01": {"density": 0.01, "hierarchy": "node"},
 }
 #: --lm-optimizer robust: the LM's AdamW tuned differently (merged into the config's optimizer params)
 ROBUST_ADAMW = {"betas": [0.9, 0.95], "weight_decay": 0.1}
@@ -118,7 +121,9 @@ def get_args():
     p.add_argument("--first-seed", type=int, default=1, help="seeds run from this one up")
     p.add_argument("--classifier-steps", type=positive, default=None, help="default 600 (--quick 100)")
     p.add_argument("--lm-steps", type=positive, default=None, help="default 300 (--quick 60)")
-    p.add_argument("--ranks", type=positive, default=2)
+    p.add_argument("--ranks", type=positive, default=2, help="ranks per node")
+    p.add_argument("--nodes", type=positive, default=1,
+                   help="nodes: one launcher per node on this host (--hostfile --no_ssh --node_rank i, loopback)")
     p.add_argument("--lm-optimizer", choices=("default", "robust"), default="default",
                    help="robust: AdamW with betas (0.9, 0.95) and weight decay 0.1 for the LM")
     p.add_argument("--lm-lr", type=float, default=None,
@@ -184,18 +189,25 @@ def launch(task: str, run: str, seed: int, steps: int, args, folder: Path) -> di
     summary = folder / f"{task}_{run}_s{seed}.summary.json"
     log = folder / f"{task}_{run}_s{seed}.log"
     port = free_port()
-    cmd = ["deepspeed", "--num_gpus", str(args.ranks), "--master_addr", "127.0.0.1", "--master_port", str(port),
-           script, "--deepspeed_config", str(cfg), "--steps", str(steps), "--seed", str(seed),
+    job = [script, "--deepspeed_config", str(cfg), "--steps", str(steps), "--seed", str(seed),
            "--summary", str(summary), *(quick_extra if args.quick else extra)]
+    if args.nodes == 1:
+        where = [["--num_gpus", str(args.ranks)]]
+    else:  # the launcher's multi-node mode without ssh, one launcher per node, all on loopback
+        hostfile = folder / f"hostfile_{args.nodes}x{args.ranks}"
+        hostfile.write_text("".join(f"node{i} slots={args.ranks}\n" for i in range(args.nodes)))
+        where = [["--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(i)] for i in range(args.nodes)]
     t0 = time.time()
     try:
         with open(log, "w") as f:
-            proc = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, timeout=1800)
+            procs = [subprocess.Popen(["deepspeed", *w, "--master_addr", "127.0.0.1", "--master_port", str(port), *job],
+                                      cwd=REPO, stdout=f, stderr=subprocess.STDOUT) for w in where]
+            codes = [p.wait(timeout=1800 * args.nodes) for p in procs]
     finally:  # DeepSpeed's CPU allreduce leaves a /dev/shm file per rank and port
         remove_shm(port)
-    if proc.returncode != 0 or not summary.exists():
+    if any(codes) or not summary.exists():
         tail = "".join(log.read_text().splitlines(keepends=True)[-30:])
-        raise RuntimeError(f"{task}/{run} seed {seed} failed (exit {proc.returncode}); {log}:\n{tail}")
+        raise RuntimeError(f"{task}/{run} seed {seed} failed (exit {codes}); {log}:\n{tail}")
     out = json.loads(summary.read_text())
     out["launch_s"] = time.time() - t0
     return out
@@ -307,10 +319,11 @@ def main() -> int:
                       f"{rec['value']:.4f} | bytes {rec['bytes_sent'] / max(rec['dense_bytes_equivalent'], 1):.4f} "
                       f"of dense | {rec['wall_s']:.0f} s", flush=True)
     write_json(args.out / "convergence.json", {"records": records, "quick": args.quick, "ranks": args.ranks,
+                                               "nodes": args.nodes,
                                                "lm_lr": args.lm_lr if "lm" in args.task_names else None,
                                                "lm_optimizer": args.lm_optimizer,
                                                "total_s": time.time() - t0}, indent=1)
-    lines = [f"# Convergence sweep ({'quick' if args.quick else 'default'}; {args.ranks} ranks; "
+    lines = [f"# Convergence sweep ({'quick' if args.quick else 'default'}; {args.nodes} node(s) x {args.ranks} ranks; "
              f"{time.time() - t0:.0f} s)", ""]
     for task in args.task_names:
         lines += [f"## {task}", ""] + table(records, task) + [""]

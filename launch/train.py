@@ -30,6 +30,9 @@ SEED = 1234            # model init, split and batch order (same on every rank)
 
 def get_args():
     p = job_parser(__doc__.splitlines()[0], STEPS, LOG_INTERVAL, SEED)
+    p.add_argument("--hier-dense", choices=("bf16", "fp32"), default=None,
+                   help="benchmark baseline: a dense allreduce node by node, across nodes in this dtype "
+                        "(launch/bench/hier_dense.py; dense ZeRO-0 configs only)")
     p = deepspeed.add_config_arguments(p)
     return p.parse_args()
 
@@ -81,6 +84,10 @@ def main():
     model = build_model(x_tr.shape[1], 10)
     engine, _, _, _ = ds_dragonn.initialize(args=args, model=model, model_parameters=model.parameters())
     device, dtype = engine.device, next(engine.module.parameters()).dtype
+    hier_dense = None
+    if args.hier_dense:
+        from bench.hier_dense import install
+        hier_dense = install(engine, torch.bfloat16 if args.hier_dense == "bf16" else torch.float32)
     micro = engine.train_micro_batch_size_per_gpu()
     global_batch = micro * world
     dragonn = getattr(engine, "dragonn", None)
@@ -127,7 +134,8 @@ def main():
                "exchange": dragonn.exchange_name if dragonn else None,
                "zero_stage": int(engine.zero_optimization_stage()),
                "final_loss": last_loss, "wall_s": time.time() - t0,
-               "hierarchy": str(dragonn.layout) if dragonn is not None and dragonn.layout is not None else "flat",
+               "hierarchy": (str(dragonn.layout) if dragonn is not None and dragonn.layout is not None
+                             else hier_dense or "flat"),
                "ranks_in_sync": weights_agree(model)}
     finish(summary, dragonn, model, world, rank, f"test_accuracy {acc:.4f} | final_loss {last_loss:.4f}",
            args.summary)

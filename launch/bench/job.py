@@ -55,6 +55,8 @@ def finish(summary: dict, dragonn, model: torch.nn.Module, world: int, rank: int
     import deepspeed.comm as dist
 
     summary.update(dragonn.telemetry.summary() if dragonn else dense_totals(model, world, summary["steps"]))
+    layout = getattr(dragonn, "layout", None)
+    summary.setdefault("hierarchy", str(layout) if layout is not None else "flat")
     if dragonn:  # as resolved for the engine ("auto": from its learning-rate warm-up)
         warm = dragonn.schedule.warmup_steps
         summary["dragonn_warmup_steps"] = min(warm, summary["steps"])  # (never ended: the whole run)
