@@ -1,6 +1,6 @@
 """The node-aware exchange (``hierarchy: node``): the layout from the launcher, the shard pipeline's
 guarantees (nothing lost in float64, ranks bit-identical, density 1.0 the dense allreduce, 1/L of the flat
-scheme's bytes per rank) at 2 nodes x 2 ranks, and ZeRO-0 engines in both modes."""
+scheme's bytes per rank) at 2 and 3 nodes x 2 ranks, and engines at ZeRO 0-2 in both modes."""
 from __future__ import annotations
 
 import pytest
@@ -59,15 +59,18 @@ def test_config_names_the_bad_value(block, words):
 
 
 # -- the shard pipeline, 2 nodes x 2 ranks --------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def pipe_runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("hpipe")
-    run_ranks("tests.hierarchy_cases:pipeline_runs", WORLD, out, timeout=400)
-    return load_rank_files(out, "hpipe", WORLD)
+@pytest.fixture(scope="module", params=[4, 6], ids=["2x2", "3x2"])
+def pipe_runs(tmp_path_factory, request):
+    """(world size, every rank's record) of the pipeline cases at 2 and 3 nodes of L = 2 ranks."""
+    world = request.param
+    out = tmp_path_factory.mktemp(f"hpipe{world}")
+    run_ranks("tests.hierarchy_cases:pipeline_runs", world, out, timeout=400)
+    return world, load_rank_files(out, "hpipe", world)
 
 
-def test_the_launchers_local_size_gives_two_nodes_of_two(pipe_runs):
-    assert [r["layout"] for r in pipe_runs] == [(2, 2, r // L, r % L) for r in range(WORLD)]
+def test_the_launchers_local_size_gives_nodes_of_two(pipe_runs):
+    world, runs = pipe_runs
+    assert [r["layout"] for r in runs] == [(world // L, L, r // L, r % L) for r in range(world)]
 
 
 @pytest.mark.parametrize("ci", range(len(PIPE_CASES)), ids=[f"{x}-{n}-{d}" for x, n, d in PIPE_CASES])
@@ -76,20 +79,21 @@ def test_nothing_lost_and_ranks_identical(pipe_runs, ci):
     == Σ_t Σ_ranks g_t; every rank applied the same."""
     exchange, n, density = PIPE_CASES[ci]
     per = -(-n // L)
-    runs = [r["cases"][ci]["node"] for r in pipe_runs]
+    world, runs = pipe_runs
+    runs = [r["cases"][ci]["node"] for r in runs]
     for run in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(run["applied"], runs[0]["applied"]))
-    total = sum(grad(ci, r, s, n) for r in range(WORLD) for s in range(STEPS))
+    total = sum(grad(ci, r, s, n) for r in range(world) for s in range(STEPS))
     held = torch.zeros(per * L, dtype=torch.float64)
     for r, run in enumerate(runs):
         lo = (r % L) * per
         for res in run["residuals"].values():
             held[lo:lo + per] += res
         for srv in run["server"].values():  # the cross group's owner of these shard positions: rank r // L there
-            own = HashedOwnership(per, WORLD // L)
+            own = HashedOwnership(per, world // L)
             held.index_add_(0, lo + own.to_index(r // L, torch.arange(srv.numel())), srv)
     applied = sum(runs[0]["applied"]) if n else torch.zeros(0, dtype=torch.float64)
-    torch.testing.assert_close(applied * WORLD + held[:n], total if n else applied, rtol=1e-11, atol=1e-10)
+    torch.testing.assert_close(applied * world + held[:n], total if n else applied, rtol=1e-11, atol=1e-10)
     assert float(held[n:].abs().sum()) == 0.0  # the padding never holds anything
     if n > 10 and density < 1.0:
         assert float(held.abs().sum()) > 0, "a sparse run must hold something back"
@@ -98,8 +102,9 @@ def test_nothing_lost_and_ranks_identical(pipe_runs, ci):
 def test_density_one_is_the_dense_allreduce(pipe_runs):
     ci = next(i for i, c in enumerate(PIPE_CASES) if c[2] == 1.0)
     n = PIPE_CASES[ci][1]
-    for s, out in enumerate(pipe_runs[0]["cases"][ci]["node"]["applied"]):
-        expect = sum(grad(ci, r, s, n) for r in range(WORLD)) / WORLD
+    world, runs = pipe_runs
+    for s, out in enumerate(runs[0]["cases"][ci]["node"]["applied"]):
+        expect = sum(grad(ci, r, s, n) for r in range(world)) / world
         torch.testing.assert_close(out, expect, rtol=1e-12, atol=1e-12)
 
 
@@ -107,7 +112,7 @@ def test_density_one_is_the_dense_allreduce(pipe_runs):
 def test_each_rank_sends_a_shard_not_a_bucket(pipe_runs, ci):
     """Each rank selects over 1/L of the bucket and exchanges only with the other nodes: it sends about 1/L of
     the flat scheme's bytes (a node's L ranks together one bucket's pairs, to the N - 1 other nodes only)."""
-    for r in pipe_runs:
+    for r in pipe_runs[1]:
         node, flat = sum(r["cases"][ci]["node"]["sent"]), sum(r["cases"][ci]["flat"]["sent"])
         assert 0 < node <= flat / L * 1.15, (node, flat)
 

@@ -143,13 +143,15 @@ def test_convergence_quick_sweep(tmp_path):
     assert (out / "convergence.png").stat().st_size > 10_000
 
 
-def _two_node_launch(tmp_path, dragonn: dict, steps: int = 12) -> dict:
-    """Two ``deepspeed --hostfile H --no_ssh --node_rank i`` launchers on this host (loopback), 2 ranks each:
-    the launcher's own multi-node mode, as SLURM / Kubernetes users run it. Returns rank 0's summary."""
+def _two_node_launch(tmp_path, dragonn: dict, steps: int = 12, nodes: int = 2, ds: dict | None = None) -> dict:
+    """``nodes`` (two by default) ``deepspeed --hostfile H --no_ssh --node_rank i`` launchers on this host
+    (loopback), 2 ranks each: the launcher's own multi-node mode, as SLURM / Kubernetes users run it. Returns
+    rank 0's summary."""
     launcher = shutil.which("deepspeed") or os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    (tmp_path / "hostfile").write_text("nodeA slots=2\nnodeB slots=2\n")
+    (tmp_path / "hostfile").write_text("".join(f"node{i} slots=2\n" for i in range(nodes)))
     cfg = json.loads((REPO / "configs" / "dragonn.json").read_text())
     cfg["dragonn"].update(dragonn)
+    cfg.update(ds or {})
     (tmp_path / "ds.json").write_text(json.dumps(cfg))
     summary = tmp_path / "summary.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
@@ -161,7 +163,7 @@ def _two_node_launch(tmp_path, dragonn: dict, steps: int = 12) -> dict:
                                    "launch/train.py", "--deepspeed_config", str(tmp_path / "ds.json"), "--steps",
                                    str(steps), "--log-interval", str(steps), "--summary", str(summary)],
                                   cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for i in range(2)]
+                 for i in range(nodes)]
         outs = []
         for p in procs:
             try:
@@ -188,3 +190,15 @@ def test_two_launchers_with_node_ranks_run_the_node_aware_exchange(tmp_path):
     flat, log = _two_node_launch(tmp_path, {"hierarchy": "flat"})
     assert flat["hierarchy"] == "flat" and flat["ranks_in_sync"]
     assert 0 < node["bytes_sent"] < flat["bytes_sent"] / 2 * 1.15  # one shard per rank: 1/L of the bytes
+
+
+@pytest.mark.timeout(900)
+def test_three_launchers_run_three_nodes_of_two_at_zero_2(tmp_path):
+    """3 nodes x 2 ranks at ZeRO 2 with the partitioned exchange across nodes: the layout from three launchers,
+    the ranks bit-identical."""
+    node, log = _two_node_launch(tmp_path, {"hierarchy": "node", "exchange": "partitioned"}, steps=8, nodes=3,
+                                 ds={"zero_optimization": {"stage": 2}})
+    assert node["world_size"] == 6 and node["hierarchy"] == "3 nodes x 2 ranks" and node["ranks_in_sync"]
+    assert node["zero_stage"] == 2
+    assert "hierarchy 'node' -> node-aware: 3 nodes x 2 ranks (the launcher)" in log
+    assert node["compressed_reductions"] == 8
