@@ -356,9 +356,6 @@ def _check_hierarchy(cfg: DragonnConfig) -> None:
     if cfg.sync == SyncMode.local_steps:
         raise ValueError("'hierarchy': 'node' applies to 'sync': 'every_step' only (local steps exchange the "
                          "pseudo-gradient flat); use 'hierarchy': 'auto' or 'flat'")
-    if cfg.comm_backend != CommBackendName.torch:
-        raise ValueError("'hierarchy': 'node' runs over 'comm_backend': 'torch' only; use 'hierarchy': 'auto' or "
-                         "'flat' with 'mpi'")
 
 
 def _check_sync(cfg: DragonnConfig) -> None:

@@ -8,7 +8,8 @@ named with the check it was stuck in. What runs inside the ranks is in ``tests/m
   bit-identity of MPI and torch (gloo) transports (outputs and residuals over 3 steps, sizes 0, 1, 7,
   1000, 2^20+3, fp32/bf16, three compressors) with a float64 reference, and the error paths (ranks
   disagreeing on size/dtype/length, an MPI error, an MPI world that is not the data-parallel group).
-* ``run_logged.py`` around ``launch/train.py`` — the main job launched with plain ``mpiexec``.
+* ``run_logged.py`` around ``launch/train.py`` — the main job launched with plain ``mpiexec``; ``as_nodes.py``
+  around it — the same as if ``mpiexec`` had placed 4 ranks on 2 hosts (the node-aware exchange over MPI).
 """
 from __future__ import annotations
 
@@ -191,3 +192,31 @@ def test_non_mpi_launch_with_mpi_backend_fails_clearly(tmp_path):
         msg = (tmp_path / f"rank{r}.err").read_text()
         assert msg.startswith(f"[rank {r}]") and "all 1 MPI ranks" in msg and "group has 2 ranks" in msg, msg
         assert "mpirun -np 2" in msg, msg
+
+
+# -- the node-aware exchange over MPI: 4 ranks as 2 nodes of 2 ---------------------------------------------
+def _train_as_nodes(tmp: Path, config: dict, name: str) -> dict:
+    cfg_path, summary = tmp / f"{name}.json", tmp / f"{name}_summary.json"
+    cfg_path.write_text(json.dumps(config))
+    logs = tmp / f"{name}_ranks"
+    run = run_mpiexec(["tests/mpi/as_nodes.py", "2", str(logs), "launch/train.py", "--deepspeed_config",
+                       str(cfg_path), "--steps", "12", "--log-interval", "12", "--summary", str(summary)],
+                      4, logs, timeout=TRAIN_TIMEOUT)
+    assert run.failure_report() is None, run.failure_report()
+    return json.loads(summary.read_text())
+
+
+@pytest.mark.timeout(600)
+def test_node_aware_exchange_over_mpi_equals_the_torch_transport(tmp_path):
+    """mpiexec's layout (MPI_LOCALNRANKS) gives 2 nodes x 2 ranks; the node and cross-node collectives run on
+    MPI communicators split from MPI_COMM_WORLD, and train the same model, bit for bit, as gloo groups do."""
+    mpi_cfg = json.loads((REPO / "configs" / "dragonn_mpi.json").read_text())
+    mpi_cfg["dragonn"].update(hierarchy="node", exchange="partitioned")
+    torch_cfg = json.loads(json.dumps(mpi_cfg))
+    torch_cfg["dragonn"].update(comm_backend="torch", advanced={"cuda_aware": False})
+    mpi, gloo = _train_as_nodes(tmp_path, mpi_cfg, "mpi"), _train_as_nodes(tmp_path, torch_cfg, "torch")
+    for s in (mpi, gloo):
+        assert s["world_size"] == 4 and s["hierarchy"] == "2 nodes x 2 ranks" and s["ranks_in_sync"], s
+        assert s["compressed_reductions"] == 12
+    for key in ("final_loss", "test_accuracy", "bytes_sent", "kept"):
+        assert mpi[key] == gloo[key], key

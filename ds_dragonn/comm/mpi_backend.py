@@ -276,4 +276,20 @@ def _check_same_world(mpi_rank: int, mpi_size: int, group: Optional[Any]) -> Non
         f"({member}); {hint}, or use 'comm_backend': 'torch'")
 
 
-__all__ = ["MPICommBackend", "MPIWorldMismatchError"]
+def shared_memory_view() -> tuple:
+    """(ranks on this node, this rank's index among them) from MPI's shared-memory split
+    (``MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)``): the node layout where the launcher exported none."""
+    node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED, key=MPI.COMM_WORLD.Get_rank())
+    try:
+        return node.Get_size(), node.Get_rank()
+    finally:
+        node.Free()
+
+
+def split_comm(color: int, key: int) -> Any:
+    """``MPI_COMM_WORLD`` split by ``color`` (ordered by ``key``): the node-aware exchange's node and cross-node
+    communicators. Collective over every MPI rank."""
+    return MPI.COMM_WORLD.Split(color, key)
+
+
+__all__ = ["MPICommBackend", "MPIWorldMismatchError", "shared_memory_view", "split_comm"]

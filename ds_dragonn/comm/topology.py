@@ -103,7 +103,8 @@ def resolve_layout(mode: str, backend: CommBackend, override: Optional[int] = No
                    env: Optional[Mapping[str, str]] = None) -> Resolved:
     """The node layout for ``hierarchy`` ``mode`` (``auto``, ``flat``, ``node``) over ``backend``'s group.
 
-    Collective (one small allgather) for ``auto`` and ``node``: every rank reaches the same decision.
+    Collective (one small allgather) for ``auto`` and ``node``: every rank reaches the same decision. Over the
+    ``mpi`` transport, where the launcher exported no ranks per node, MPI's shared-memory split gives them.
 
     Raises:
         ValueError: ``mode`` is ``node`` and the ranks are not ``N >= 2`` equal nodes of ``L >= 2`` ranks
@@ -112,6 +113,10 @@ def resolve_layout(mode: str, backend: CommBackend, override: Optional[int] = No
     if mode == "flat":
         return Resolved(None, "hierarchy 'flat'")
     size, local = launcher_view(env)
+    source = "the launcher"
+    if size is None and backend.name == "mpi":
+        from .mpi_backend import shared_memory_view
+        (size, local), source = shared_memory_view(), "MPI's shared-memory split"
     views = backend.all_gather_ints([size or 0, -1 if local is None else local], torch.device("cpu"))
     per_node, why = check_layout(views, override)
     world = backend.world_size
@@ -125,7 +130,7 @@ def resolve_layout(mode: str, backend: CommBackend, override: Optional[int] = No
                              f"{hint} 'hierarchy': 'flat' or 'auto'")
         return Resolved(None, f"flat: {why}")
     layout = NodeLayout(world, per_node, backend.rank)
-    return Resolved(layout, f"node-aware: {layout} ({'advanced.ranks_per_node' if override else 'the launcher'})")
+    return Resolved(layout, f"node-aware: {layout} ({'advanced.ranks_per_node' if override else source})")
 
 
 

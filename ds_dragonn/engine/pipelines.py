@@ -1,8 +1,8 @@
 """The pipeline a hook reduces a data-parallel group's buckets with: flat, or node-aware (``hierarchy``).
 
 ``hierarchy`` ``auto`` resolves to the node-aware pipeline (``ds_dragonn/hierarchy.py``) on several nodes of
-several ranks where the hook supports it (ZeRO stages 0-2, ``comm_backend: torch``, the data-parallel
-group being the world), else to the flat one; the choice and its reason are logged once.
+several ranks where the hook supports it (ZeRO stages 0-2, either transport, the data-parallel group
+being the world), else to the flat one; the choice and its reason are logged once.
 ``node`` where it cannot run is refused at ``initialize``, naming the reason.
 """
 from __future__ import annotations
@@ -27,8 +27,6 @@ def _unsupported(hook: Any, backend: CommBackend) -> Optional[str]:
     """Why this hook cannot run the node-aware exchange on ``backend``'s group, or None."""
     if not getattr(hook, "supports_hierarchy", False):
         return f"the node-aware exchange does not run under {hook.hook_name}"
-    if hook.cfg.comm_backend != CommBackendName.torch:
-        return "the node-aware exchange runs over 'comm_backend': 'torch' only"
     import deepspeed.comm as dist
     if backend.world_size != dist.get_world_size():
         return (f"the data-parallel group ({backend.world_size} ranks) is not the world ({dist.get_world_size()}): "
@@ -69,9 +67,13 @@ def build_pipeline(hook: Any, backend: CommBackend) -> Any:
         return CompressedAllreduce(hook.compressor, backend, hook.error_feedback, hook._build_exchange(backend),
                                    hook.momentum)
     node_group, cross_group = node_groups(layout)
-    cross = build_backend(hook.cfg, cross_group)
+    node_comm = cross_comm = None
+    if hook.cfg.comm_backend == CommBackendName.mpi:  # MPI communicators of the same ranks
+        from ..comm.mpi_backend import split_comm
+        node_comm, cross_comm = split_comm(layout.node, layout.local_rank), split_comm(layout.local_rank, layout.node)
+    cross = build_backend(hook.cfg, cross_group, cross_comm)
     shard = CompressedAllreduce(hook.compressor, cross, hook.error_feedback, hook._build_exchange(cross), hook.momentum)
-    return NodeAllreduce(shard, build_backend(hook.cfg, node_group), backend, layout)
+    return NodeAllreduce(shard, build_backend(hook.cfg, node_group, node_comm), backend, layout)
 
 
 __all__ = ["HierarchyUnsupported", "build_pipeline", "node_layout"]
