@@ -32,7 +32,7 @@ from .comm.base import CommBackend
 from .comm.topology import NodeLayout
 from .exchange import check_buffer_agreement
 from .exchange.wire import dense_allreduce_bytes
-from .pipeline import CompressedAllreduce, Reduced
+from .pipeline import CompressedAllreduce, PhaseClock, Reduced
 
 
 def shard_key(key: Hashable, layout: NodeLayout, numel: int) -> Hashable:
@@ -99,7 +99,7 @@ class NodeAllreduce:
         """:meth:`CompressedAllreduce.reduce <ds_dragonn.pipeline.CompressedAllreduce.reduce>` of the bucket
         ``tensors`` through the node (module docstring); ``out`` is a new (n,) tensor of ``dtype``, and the
         statistics count the shard's selection and the cross-node bytes (``dense_bytes``: a flat ring
-        allreduce of the whole bucket over every rank)."""
+        allreduce of the whole bucket over every rank; ``exchange_ms`` includes the node's collectives)."""
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         dtype = dtype or (tensors[0].dtype if tensors else torch.float32)
         n = sum(t.numel() for t in tensors)
@@ -107,11 +107,15 @@ class NodeAllreduce:
             device = tensors[0].device if tensors else torch.device("cpu")
             check_buffer_agreement(n, dtype, self.backend, device, f"node/{self.exchange.name}", key)
             self._agreed.add((key, n, dtype))
+        clock = PhaseClock(tensors[0].device if tensors else torch.device("cpu"))
         shard, per, n = self._node_shard(tensors, prescale)
+        node_ms = clock.lap()
         out, stats = self.cross.reduce([shard], shard_key(key, self.layout, per), seed, 1.0, postscale, dtype)
+        clock.lap()
         full = self._gather(out, n)
-        return Reduced(full, stats._replace(dense_bytes=dense_allreduce_bytes(n, dtype.itemsize,
-                                                                              self.backend.world_size)))
+        node_ms += clock.lap()  # the node's collectives count as exchange time, with the cross-node exchange
+        return Reduced(full, stats._replace(dense_bytes=dense_allreduce_bytes(n, dtype.itemsize, self.backend.world_size),
+                                            exchange_ms=stats.exchange_ms + node_ms))
 
     def reduce_dense(self, tensors: Sequence[torch.Tensor], key: Hashable, prescale: float = 1.0,
                      postscale: float = 1.0, dtype: torch.dtype | None = None) -> torch.Tensor:
