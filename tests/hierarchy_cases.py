@@ -61,14 +61,15 @@ def pipeline_runs(rank: int, world: int, out_dir: str) -> None:
             else:
                 pipe = CompressedAllreduce(DragonnCompressor(density, min_sample=64), full, ef,
                                            exchange(name, full, density))
-            applied, sent = [], []
+            applied, sent, selected = [], [], []
             for step in range(STEPS):
                 o, stats = pipe.reduce([grad(c, rank, step, numel)], ("b", c), seed=7 * step, postscale=1.0 / world)
                 applied.append(o.clone())
                 sent.append(stats.bytes_sent)
+                selected.append(stats.numel)  # the elements this rank selected over
                 ef.end_step(True)
             server = getattr(pipe.exchange, "server", None)
-            runs[kind] = {"applied": applied, "sent": sent,
+            runs[kind] = {"applied": applied, "sent": sent, "selected": selected,
                           "residuals": {str(k): v.clone() for k, v in ef.residuals.items()},
                           "server": {str(k): v.clone() for k, v in (server.residuals if server else {}).items()}}
         out["cases"].append(runs)

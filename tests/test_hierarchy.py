@@ -112,7 +112,10 @@ def test_density_one_is_the_dense_allreduce(pipe_runs):
 def test_each_rank_sends_a_shard_not_a_bucket(pipe_runs, ci):
     """Each rank selects over 1/L of the bucket and exchanges only with the other nodes: it sends about 1/L of
     the flat scheme's bytes (a node's L ranks together one bucket's pairs, to the N - 1 other nodes only)."""
+    n = PIPE_CASES[ci][1]
     for r in pipe_runs[1]:
+        assert r["cases"][ci]["node"]["selected"] == [-(-n // L)] * STEPS  # selection work: the shard
+        assert r["cases"][ci]["flat"]["selected"] == [n] * STEPS
         node, flat = sum(r["cases"][ci]["node"]["sent"]), sum(r["cases"][ci]["flat"]["sent"])
         assert 0 < node <= flat / L * 1.15, (node, flat)
 
