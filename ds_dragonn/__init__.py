@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 __version__ = "0.1.0"
 
-from .config import CompressTarget, DragonnConfig, DragonnConfigError, SyncMode, load_ds_config  # noqa: E402
+from .config import CompressTarget, DragonnConfig, DragonnConfigError, Hierarchy, SyncMode, load_ds_config  # noqa: E402
 from .engine.checkpoint import CheckpointError, CheckpointMismatchError  # noqa: E402
 
 
@@ -157,7 +157,11 @@ def _initialize(ds_initialize: Any, *args: Any, **kwargs: Any):
         from .engine.local_steps import check_local_steps_hook_point
         check_local_steps_hook_point()
     elif cfg.enabled:
-        check_hook_point() if stage == 0 else check_zero_hook_point()
+        if stage == 3:
+            from .engine.stage3 import check_zero3_hook_point
+            check_zero3_hook_point()
+        else:
+            check_hook_point() if stage == 0 else check_zero_hook_point()
 
     result = ds_initialize(*args, **kwargs)
     if cfg.enabled and getattr(result[0], "dragonn", None) is None:  # (a wrapped wrapper hooked it already)
@@ -178,12 +182,18 @@ def _initialize(ds_initialize: Any, *args: Any, **kwargs: Any):
                 Stage0Hook(engine, cfg).install()
             except HierarchyUnsupported as err:  # every rank reached the same decision (a gathered layout)
                 raise DragonnUnsupportedError(str(err)) from None
+        elif stage == 3:
+            from .engine.stage3 import HOOKED, Stage3Hook
+            if not hasattr(engine.optimizer, HOOKED):
+                raise DragonnUnsupportedError(f"'dragonn' at ZeRO stage 3 hooks DeepSpeedZeroOptimizer_Stage3; the "
+                                              f"engine runs {type(engine.optimizer).__name__}")
+            Stage3Hook(engine, cfg).install()
         elif stage in (1, 2) and hasattr(engine.optimizer, "average_tensor"):
             if not engine.optimizer.reduce_scatter:
                 raise DragonnUnsupportedError(_NO_REDUCE_SCATTER)
             Stage12Hook(engine, cfg).install()
         else:
-            raise DragonnUnsupportedError(f"'dragonn' supports ZeRO stages 0, 1 and 2; the engine runs stage {stage} "
+            raise DragonnUnsupportedError(f"'dragonn' supports ZeRO stages 0-3; the engine runs stage {stage} "
                                           f"with {type(engine.optimizer).__name__}")
     return result
 
@@ -239,6 +249,29 @@ def _auto_line(resolved: CompressTarget, reason: str, adam: bool) -> str:
             f"'warmup_steps' out) to get the momentum mode, or set 'compress': 'gradient' to choose this one")
 
 
+def _check_zero3(zero: dict, cfg: Optional[DragonnConfig]) -> None:
+    """What the ZeRO-3 hook (``engine/stage3.py``) does not cover, refused by key before DeepSpeed starts."""
+    def refuse(what: str) -> None:
+        raise DragonnUnsupportedError(f"'dragonn' with ZeRO stage 3 does not support {what}; remove it, or set "
+                                      f"'dragonn.enabled' to false")
+    for key in ("offload_optimizer", "offload_param"):
+        value = zero.get(key)
+        if value and (not isinstance(value, dict) or value.get("device", "cpu") not in (None, "none")):
+            refuse(f"'zero_optimization.{key}' ({value!r}: ZeRO-Infinity / offload)")
+    if zero.get("zero_quantized_gradients"):
+        refuse("'zero_optimization.zero_quantized_gradients' (qgZ compresses the same reduce-scatter)")
+    if zero.get("reduce_scatter", True) is False:
+        refuse("'zero_optimization.reduce_scatter': false (a dense path the hook does not see)")
+    if cfg is not None and cfg.compress == CompressTarget.momentum:
+        raise DragonnUnsupportedError("'dragonn.compress': 'momentum' runs at ZeRO stages 0-2: ZeRO-3 keeps Adam's "
+                                      "moments in flat sub-group partitions the hook does not map. Use 'compress': "
+                                      "'gradient' (or 'auto', which picks it at ZeRO-3)")
+    if cfg is not None and cfg.hierarchy == Hierarchy.node:
+        raise DragonnUnsupportedError("'dragonn.hierarchy': 'node' does not run at ZeRO stage 3 yet; use 'auto' or "
+                                      "'flat' (ZeRO-3's hpZ, 'zero_hpz_partition_size', keeps the parameter "
+                                      "all-gathers inside the node)")
+
+
 _NO_REDUCE_SCATTER = ("'dragonn' compresses the gradient reduce-scatter of ZeRO stages 1/2, but "
                       "'zero_optimization.reduce_scatter' is false (a dense allreduce); remove the key or set it to true")
 
@@ -275,11 +308,8 @@ def _check_zero(stage: int, zero: dict, ds_config: dict, cfg: Optional[DragonnCo
     """Refuse what the hooks do not cover, before DeepSpeed starts (a clear error instead of a wrong result)."""
     if cfg is not None and cfg.sync == SyncMode.local_steps and stage != 0:
         raise DragonnUnsupportedError(_LOCAL_STEPS_ZERO.format(stage=stage))
-    if stage >= 3:
-        raise DragonnUnsupportedError(
-            f"'dragonn' compresses the gradient reduction of ZeRO stages 0, 1 and 2; 'zero_optimization.stage' is "
-            f"{stage} (stage 3 reduces gradients inside its parameter partitioning, which ds_dragonn does not hook; "
-            f"DeepSpeed's ZeRO++ qgZ compresses stage 3). Use stage 0-2 or set 'dragonn.enabled' to false")
+    if stage == 3:
+        _check_zero3(zero, cfg)
     if stage in (1, 2):
         bf16 = (ds_config.get("bf16") or {}).get("enabled") is True
         accum = str((ds_config.get("data_types") or {}).get("grad_accum_dtype", "")).lower()

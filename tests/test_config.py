@@ -115,7 +115,10 @@ def test_initialize_rejects_bad_block_before_deepspeed_starts():
         ds_dragonn.initialize(model=None, config={"train_batch_size": 1, "dragonn": {"densty": 0.1}})
 
 
-@pytest.mark.parametrize("zero, key", [({"stage": 3}, "stage"), ({"stage": "3"}, "stage"),
+@pytest.mark.parametrize("zero, key", [({"stage": 3, "offload_param": {"device": "cpu"}}, "offload_param"),
+                                       ({"stage": "3", "offload_optimizer": {"device": "cpu"}}, "offload_optimizer"),
+                                       ({"stage": 3, "zero_quantized_gradients": True}, "zero_quantized_gradients"),
+                                       ({"stage": 3, "reduce_scatter": False}, "reduce_scatter"),
                                        ({"stage": 2, "reduce_scatter": False}, "reduce_scatter"),
                                        ({"stage": 1, "contiguous_gradients": False}, "contiguous_gradients"),
                                        ({"stage": 2, "offload_optimizer": {"device": "cpu"}}, "offload_optimizer"),
@@ -126,9 +129,10 @@ def test_initialize_refuses_unsupported_zero_settings_before_deepspeed_starts(ze
         ds_dragonn.initialize(model=None, config=cfg)
 
 
-@pytest.mark.parametrize("zero", [{"stage": 1}, {"stage": 2}, {"stage": "1"}, True,
+@pytest.mark.parametrize("zero", [{"stage": 1}, {"stage": 2}, {"stage": "1"}, True, {"stage": 3},
+                                  {"stage": 3, "zero_hpz_partition_size": 2},
                                   {"stage": 2, "offload_optimizer": {"device": "none"}}])
-def test_initialize_accepts_zero_stages_1_and_2(zero):
+def test_initialize_accepts_zero_stages_1_to_3(zero):
     """Accepted: the call gets past ds_dragonn's checks to DeepSpeed (which wants a model)."""
     cfg = {"train_batch_size": 1, "zero_optimization": zero, "dragonn": {"enabled": True}}
     with pytest.raises(AssertionError, match="requires a model"):
@@ -141,6 +145,14 @@ def test_initialize_reads_args_deepspeed_config(tmp_path):
     p.write_text(json.dumps({"train_batch_size": 1, "dragonn": {"enabled": True, "density": 7}}))
     with pytest.raises(DragonnConfigError, match="dragonn.density"):
         ds_dragonn.initialize(args=argparse.Namespace(deepspeed_config=str(p)), model=None)
+
+
+@pytest.mark.parametrize("block, words", [({"compress": "momentum"}, "'dragonn.compress': 'momentum' runs at ZeRO stages 0-2"),
+                                          ({"hierarchy": "node"}, "'dragonn.hierarchy': 'node' does not run at ZeRO stage 3")])
+def test_initialize_refuses_what_zero3_does_not_run(block, words):
+    cfg = {"train_batch_size": 1, "zero_optimization": {"stage": 3}, "dragonn": {"enabled": True, **block}}
+    with pytest.raises(ds_dragonn.DragonnUnsupportedError, match=words):
+        ds_dragonn.initialize(model=None, config=cfg)
 
 
 def test_initialize_refuses_zero1_bf16_with_fp32_accumulation():

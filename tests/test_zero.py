@@ -61,7 +61,7 @@ def test_warmup_reduces_dense_first(runs):
 
 
 @pytest.mark.parametrize("name, needles", [
-    ("stage3", ["'zero_optimization.stage' is 3", "ZeRO++"]),
+    ("stage3_offload", ["ZeRO stage 3", "'zero_optimization.offload_param'"]),
     ("no_reduce_scatter", ["'zero_optimization.reduce_scatter' is false"]),
     ("offload", ["'zero_optimization.offload_optimizer'"]),
     ("not_contiguous", ["'zero_optimization.contiguous_gradients' is false"]),

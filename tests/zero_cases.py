@@ -31,7 +31,7 @@ for _name, _d in (("dense", None), ("d1", {"enabled": True, "density": 1.0})):
     _d = None if _d is None else {**_d, "advanced": {"error_feedback": False}}
     ZERO_RUNS[f"s2_fp32_commbf16_{_name}"] = {**zero_config(2, _d), "communication_data_type": "bf16"}
 ZERO_REFUSED = {
-    "stage3": zero_config(3, {"enabled": True}),
+    "stage3_offload": zero_config(3, {"enabled": True}, offload_param={"device": "cpu"}),
     "no_reduce_scatter": zero_config(2, {"enabled": True}, reduce_scatter=False),
     "offload": zero_config(2, {"enabled": True}, offload_optimizer={"device": "cpu"}),
     "not_contiguous": zero_config(2, {"enabled": True}, contiguous_gradients=False),

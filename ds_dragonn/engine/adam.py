@@ -65,6 +65,10 @@ def momentum_refusal(engine: Any) -> Optional[str]:
     and the first moment is set through it), β2 in (0, 1) (the frozen variance is set through it), no
     amsgrad, no ``maximize``, and weight decay that is decoupled (AdamW) or zero: coupled L2 decay would
     enter the first moment once per step, not accumulated as Adam does."""
+    stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else 0
+    if stage == 3:
+        return ("runs at ZeRO stages 0-2: ZeRO-3 keeps Adam's moments in flat sub-group partitions that the "
+                "ZeRO-3 hook does not map to its gradient buckets")
     opt = base_optimizer(engine)
     name = type(opt if opt is not None else getattr(engine, "optimizer", None)).__name__
     groups = getattr(opt, "param_groups", None) or []

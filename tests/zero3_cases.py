@@ -1,0 +1,88 @@
+"""Multi-rank cases of the ZeRO-3 hook (``ds_dragonn/engine/stage3.py``), for ``tests/test_zero3.py``."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tests.engines import init_distributed, zero_config
+
+#: (layers, steps) of the MLP: 33 -> 17 -> 5 gives gradients not divisible by 2 or 3 ranks and a bias of 5
+LAYERS = (33, 17, 5)
+STEPS = 4
+_D = {"enabled": True, "density": 0.05, "warmup_steps": 1, "compress": "gradient"}
+RUNS = {
+    "dense": {**zero_config(3, None), "gradient_clipping": 0.0},
+    "d1": {**zero_config(3, {**_D, "density": 1.0}), "gradient_clipping": 0.0},
+    "sparse": zero_config(3, _D),
+    "sparse_bf16_gas2": zero_config(3, _D, bf16=True, gas=2),
+    "sparse_overlap": zero_config(3, _D, overlap_comm=True),
+    "sparse_no_overlap": zero_config(3, _D, overlap_comm=False),
+}
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(LAYERS[0], LAYERS[1]), torch.nn.Tanh(),
+                               torch.nn.Linear(LAYERS[1], LAYERS[2]))
+
+
+def _gathered(engine) -> list:
+    """The full weights (every rank's partitions gathered), fp32."""
+    import deepspeed
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params):
+        return [p.detach().float().clone() for p in params]
+
+
+def train(cfg: dict, rank: int, steps: int = STEPS):
+    import ds_dragonn
+    model = _model()
+    engine, *_ = ds_dragonn.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    dtype = torch.bfloat16 if cfg.get("bf16", {}).get("enabled") else torch.float32
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(steps * cfg.get("gradient_accumulation_steps", 1)):
+        x = torch.randn(8, LAYERS[0], generator=g).to(dtype)
+        y = torch.randint(0, LAYERS[2], (8,), generator=g)
+        loss = torch.nn.functional.cross_entropy(engine(x).float(), y)
+        engine.backward(loss)
+        engine.step()
+    return engine
+
+
+def runs(rank: int, world: int, out_dir: str) -> None:
+    init_distributed()
+    out = {}
+    for name, cfg in RUNS.items():
+        engine = train(cfg, rank)
+        hook = getattr(engine, "dragonn", None)
+        out[name] = {"params": _gathered(engine),
+                     "telemetry": hook.telemetry.summary() if hook else None,
+                     "residual_mass": (sum(float(v.double().abs().sum()) for v in hook.error_feedback.residuals.values())
+                                       if hook else 0.0)}
+    torch.save(out, Path(out_dir) / f"z3_rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+#: saved at step K and resumed by a fresh engine (fp32, density 0.01: residuals carry most of the gradient)
+RESUME = zero_config(3, {"enabled": True, "density": 0.01, "warmup_steps": 1, "compress": "gradient"})
+
+
+def resume_runs(rank: int, world: int, out_dir: str) -> None:
+    from tests.ckpt_cases import K, _engine, _residual_mass, _train
+    init_distributed()
+    ckpt = str(Path(out_dir) / "ckpt")
+    engine = _engine(RESUME)
+    _train(engine, rank, 0, K)
+    mass = _residual_mass(engine)
+    engine.save_checkpoint(ckpt, tag="k")
+    _train(engine, rank, K, 2 * K)
+    resumed = _engine(RESUME)
+    resumed.load_checkpoint(ckpt, tag="k")
+    loaded = _residual_mass(resumed)
+    _train(resumed, rank, K, 2 * K)
+    t = engine.dragonn.telemetry
+    out = {"params": _gathered(engine), "resumed": _gathered(resumed), "mass": mass, "loaded_mass": loaded,
+           "notes": list(resumed.dragonn.notes), "bytes": (t.compressed_bytes_sent, t.compressed_dense_bytes)}
+    torch.save(out, Path(out_dir) / f"z3resume_rank{rank}.pt")
+    torch.distributed.destroy_process_group()
