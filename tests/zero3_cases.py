@@ -86,3 +86,24 @@ def resume_runs(rank: int, world: int, out_dir: str) -> None:
            "notes": list(resumed.dragonn.notes), "bytes": (t.compressed_bytes_sent, t.compressed_dense_bytes)}
     torch.save(out, Path(out_dir) / f"z3resume_rank{rank}.pt")
     torch.distributed.destroy_process_group()
+
+
+#: ZeRO-3 with hpZ (a secondary parameter partition inside each "node" of 2 ranks), 4 ranks
+HPZ_RUNS = {
+    "dense": {**zero_config(3, None, zero_hpz_partition_size=2), "gradient_clipping": 0.0},
+    "d1": {**zero_config(3, {**_D, "density": 1.0}, zero_hpz_partition_size=2), "gradient_clipping": 0.0},
+    "sparse": zero_config(3, _D, zero_hpz_partition_size=2),
+}
+
+
+def hpz_runs(rank: int, world: int, out_dir: str) -> None:
+    import os
+    os.environ["LOCAL_SIZE"], os.environ["LOCAL_RANK"] = "2", str(rank % 2)
+    init_distributed()
+    out = {}
+    for name, cfg in HPZ_RUNS.items():
+        engine = train(cfg, rank)
+        hook = getattr(engine, "dragonn", None)
+        out[name] = {"params": _gathered(engine), "telemetry": hook.telemetry.summary() if hook else None}
+    torch.save(out, Path(out_dir) / f"z3hpz_rank{rank}.pt")
+    torch.distributed.destroy_process_group()
