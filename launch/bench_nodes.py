@@ -20,6 +20,9 @@ steps; per step means (S2 − S1)'s difference over S2 − S1 steps, so start-up
     part_node        dragonn_node with "exchange": "partitioned"
     zero2_flat       dragonn_flat at ZeRO 2 (the sparse reduce-scatter to ZeRO's partitions)
     zero2_node       dragonn_node at ZeRO 2 (owners take their slices of the node's result)
+    zero3_dense      DeepSpeed's ZeRO 3, dense (gradient reduce-scatter and parameter all-gathers across nodes)
+    zero3_hpz_dense  ZeRO 3 with hpZ ("zero_hpz_partition_size": 2: the parameter all-gathers stay in the node)
+    zero3_hpz_dragonn  the same with DRAGONN's compressed gradient reduce-scatter (flat)
     diloco_flat      uncompressed DiLoCo: local steps, a dense outer step every 10 steps, every rank a worker
     diloco_node      the same, each node one worker (dense allreduce inside the node every step)
 
@@ -57,6 +60,9 @@ MODES = {
     "part_node": ({}, {"hierarchy": "node", "exchange": "partitioned"}, []),
     "zero2_flat": ({"zero_optimization": {"stage": 2}}, {"hierarchy": "flat"}, []),
     "zero2_node": ({"zero_optimization": {"stage": 2}}, {"hierarchy": "node"}, []),
+    "zero3_dense": ({"zero_optimization": {"stage": 3}}, None, []),
+    "zero3_hpz_dense": ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}, None, []),
+    "zero3_hpz_dragonn": ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}, {"hierarchy": "flat"}, []),
     "diloco_flat": ({}, {**_DILOCO, "hierarchy": "flat"}, []),
     "diloco_node": ({}, {**_DILOCO, "hierarchy": "node"}, []),
 }
