@@ -229,8 +229,10 @@ class DragonnConfig(DeepSpeedConfigModel):
 
     hierarchy: Hierarchy = Hierarchy.auto
     """``node``: sum each bucket densely inside the node, compress one shard per rank across nodes, gather it
-    back inside the node (ZeRO 0, torch backend). ``flat``: every rank exchanges with every rank. ``auto``:
-    ``node`` on several nodes of several ranks (the launcher's ``LOCAL_SIZE``), else ``flat`` (logged)."""
+    back inside the node (ZeRO 0-2). Under ``sync: local_steps`` each node is one worker: its ranks average
+    their gradients inside the node every step, and the outer step runs node-aware across nodes. ``flat``:
+    every rank exchanges with every rank. ``auto``: ``node`` on several nodes of several ranks (the launcher's
+    ``LOCAL_SIZE``), else ``flat`` (logged)."""
 
     comm_backend: CommBackendName = CommBackendName.torch
     """Collectives: ``torch`` (deepspeed.comm; NCCL on GPU, gloo on CPU) or ``mpi`` (mpi4py)."""
@@ -346,16 +348,10 @@ def _check_momentum(cfg: DragonnConfig) -> None:
 
 
 def _check_hierarchy(cfg: DragonnConfig) -> None:
-    """``hierarchy: node`` where the node-aware exchange does not run yet is refused (``auto`` falls back), and
-    ``advanced.ranks_per_node`` where nothing reads it."""
-    if cfg.ranks_per_node is not None and (cfg.hierarchy == Hierarchy.flat or cfg.sync == SyncMode.local_steps):
-        why = "'hierarchy': 'flat'" if cfg.hierarchy == Hierarchy.flat else "'sync': 'local_steps' (exchanged flat)"
-        raise ValueError(f"'advanced.ranks_per_node' has no effect with {why}; remove it")
-    if cfg.hierarchy != Hierarchy.node:
-        return
-    if cfg.sync == SyncMode.local_steps:
-        raise ValueError("'hierarchy': 'node' applies to 'sync': 'every_step' only (local steps exchange the "
-                         "pseudo-gradient flat); use 'hierarchy': 'auto' or 'flat'")
+    """``advanced.ranks_per_node`` where nothing reads it (``hierarchy: flat``) is refused. (``hierarchy: node``
+    where it cannot run is refused at ``initialize``: engine/pipelines.py.)"""
+    if cfg.ranks_per_node is not None and cfg.hierarchy == Hierarchy.flat:
+        raise ValueError("'advanced.ranks_per_node' has no effect with 'hierarchy': 'flat'; remove it")
 
 
 def _check_sync(cfg: DragonnConfig) -> None:

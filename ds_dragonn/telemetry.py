@@ -28,7 +28,9 @@ class Telemetry:
     ``sync: local_steps`` each local step adds one dense allreduce's bytes to ``dense_bytes_equivalent``
     (what dense data-parallel training would have sent) and nothing to ``bytes_sent``; the outer steps add
     their bytes to ``bytes_sent`` and ``outer_bytes_sent`` (and, compressed, to ``compressed_bytes_sent``, while
-    ``compressed_dense_bytes`` stays 0: they replace no dense collective of their own).
+    ``compressed_dense_bytes`` stays 0: they replace no dense collective of their own). On the node-aware
+    hierarchy each local step's dense gradient average inside the node goes to ``node_bytes_sent`` (the fast
+    link), not to ``bytes_sent``, which counts what crosses nodes.
     """
     compressed_reductions: int = 0
     dense_reductions: int = 0
@@ -51,6 +53,8 @@ class Telemetry:
     local_steps_taken: int = 0  # sync: local_steps: optimizer steps that exchanged nothing
     outer_syncs: int = 0  # sync: local_steps: outer steps (rounds ended)
     outer_bytes_sent: int = 0  # sync: local_steps: bytes of the pseudo-gradient exchanges
+    node_bytes_sent: int = 0  # sync: local_steps, node-aware: bytes of the gradient averages inside the node
+    node_ms_total: float = 0.0  # sync: local_steps, node-aware: their time
 
     def record_dense(self, numel: int, itemsize: int, world_size: int, ms: float = 0.0,
                      bytes_sent: Optional[int] = None) -> None:
@@ -67,6 +71,12 @@ class Telemetry:
         :attr:`bytes_ratio` compares with dense synchronous training, not with one dense round."""
         self.local_steps_taken += 1
         self.dense_bytes_equivalent += dense_allreduce_bytes(numel, itemsize, world_size)
+
+    def record_node(self, bytes_sent: int, ms: float = 0.0) -> None:
+        """``sync: local_steps``, node-aware: a local step's dense gradient average inside the node sent
+        ``bytes_sent`` on the fast link (nothing across nodes)."""
+        self.node_bytes_sent += int(bytes_sent)
+        self.node_ms_total += ms
 
     def record_outer(self, bytes_sent: int, s: Optional[ReduceStats] = None) -> None:
         """``sync: local_steps``: one outer step sent ``bytes_sent`` (its dense equivalent is already in the

@@ -51,7 +51,8 @@ def test_launcher_view_reads_the_launchers_variables():
                                           ({"advanced": None}, "must be a JSON object"),
                                           ({"advanced": []}, "must be a JSON object"),
                                           ({"ranks_per_node": 2}, '"advanced": {"ranks_per_node": 2}'),
-                                          ({"hierarchy": "node", "sync": "local_steps"}, "every_step")])
+                                          ({"hierarchy": "flat", "sync": "local_steps",
+                                            "advanced": {"ranks_per_node": 2}}, "no effect")])
 def test_config_names_the_bad_value(block, words):
     with pytest.raises(DragonnConfigError, match=words):
         DragonnConfig.from_ds_config({"dragonn": {"enabled": True, **block}})

@@ -1,13 +1,17 @@
-"""Local steps resumed at another world size: every rank restarts from the last synchronised weights.
+"""Local steps' own state (each rank's replica), and a resume at another world size or node layout: every rank
+restarts from the last synchronised weights.
 
-Each rank's state file holds its own replica (its mid-round weights and inner optimizer state) and θ_outer,
-the weights of the last outer step, which every rank held alike. At another world size the replicas do not
-map onto the ranks (and DeepSpeed loads rank 0's module weights into every rank), so :func:`keep_outer` keeps
-θ_outer and the round count from a state that is otherwise reset, and :func:`restart_from_outer` (collective,
-after every rank applied its file) gives every rank rank 0's θ_outer, the ranks that had no file included.
+Each rank's state file holds its own replica (its mid-round weights and inner optimizer state:
+:func:`replica_state`) and θ_outer, the weights of the last outer step, which every rank held alike. At
+another world size the replicas do not map onto the ranks (and DeepSpeed loads rank 0's module weights into
+every rank), nor at another node layout (``hierarchy``: a node's ranks share one replica, flat ranks each hold
+their own), so :func:`keep_outer` keeps θ_outer and the round count from a state that is otherwise reset, and
+:func:`restart_from_outer` (collective, after every rank applied its file) gives every rank rank 0's θ_outer,
+the ranks that had no file included.
 """
 from __future__ import annotations
 
+import copy
 from typing import Any, List, Optional
 
 import torch
@@ -17,27 +21,62 @@ from ..outer import OuterStep
 from . import state
 
 
-def keep_outer(hook: Any, saved: dict, reasons: List[str]) -> None:
-    """Where ``saved`` was reset only for another world size or rank, load its θ_outer and round count into
-    ``hook.outer`` (else leave it empty)."""
+def replica_state(hook: Any) -> dict:
+    """This rank's replica: its fp32 master weights and its inner optimizer's state, which differ between ranks
+    (between nodes, node-aware) mid-round and which DeepSpeed saves from rank 0 only."""
+    return {"masters": [m.detach().clone() for m in hook.masters()],
+            "optimizer": copy.deepcopy(hook.optimizer.state_dict())}
+
+
+@torch.no_grad()
+def load_replica(hook: Any, replica: Any) -> None:
+    """This rank's saved replica over what DeepSpeed loaded (rank 0's).
+
+    Raises:
+        ValueError: the saved replica does not match this engine's master weights.
+    """
+    masters = hook.masters()
+    weights = replica.get("masters") if isinstance(replica, dict) else None
+    if (not isinstance(weights, (list, tuple)) or len(weights) != len(masters)
+            or any(not isinstance(w, torch.Tensor) or w.shape != m.shape for w, m in zip(weights, masters))):
+        raise ValueError(f"the saved local-steps replica does not match this engine's {len(masters)} fp32 "
+                         f"master weight tensors")
+    for m, w in zip(masters, weights):
+        m.copy_(w)
+    hook.optimizer.load_state_dict(replica["optimizer"])
+    hook._masters_to_model()
+
+
+def keep_outer(hook: Any, saved: dict, reasons: List[str]) -> Optional[str]:
+    """Where ``saved`` was reset only for another world size, rank or node layout, load its θ_outer and round
+    count into ``hook.outer`` (else leave it empty).
+
+    Returns:
+        The node-layout change (``"hierarchy 2 nodes x 2 ranks (now flat)"``) for :func:`restart_from_outer`,
+        or None.
+    """
     outer = saved.get("outer")
-    if not all(r.startswith(("world size", "rank ")) for r in reasons) or not isinstance(outer, dict):
-        return
+    moved = next((r for r in reasons if r.startswith("hierarchy ")), None)
+    if not all(r.startswith(("world size", "rank ", "hierarchy ")) for r in reasons) or not isinstance(outer, dict):
+        return moved
     try:
         hook.outer.load_state_dict({**outer, "velocity": None}, hook.masters())
     except (ValueError, TypeError):
         hook.reset_extra_state()
+    return moved
 
 
 @torch.no_grad()
-def restart_from_outer(hook: Any, saved_worlds: List[Optional[int]]) -> None:
-    """A checkpoint of another world size (``saved_worlds``: each rank's saved world size, None: no file):
-    every rank's masters and θ_outer ← rank 0's θ_outer, and its round count, by one dense allreduce of rank 0's
-    values and zeros; each rank keeps the inner optimizer state DeepSpeed loaded (rank 0's). A warning names
-    everything that was reset. Nothing happens where the world size is the saved one."""
+def restart_from_outer(hook: Any, saved_worlds: List[Optional[int]], moved: Optional[str] = None) -> None:
+    """A checkpoint of another world size (``saved_worlds``: each rank's saved world size, None: no file) or
+    node layout (``moved``: the reset reason that names it, from :func:`keep_outer`; the same on every rank,
+    since every rank read a file of one save, ``engine/checkpoint.py`` refusing incomplete ones): every rank's
+    masters and θ_outer ← rank 0's θ_outer, and its round count, by one dense allreduce of rank 0's values and
+    zeros; each rank keeps the inner optimizer state DeepSpeed loaded (rank 0's). A warning names everything
+    that was reset. Nothing happens where the world size and the layout are the saved ones."""
     rank, world = hook.where()
     saved = {w for w in saved_worlds if w is not None}
-    if not saved or saved == {world}:
+    if (not saved or saved == {world}) and moved is None:
         return
     masters = hook.masters()
     backend = hook.pipeline(hook.group).backend
@@ -50,9 +89,11 @@ def restart_from_outer(hook: Any, saved_worlds: List[Optional[int]]) -> None:
             flat.zero_()
         backend.all_reduce_sum_(info)  # x + 0 = x: rank 0's, exactly
     old = "/".join(str(w) for w in sorted(saved))
+    since = (f"at world size {world} from a checkpoint of world size {old}" if saved != {world}
+             else f"from a checkpoint of another node layout [{moved}]")
     if not info[0]:
-        state.note(hook, f"[rank {rank}] DRAGONN: local steps resumed at world size {world} from a checkpoint of "
-                         f"world size {old} saved before the rounds started: they start at the next local step")
+        state.note(hook, f"[rank {rank}] DRAGONN: local steps resumed {since} saved before the rounds started: they "
+                         f"start at the next local step")
         return
     if world > 1:
         backend.all_reduce_sum_(flat)
@@ -64,12 +105,12 @@ def restart_from_outer(hook: Any, saved_worlds: List[Optional[int]]) -> None:
     hook._masters_to_model()
     steps, warmup, h = int(hook.engine.global_steps), hook.cfg.warmup_steps, hook.cfg.local_steps
     nxt = steps + (h - (steps - warmup) % h)
-    state.note(hook, f"[rank {rank}] DRAGONN: local steps resumed at world size {world} from a checkpoint of "
-                     f"world size {old}: every rank restarts from the last synchronised weights θ_outer (after "
-                     f"outer step {hook.outer.rounds}, rank 0's), not from its mid-round local weights; reset: "
-                     f"the pseudo-gradient residuals and each rank's own replica (its local weights and inner "
-                     f"optimizer state: every rank keeps the inner optimizer state DeepSpeed loaded, rank 0's); "
+    state.note(hook, f"[rank {rank}] DRAGONN: local steps resumed {since}: every rank restarts from the last "
+                     f"synchronised weights θ_outer (after outer step {hook.outer.rounds}, rank 0's), not from its "
+                     f"mid-round local weights; reset: the pseudo-gradient residuals and each rank's own replica "
+                     f"(its local weights and inner optimizer state: every rank keeps the inner optimizer state "
+                     f"DeepSpeed loaded, rank 0's); "
                      f"the next outer step comes at step {nxt} (a round of {nxt - steps} steps)")
 
 
-__all__ = ["keep_outer", "restart_from_outer"]
+__all__ = ["keep_outer", "load_replica", "replica_state", "restart_from_outer"]

@@ -4,7 +4,9 @@ optimizer steps (DiLoCo, Douillard et al. 2023; SparseLoCo, 2025), at ZeRO stage
 Hook points (DeepSpeed 0.19.8 ``runtime/engine.py``), overridden on the engine *instance*:
 
 * ``allreduce_gradients``: DeepSpeed's own during the dense ``warmup_steps``; afterwards nothing, so each
-  rank's optimizer steps on its own gradients (accumulation and the LR schedule unchanged);
+  rank's optimizer steps on its own gradients (accumulation and the LR schedule unchanged). On the node-aware
+  hierarchy each node is one worker instead: its ranks average their gradients inside the node every step, and
+  the outer step runs across nodes (``engine/local_nodes.py``);
 * ``clip_fp32_gradients`` (fp32) and the bf16/fp16 optimizer's overflow check: DeepSpeed's own during the
   warm-up; afterwards each rank's own (its own gradient norm, its own overflow), because DeepSpeed's run an
   allreduce over every rank per step, a round trip on the slow link that local steps exist to avoid;
@@ -23,14 +25,12 @@ with its weights (``engine/state.py``: DeepSpeed saves rank 0's only), so a resu
 """
 from __future__ import annotations
 
-import copy
 import inspect
 from typing import Any, List, Optional
 
 import torch
 from deepspeed.utils.logging import print_dist
 
-from ..exchange.wire import dense_allreduce_bytes
 from ..feedback import ErrorFeedback, segment_views
 from ..outer import OuterStep
 from ..pipeline import PhaseClock
@@ -39,7 +39,8 @@ from .base import HookBase
 from .bucket import OUTER, BucketKey, bucket_seed
 from .checkpoint import install as install_checkpointing
 from .local_norms import install_local_norms
-from .local_resume import keep_outer, restart_from_outer
+from .local_nodes import describe as describe_nodes, node_average_, node_gradients, outer_dense_bytes
+from .local_resume import keep_outer, load_replica, replica_state, restart_from_outer
 
 
 #: keys of the per-step exchange that an outer step does not use (warned about when given)
@@ -55,6 +56,7 @@ class LocalStepsHook(HookBase):
 
     hook_name = "ZeRO stage 0, local steps"
     follows_lr = False  # its rounds are laid out from warmup_steps: "auto" reads the scheduler (else 30)
+    supports_hierarchy = True  # node-aware: each node one DiLoCo worker (engine/local_nodes.py)
 
     def __init__(self, engine: Any, cfg):
         super().__init__(engine, cfg)
@@ -65,6 +67,7 @@ class LocalStepsHook(HookBase):
         self._dense_allreduce_gradients = engine.allreduce_gradients
         self._engine_step = engine.step
         self.group = None
+        self._moved: Optional[str] = None  # a loaded state's other node layout (restore_after_reset -> after_load)
         self.optimizer = base_optimizer(engine)
         _check_optimizer(engine, self.optimizer, self.masters)
 
@@ -84,6 +87,8 @@ class LocalStepsHook(HookBase):
         print_dist(f"DRAGONN enabled ({self.hook_name}): {cfg.warmup_steps} dense warm-up steps, then an outer "
                    f"step every {cfg.local_steps} optimizer steps (outer_lr={cfg.outer_lr}); the "
                    f"pseudo-gradient goes out {sent}; comm_backend={cfg.comm_backend.value}", ranks=[0])
+        if self.layout is not None:
+            print_dist(describe_nodes(self.layout, cfg.local_steps), ranks=[0])
         ignored = cfg.given(*IGNORED_KEYS)
         if ignored:
             from deepspeed.utils import logger
@@ -120,7 +125,8 @@ class LocalStepsHook(HookBase):
 
     # -- the hooks ---------------------------------------------------------------------------------
     def allreduce_gradients(self, *args, **kwargs):
-        """DeepSpeed's gradient allreduce during the dense warm-up; nothing afterwards."""
+        """DeepSpeed's gradient allreduce during the dense warm-up; afterwards nothing, or node-aware the
+        gradients' average inside the node (``local_nodes.node_average_``) at each accumulation boundary."""
         step = int(self.engine.global_steps)
         if self.decision.schedule.dense(step):
             if self.engine.is_gradient_accumulation_boundary():
@@ -130,6 +136,11 @@ class LocalStepsHook(HookBase):
                 self.reporter.dense(numel, itemsize, world, clock.lap())
                 return out
             return self._dense_allreduce_gradients(*args, **kwargs)
+        if self.layout is not None and self.engine.is_gradient_accumulation_boundary():
+            clock = PhaseClock(self.engine.device)
+            sent = node_average_(node_gradients(self.engine.module), self.pipeline(self.group).node,
+                                 average=bool(getattr(self.engine, "gradient_average", True)))
+            self.reporter.node_average(sent, clock.lap())
         return None
 
     def step(self, *args, **kwargs):
@@ -188,7 +199,7 @@ class LocalStepsHook(HookBase):
         stats = None
         if self.cfg.density >= 1.0:
             out = pipeline.reduce_dense(deltas, key, 1.0, 1.0 / world, dtype)
-            sent = dense_allreduce_bytes(numel, dtype.itemsize, world)
+            sent = outer_dense_bytes(numel, dtype.itemsize, world, self.layout)
         else:
             self.compressor.density = self.cfg.density
             out, stats = pipeline.reduce(deltas, key, bucket_seed(self.cfg.seed, steps, 0), 1.0, 1.0 / world, dtype)
@@ -200,12 +211,8 @@ class LocalStepsHook(HookBase):
 
     # -- state (engine/state.py) -------------------------------------------------------------------
     def extra_state(self) -> dict:
-        """θ_outer and the outer velocity (``outer``), and this rank's replica: its fp32 master weights and its
-        inner optimizer's state (``replica``), which differ between ranks mid-round and which DeepSpeed saves
-        from rank 0 only."""
-        return {"outer": self.outer.state_dict(),
-                "replica": {"masters": [m.detach().clone() for m in self.masters()],
-                            "optimizer": copy.deepcopy(self.optimizer.state_dict())}}
+        """θ_outer and the outer velocity (``outer``), and this rank's replica (``local_resume.replica_state``)."""
+        return {"outer": self.outer.state_dict(), "replica": replica_state(self)}
 
     @torch.no_grad()
     def load_extra_state(self, saved: dict) -> None:
@@ -215,17 +222,8 @@ class LocalStepsHook(HookBase):
             ValueError: the saved replica or θ_outer does not match this engine's master weights.
         """
         masters = self.masters()
-        replica = saved.get("replica")
-        if replica is not None:
-            weights = replica.get("masters") if isinstance(replica, dict) else None
-            if (not isinstance(weights, (list, tuple)) or len(weights) != len(masters)
-                    or any(not isinstance(w, torch.Tensor) or w.shape != m.shape for w, m in zip(weights, masters))):
-                raise ValueError(f"the saved local-steps replica does not match this engine's {len(masters)} fp32 "
-                                 f"master weight tensors")
-            for m, w in zip(masters, weights):
-                m.copy_(w)
-            self.optimizer.load_state_dict(replica["optimizer"])
-            self._masters_to_model()
+        if saved.get("replica") is not None:
+            load_replica(self, saved["replica"])
         outer = saved.get("outer")
         if outer is not None:  # (none saved, or saved in the warm-up: the next step starts the rounds)
             self.outer.load_state_dict(outer, masters)
@@ -235,14 +233,15 @@ class LocalStepsHook(HookBase):
         self.outer = OuterStep(self.cfg.outer_lr)
 
     def restore_after_reset(self, saved: dict, reasons: List[str]) -> None:
-        """Saved at another world size (or by another rank): keep θ_outer and the round count
+        """Saved at another world size or node layout (or by another rank): keep θ_outer and the round count
         (``local_resume.keep_outer``)."""
-        keep_outer(self, saved, reasons)
+        self._moved = keep_outer(self, saved, reasons)
 
     def after_load(self, saved_worlds: List[Optional[int]]) -> None:
-        """A checkpoint of another world size: every rank restarts from rank 0's θ_outer
+        """A checkpoint of another world size or node layout: every rank restarts from rank 0's θ_outer
         (``local_resume.restart_from_outer``)."""
-        restart_from_outer(self, saved_worlds)
+        moved, self._moved = self._moved, None
+        restart_from_outer(self, saved_worlds, moved)
 
     @staticmethod
     def _layout(masters: List[torch.Tensor]) -> str:

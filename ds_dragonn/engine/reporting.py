@@ -72,6 +72,10 @@ class Reporter:
         """``sync: local_steps``: an optimizer step that exchanged nothing (counted against dense training)."""
         self.telemetry.record_local(numel, itemsize, world)
 
+    def node_average(self, bytes_sent: int, ms: float) -> None:
+        """``sync: local_steps``, node-aware: a local step's gradient average inside the node."""
+        self.telemetry.record_node(bytes_sent, ms)
+
     def outer(self, step: int, numel: int, bytes_sent: int, stats: Optional[ReduceStats], ms: float) -> None:
         """``sync: local_steps``: an outer step of ``numel`` weights (logged every ``log_interval`` outer steps, and
         the first)."""
