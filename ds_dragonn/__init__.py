@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 __version__ = "0.1.0"
 
-from .config import CompressTarget, DragonnConfig, DragonnConfigError, Hierarchy, SyncMode, load_ds_config  # noqa: E402
+from .config import CompressTarget, DragonnConfig, DragonnConfigError, SyncMode, load_ds_config  # noqa: E402
 from .engine.checkpoint import CheckpointError, CheckpointMismatchError  # noqa: E402
 
 
@@ -266,10 +266,6 @@ def _check_zero3(zero: dict, cfg: Optional[DragonnConfig]) -> None:
         raise DragonnUnsupportedError("'dragonn.compress': 'momentum' runs at ZeRO stages 0-2: ZeRO-3 keeps Adam's "
                                       "moments in flat sub-group partitions the hook does not map. Use 'compress': "
                                       "'gradient' (or 'auto', which picks it at ZeRO-3)")
-    if cfg is not None and cfg.hierarchy == Hierarchy.node:
-        raise DragonnUnsupportedError("'dragonn.hierarchy': 'node' does not run at ZeRO stage 3 yet; use 'auto' or "
-                                      "'flat' (ZeRO-3's hpZ, 'zero_hpz_partition_size', keeps the parameter "
-                                      "all-gathers inside the node)")
 
 
 _NO_REDUCE_SCATTER = ("'dragonn' compresses the gradient reduce-scatter of ZeRO stages 1/2, but "

@@ -90,16 +90,18 @@ def test_resume_is_exact_and_bytes_are_a_few_percent_of_dense(tmp_path):
         assert 0 < sent <= 0.05 * dense, (sent, dense)
 
 
-def test_hpz_runs_with_the_hook(tmp_path):
-    """ZeRO-3 with hpZ (``zero_hpz_partition_size`` 2: a second parameter partition per node of 2 ranks), 4 ranks:
-    the gradient reduce-scatter still goes through the hook; density 1.0 equals the dense run within float
-    rounding (4 ranks sum in another order), ranks in sync."""
+def test_hpz_runs_with_the_hook_flat_and_node_aware(tmp_path):
+    """ZeRO-3 with hpZ (``zero_hpz_partition_size`` 2: a second parameter partition per node of 2 ranks), 4 ranks
+    as 2 nodes of 2: the gradient reduce-scatter goes through the hook, flat and node-aware; density 1.0 equals
+    the dense run within float rounding (the ranks' sums in another order), ranks in sync."""
     run_ranks("tests.zero3_cases:hpz_runs", 4, tmp_path, timeout=600)
     runs = load_rank_files(tmp_path, "z3hpz", 4)
-    for name in ("d1", "sparse"):
+    for name in ("d1", "sparse", "node", "node_d1"):
         assert runs[0][name]["telemetry"]["compressed_reductions"] > 0
+        assert runs[0][name]["layout"] == ("2 nodes x 2 ranks" if name.startswith("node") else "flat")
         for r in runs[1:]:
             assert all(torch.equal(a, b) for a, b in zip(r[name]["params"], runs[0][name]["params"]))
     for r in runs:
-        for a, b in zip(r["d1"]["params"], r["dense"]["params"]):
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        for d1 in ("d1", "node_d1"):
+            for a, b in zip(r[d1]["params"], r["dense"]["params"]):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

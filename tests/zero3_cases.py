@@ -91,8 +91,13 @@ def resume_runs(rank: int, world: int, out_dir: str) -> None:
 #: ZeRO-3 with hpZ (a secondary parameter partition inside each "node" of 2 ranks), 4 ranks
 HPZ_RUNS = {
     "dense": {**zero_config(3, None, zero_hpz_partition_size=2), "gradient_clipping": 0.0},
-    "d1": {**zero_config(3, {**_D, "density": 1.0}, zero_hpz_partition_size=2), "gradient_clipping": 0.0},
-    "sparse": zero_config(3, _D, zero_hpz_partition_size=2),
+    "d1": {**zero_config(3, {**_D, "density": 1.0, "hierarchy": "flat"}, zero_hpz_partition_size=2),
+           "gradient_clipping": 0.0},
+    "sparse": zero_config(3, {**_D, "hierarchy": "flat"}, zero_hpz_partition_size=2),
+    # the node-aware exchange (2 nodes of 2: LOCAL_SIZE) with hpZ: dense in the node, a shard across
+    "node": zero_config(3, {**_D, "hierarchy": "node", "exchange": "partitioned"}, zero_hpz_partition_size=2),
+    "node_d1": {**zero_config(3, {**_D, "density": 1.0, "hierarchy": "node"}, zero_hpz_partition_size=2),
+                "gradient_clipping": 0.0},
 }
 
 
@@ -104,6 +109,7 @@ def hpz_runs(rank: int, world: int, out_dir: str) -> None:
     for name, cfg in HPZ_RUNS.items():
         engine = train(cfg, rank)
         hook = getattr(engine, "dragonn", None)
-        out[name] = {"params": _gathered(engine), "telemetry": hook.telemetry.summary() if hook else None}
+        out[name] = {"params": _gathered(engine), "telemetry": hook.telemetry.summary() if hook else None,
+                     "layout": str(hook.layout) if hook is not None and hook.layout is not None else "flat"}
     torch.save(out, Path(out_dir) / f"z3hpz_rank{rank}.pt")
     torch.distributed.destroy_process_group()

@@ -18,6 +18,10 @@ all-gathers of the forward and backward passes (hpZ keeps them inside the node).
 
 Only the gradient mode runs here: the momentum mode follows the optimizer's moments per element, which ZeRO-3
 keeps in sub-groups of flat partitions this hook does not map (refused by name at ``initialize``).
+
+Several nodes (``hierarchy``): the rank-major bucket goes through the node-aware pipeline
+(:class:`~ds_dragonn.hierarchy.NodeAllreduce`: dense inside the node, the shard compressed across nodes with
+``exchange``, gathered inside the node) and each rank keeps its chunks, as at ZeRO 1/2.
 """
 from __future__ import annotations
 
@@ -60,6 +64,7 @@ class Stage3Hook(HookBase):
     """ZeRO stage 3: compresses ``__avg_scatter_grads`` with a sparse reduce-scatter (module docstring)."""
 
     hook_name = "ZeRO stage 3 reduce-scatter"
+    supports_hierarchy = True  # engine/pipelines.py: each rank takes its chunks of the node-aware result
 
     def __init__(self, engine: Any, cfg):
         super().__init__(engine, cfg)
@@ -69,9 +74,11 @@ class Stage3Hook(HookBase):
 
     @property
     def exchange_name(self) -> str:
-        return "reduce_scatter"
+        return "reduce_scatter" if self.layout is None else self.cfg.exchange.value
 
     def _build_exchange(self, backend: CommBackend) -> Exchange:
+        if self.layout is not None:  # node-aware: the shard's exchange across nodes is "exchange"
+            return super()._build_exchange(backend)
         return ReduceScatterExchange(backend)
 
     def install(self) -> "Stage3Hook":
@@ -79,7 +86,8 @@ class Stage3Hook(HookBase):
         setattr(self.optimizer, HOOKED, self.avg_scatter_grads)
         self.engine.dragonn = self
         install_checkpointing(self)
-        self.reporter.start(self.hook_name, self.compressor.name, "reduce_scatter (ZeRO-3 partitions)")
+        self.reporter.start(self.hook_name, self.compressor.name, "reduce_scatter (ZeRO-3 partitions)" if self.layout
+                            is None else f"node-aware {self.cfg.exchange.value} across nodes, each rank its chunks")
         return self
 
     def avg_scatter_grads(self, params: List[Any], communication_data_type: torch.dtype) -> List[torch.Tensor]:
