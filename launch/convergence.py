@@ -89,6 +89,9 @@ RUNS = {
     # several nodes (--nodes 2): the defaults flat, and node-aware (dense inside the node, a shard across)
     "flat_0.01": {"density": 0.01, "hierarchy": "flat"},
     "node_0.01": {"density": 0.01, "hierarchy": "node"},
+    # local steps (uncompressed DiLoCo, H = 30): every rank a worker, or each node one (dense inside the node)
+    "diloco_flat": {"sync": "local_steps", "density": 1.0, "hierarchy": "flat"},
+    "diloco_node": {"sync": "local_steps", "density": 1.0, "hierarchy": "node"},
 }
 #: --lm-optimizer robust: the LM's AdamW tuned differently (merged into the config's optimizer params)
 ROBUST_ADAMW = {"betas": [0.9, 0.95], "weight_decay": 0.1}
