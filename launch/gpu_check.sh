@@ -103,6 +103,11 @@ step train_cuda_partitioned "$OUTDIR/train_cuda_partitioned.log" \
 step train_cuda_zero2 "$OUTDIR/train_cuda_zero2.log" \
   python -m deepspeed.launcher.runner --num_gpus 1 --master_addr 127.0.0.1 --master_port 29535 \
   launch/train.py --deepspeed_config configs/dragonn_zero2.json --steps 100 --summary "$OUTDIR/train_cuda_zero2.json" || rc=1
+# the ZeRO-3 hook (DeepSpeedZeroOptimizer_Stage3.__avg_scatter_grads: rank-major layout, sparse reduce-scatter)
+# on CUDA tensors, world size 1 over NCCL
+step train_cuda_zero3 "$OUTDIR/train_cuda_zero3.log" \
+  python -m deepspeed.launcher.runner --num_gpus 1 --master_addr 127.0.0.1 --master_port 29539 \
+  launch/train.py --deepspeed_config configs/dragonn_zero3.json --steps 100 --summary "$OUTDIR/train_cuda_zero3.json" || rc=1
 # fp16 with dynamic loss scaling (DeepSpeed refuses fp16 on CPU): an overflow step leaves every residual as
 # it was, the residuals follow the loss scale as it halves and doubles
 step fp16_engine "$OUTDIR/fp16_engine.log" \
