@@ -79,12 +79,14 @@ def test_overlap_comm_does_not_change_the_result(z3):
         assert all(torch.equal(a, b) for a, b in zip(r["sparse_overlap"]["params"], r["sparse_no_overlap"]["params"]))
 
 
-def test_resume_is_exact_and_bytes_are_a_few_percent_of_dense(tmp_path):
+def test_resume_is_exact_zero_to_fp32_consolidates_and_bytes_are_a_few_percent_of_dense(tmp_path):
     run_ranks("tests.zero3_cases:resume_runs", 2, tmp_path, timeout=600)
     for r in load_rank_files(tmp_path, "z3resume", 2):
         assert r["notes"] == [], r["notes"]
         assert r["mass"] > 0 and r["loaded_mass"] == pytest.approx(r["mass"], rel=1e-12)
         assert all(torch.equal(a, b) for a, b in zip(r["params"], r["resumed"]))
+        assert len(r["consolidated"]) == len(r["at_k"])  # zero_to_fp32 consolidates the weights saved at K
+        assert all(torch.equal(a, b.reshape(a.shape)) for a, b in zip(r["at_k"], r["consolidated"]))
         sent, dense = r["bytes"]
         # density 0.01, fp32: 8-byte pairs (index, value) against DeepSpeed's (P-1)/P x 4 bytes per element
         assert 0 < sent <= 0.05 * dense, (sent, dense)

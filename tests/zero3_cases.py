@@ -75,7 +75,12 @@ def resume_runs(rank: int, world: int, out_dir: str) -> None:
     engine = _engine(RESUME)
     _train(engine, rank, 0, K)
     mass = _residual_mass(engine)
+    at_k = _gathered(engine)
     engine.save_checkpoint(ckpt, tag="k")
+    torch.distributed.barrier()
+    # DeepSpeed's offline consolidation (zero_to_fp32) reads the checkpoint beside DRAGONN's files
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    consolidated = [v.float() for v in get_fp32_state_dict_from_zero_checkpoint(ckpt, tag="k").values()]
     _train(engine, rank, K, 2 * K)
     resumed = _engine(RESUME)
     resumed.load_checkpoint(ckpt, tag="k")
@@ -83,6 +88,7 @@ def resume_runs(rank: int, world: int, out_dir: str) -> None:
     _train(resumed, rank, K, 2 * K)
     t = engine.dragonn.telemetry
     out = {"params": _gathered(engine), "resumed": _gathered(resumed), "mass": mass, "loaded_mass": loaded,
+           "at_k": at_k, "consolidated": consolidated,
            "notes": list(resumed.dragonn.notes), "bytes": (t.compressed_bytes_sent, t.compressed_dense_bytes)}
     torch.save(out, Path(out_dir) / f"z3resume_rank{rank}.pt")
     torch.distributed.destroy_process_group()

@@ -54,7 +54,9 @@ def describe(hook: Any) -> Dict[str, Any]:
     """What the hook's residuals belong to: rank, world size, step, settings, bucketing, parameters."""
     engine = hook.engine
     rank, world = hook.where()
-    params = [(name, tuple(p.shape)) for name, p in engine.module.named_parameters() if p.requires_grad]
+    # ZeRO-3 partitions a parameter's storage (its .shape then reads (0,) or the gathered shape): ds_shape is the full one
+    params = [(name, tuple(getattr(p, "ds_shape", p.shape))) for name, p in engine.module.named_parameters()
+              if p.requires_grad]
     zero = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else 0
     comm = getattr(engine, "communication_data_type", None)
     bucketing = {"zero_optimization.stage": int(zero),
