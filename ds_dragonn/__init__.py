@@ -249,7 +249,7 @@ def _auto_line(resolved: CompressTarget, reason: str, adam: bool) -> str:
             f"'warmup_steps' out) to get the momentum mode, or set 'compress': 'gradient' to choose this one")
 
 
-def _check_zero3(zero: dict, cfg: Optional[DragonnConfig]) -> None:
+def _check_zero3(zero: dict, ds_config: dict, cfg: Optional[DragonnConfig]) -> None:
     """What the ZeRO-3 hook (``engine/stage3.py``) does not cover, refused by key before DeepSpeed starts."""
     def refuse(what: str) -> None:
         raise DragonnUnsupportedError(f"'dragonn' with ZeRO stage 3 does not support {what}; remove it, or set "
@@ -262,6 +262,11 @@ def _check_zero3(zero: dict, cfg: Optional[DragonnConfig]) -> None:
         refuse("'zero_optimization.zero_quantized_gradients' (qgZ compresses the same reduce-scatter)")
     if zero.get("reduce_scatter", True) is False:
         refuse("'zero_optimization.reduce_scatter': false (a dense path the hook does not see)")
+    if zero.get("zenflow"):
+        refuse("'zero_optimization.zenflow' (ZenFlow's selective updates on offloaded optimizer states)")
+    if ds_config.get("gradient_predivide_factor", 1.0) != 1.0:
+        refuse(f"'gradient_predivide_factor' ({ds_config['gradient_predivide_factor']!r}: ZeRO-3 then scales the "
+               f"reduce-scatter in a way the hook does not reproduce, and would leave it dense)")
     if cfg is not None and cfg.compress == CompressTarget.momentum:
         raise DragonnUnsupportedError("'dragonn.compress': 'momentum' runs at ZeRO stages 0-2: ZeRO-3 keeps Adam's "
                                       "moments in flat sub-group partitions the hook does not map. Use 'compress': "
@@ -305,7 +310,7 @@ def _check_zero(stage: int, zero: dict, ds_config: dict, cfg: Optional[DragonnCo
     if cfg is not None and cfg.sync == SyncMode.local_steps and stage != 0:
         raise DragonnUnsupportedError(_LOCAL_STEPS_ZERO.format(stage=stage))
     if stage == 3:
-        _check_zero3(zero, cfg)
+        _check_zero3(zero, ds_config, cfg)
     if stage in (1, 2):
         bf16 = (ds_config.get("bf16") or {}).get("enabled") is True
         accum = str((ds_config.get("data_types") or {}).get("grad_accum_dtype", "")).lower()

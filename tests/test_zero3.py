@@ -1,6 +1,8 @@
 """ZeRO stage 3 (``ds_dragonn/engine/stage3.py``): the compressed reduce-scatter against DeepSpeed's dense one
 (density 1.0 bit for bit at 2 ranks, within float rounding at 3), ranks in sync in fp32, bf16 with gradient
-accumulation, overlap_comm on and off, the layout of ``reduce_scatter_coalesced``, bytes, and exact resume."""
+accumulation, overlap_comm on and off, the layout of ``reduce_scatter_coalesced``, bytes, and exact resume; at
+density 1.0 with clipping and with bf16 accumulation bit for bit; DeepSpeed's own ZeRO-3 checkpoints both ways
+(zero_to_fp32 included); the float64 nothing-lost invariant of the hook with awkward sizes; refusals by key."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +10,7 @@ import torch
 
 from ds_dragonn.engine.stage3 import check_zero3_hook_point, rank_major
 from tests.multiproc import load_rank_files, run_ranks
-from tests.zero3_cases import RUNS
+from tests.zero3_cases import CLIP, RUNS
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
@@ -17,6 +19,17 @@ def z3(tmp_path_factory, request):
     out = tmp_path_factory.mktemp(f"z3_{world}")
     run_ranks("tests.zero3_cases:runs", world, out, timeout=600)
     return world, load_rank_files(out, "z3", world)
+
+
+@pytest.mark.parametrize("extra, key", [({"zero_optimization": {"stage": 3, "zenflow": {"topk_ratio": 0.1}}},
+                                         "'zero_optimization.zenflow'"),
+                                        ({"gradient_predivide_factor": 2.0}, "'gradient_predivide_factor'")])
+def test_zero3_refuses_what_the_hook_does_not_reproduce_naming_the_key(extra, key):
+    """Besides tests/test_config.py's (offload, qgZ, reduce_scatter false, compress momentum)."""
+    import ds_dragonn
+    cfg = {"train_batch_size": 1, "zero_optimization": {"stage": 3}, "dragonn": {"enabled": True}, **extra}
+    with pytest.raises(ds_dragonn.DragonnUnsupportedError, match=f"ZeRO stage 3 does not support {key}"):
+        ds_dragonn.initialize(model=None, config=cfg)
 
 
 def test_the_installed_deepspeed_has_the_hook_point():
@@ -107,3 +120,62 @@ def test_hpz_runs_with_the_hook_flat_and_node_aware(tmp_path):
         for d1 in ("d1", "node_d1"):
             for a, b in zip(r[d1]["params"], r["dense"]["params"]):
                 torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.fixture(scope="module")
+def more(tmp_path_factory):
+    out = tmp_path_factory.mktemp("z3more")
+    run_ranks("tests.zero3_cases:more_runs", 2, out, timeout=600)
+    return load_rank_files(out, "z3more", 2)
+
+
+def _equal(a, b):
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("run", ["clip", "bf16_gas2"])
+def test_density_one_is_dense_zero3_with_clipping_and_with_bf16_accumulation(more, run):
+    """Gradient clipping (every step clips) in fp32; bf16 with gradient accumulation 2: bit for bit at 2 ranks."""
+    for r in more:
+        assert _equal(r[f"d1_{run}"], r[f"dense_{run}"])
+        assert r[f"d1_{run}_norm"] == r[f"dense_{run}_norm"]
+    assert more[0]["dense_clip_norm"] > 2 * CLIP  # the last step clipped
+
+
+def test_gradient_bytes_are_under_3_percent_of_dense_at_density_001(more):
+    sent, dense, dense_reductions = more[0]["bytes"]
+    assert dense_reductions == 0 and 0 < sent <= 0.03 * dense, (sent, dense)
+
+
+def test_deepspeeds_zero3_checkpoints_load_both_ways(more):
+    """A dense ZeRO-3 checkpoint resumed with DRAGONN at density 1.0 trains as the dense run does; DRAGONN's
+    checkpoint is read by zero_to_fp32 and by a plain DeepSpeed engine, giving the same weights."""
+    for r in more:
+        assert _equal(r["d1_from_dense_k2"], r["dense_k2"])
+        assert len(r["notes"]) == 1 and "start empty" in r["notes"][0], r["notes"]
+        assert _equal(r["plain_from_d1"], r["d1_from_dense_k2"])
+    assert _equal(more[0]["fp32"], more[0]["d1_from_dense_k2"])
+
+
+def test_nothing_is_lost_with_awkward_sizes(more):
+    """float64, parameters of 7, 1 (under the world size), 15 and 1001 elements at 2 ranks, 4 compressed steps of
+    the hook: (what every rank received + every rank's residual) x world == the sum of every rank's gradients,
+    in ``reduce_scatter_coalesced``'s rank-major layout; and each rank's share has DeepSpeed's chunk lengths."""
+    world = len(more)
+    lost = [r["lost"] for r in more]
+    assert lost[0]["telemetry"]["compressed_reductions"] == 4
+    total = sum(rank_major(g, world, torch.float64)[0] for r in lost for g in r["grads"])
+    chunks = rank_major(lost[0]["grads"][0], world, torch.float64)[2]
+    applied = torch.zeros_like(total)
+    for step in range(4):
+        blocks = []
+        for rank, r in enumerate(lost):
+            got = r["received"][step]
+            assert [t.numel() for t in got] == [max(0, min(c, g.numel() - rank * c))
+                                                for c, g in zip(chunks, r["grads"][step])]
+            assert all(t.dtype == torch.float64 for t in got)
+            blocks += [torch.cat([t, t.new_zeros(c - t.numel())]) for t, c in zip(got, chunks)]
+        applied += torch.cat(blocks)
+    residual = sum(v for r in lost for v in r["residuals"].values())
+    assert all(len(r["residuals"]) == 1 for r in lost) and residual.abs().sum() > 0
+    torch.testing.assert_close((applied + residual) * world, total, rtol=0, atol=1e-12)

@@ -119,3 +119,90 @@ def hpz_runs(rank: int, world: int, out_dir: str) -> None:
                      "layout": str(hook.layout) if hook is not None and hook.layout is not None else "flat"}
     torch.save(out, Path(out_dir) / f"z3hpz_rank{rank}.pt")
     torch.distributed.destroy_process_group()
+
+
+#: more checks at 2 ranks, one launch: gradient clipping and bf16 with accumulation at density 1.0 against the
+#: dense runs (bit for bit), DeepSpeed's own ZeRO-3 checkpoints both ways, bytes on a larger model, and the
+#: float64 nothing-lost invariant of the hook itself
+CLIP = 0.05  # well under the MLP's gradient norm (about 0.5): every step clips
+CLIP_RUNS = {
+    "dense_clip": {**zero_config(3, None), "gradient_clipping": CLIP},
+    "d1_clip": {**zero_config(3, {**_D, "density": 1.0}), "gradient_clipping": CLIP},
+    "dense_bf16_gas2": zero_config(3, None, bf16=True, gas=2),
+    "d1_bf16_gas2": zero_config(3, {**_D, "density": 1.0}, bf16=True, gas=2),
+}
+#: (in, hidden, out) of the model whose gradient bytes are measured: about 36k parameters, 3 buckets
+BIG = (128, 256, 10)
+#: the nothing-lost buckets: parameter sizes not divisible by 2 ranks, one smaller than the world size
+AWKWARD = [(7,), (1,), (3, 5), (1001,)]
+
+
+def _nothing_lost(rank: int, world: int) -> dict:
+    """The hook's ``avg_scatter_grads`` on float64 gradients of :data:`AWKWARD` sizes (fake parameters, 4 steps
+    at density 0.05): what this rank received per step, its gradients and its residuals at the end."""
+    from types import SimpleNamespace
+    engine = train(zero_config(3, {**_D, "warmup_steps": 0}), rank, steps=0)
+    hook, opt = engine.dragonn, engine.optimizer
+    opt.gradient_accumulation_dtype = torch.float64  # the fp32 partition's dtype, float64 here
+    g = torch.Generator().manual_seed(10 + rank)
+    params = [SimpleNamespace(ds_id=1000 + i, ds_shape=s, grad=None) for i, s in enumerate(AWKWARD)]
+    grads, received = [], []
+    for step in range(4):
+        engine.global_steps = 10 + step
+        for p in params:
+            p.grad = torch.randn(p.ds_shape, generator=g, dtype=torch.float64)
+        grads.append([p.grad.clone() for p in params])
+        received.append([t.clone() for t in hook.avg_scatter_grads(params, torch.float64)])
+    hook.steps.end()
+    return {"grads": grads, "received": received, "telemetry": hook.telemetry.summary(),
+            "residuals": {repr(k): v.clone() for k, v in hook.error_feedback.residuals.items()}}
+
+
+def more_runs(rank: int, world: int, out_dir: str) -> None:
+    import deepspeed
+    from tests.ckpt_cases import K
+    from tests.engines import train_mlp
+    init_distributed()
+    out = {}
+    for name, cfg in CLIP_RUNS.items():
+        engine = train(cfg, rank)
+        out[name], out[f"{name}_norm"] = _gathered(engine), float(engine.get_global_grad_norm())
+    # bytes: density 0.01, fp32, on a model large enough for the pairs to dominate
+    cfg = zero_config(3, {**_D, "density": 0.01, "warmup_steps": 0}, reduce_bucket_size=20000)
+    _, hook = train_mlp(cfg, rank, BIG, 3)
+    t = hook.telemetry
+    out["bytes"] = (t.compressed_bytes_sent, t.compressed_dense_bytes, t.dense_reductions)
+    # DeepSpeed's own ZeRO-3 checkpoints: a dense one resumed with DRAGONN (density 1.0: the dense run's
+    # steps); DRAGONN's read by zero_to_fp32 and by plain DeepSpeed
+    ckpt = str(Path(out_dir) / "ckpt")
+    dense = train(RUNS["dense"], rank, steps=K)
+    dense.save_checkpoint(ckpt, tag="dense")
+    d1 = train(RUNS["d1"], rank, steps=0)
+    d1.load_checkpoint(ckpt, tag="dense")
+    out["notes"] = list(d1.dragonn.notes)
+    for engine in (dense, d1):
+        _steps(engine, rank, K)
+    out["dense_k2"], out["d1_from_dense_k2"] = _gathered(dense), _gathered(d1)
+    d1.save_checkpoint(ckpt, tag="d1")
+    torch.distributed.barrier()
+    if rank == 0:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        state = get_fp32_state_dict_from_zero_checkpoint(ckpt, tag="d1")
+        out["fp32"] = [state[n].float() for n, _ in d1.module.named_parameters()]
+    plain = train(RUNS["dense"], rank, steps=0)
+    plain.load_checkpoint(ckpt, tag="d1")
+    out["plain_from_d1"] = _gathered(plain)
+    assert not hasattr(plain, "dragonn") and isinstance(plain, deepspeed.DeepSpeedEngine)
+    out["lost"] = _nothing_lost(rank, world)
+    torch.save(out, Path(out_dir) / f"z3more_rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+def _steps(engine, rank: int, steps: int) -> None:
+    """``steps`` more steps on a stream of its own (rank 100 + rank), for engines resumed from a checkpoint."""
+    g = torch.Generator().manual_seed(100 + rank)
+    for _ in range(steps):
+        x = torch.randn(8, LAYERS[0], generator=g)
+        y = torch.randint(0, LAYERS[2], (8,), generator=g)
+        engine.backward(torch.nn.functional.cross_entropy(engine(x), y))
+        engine.step()
