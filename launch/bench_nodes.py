@@ -43,7 +43,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 #: local steps (uncompressed DiLoCo): an outer step every 10 steps, so that a 40-step difference holds 4
-_DILOCO = {"sync": "local_steps", "local_steps": 10, "density": 1.0}
+_DILOCO = {"sync": "local_steps", "local_steps": 10, "density": 1.0, "warmup_steps": 0}
 NS = ("dragonn_nodeA", "dragonn_nodeB")
 IF = ("nveth0", "nveth1")
 ADDR = ("198.51.100.21", "198.51.100.22")
