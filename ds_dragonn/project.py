@@ -112,8 +112,8 @@ def _all_to_all(c: Cluster, g: Group, block: float) -> tuple:
     return max(c.inter.seconds(1, across), inside), across
 
 
-def _sum(parts) -> tuple:
-    return tuple(map(sum, zip((0.0, 0.0), *parts)))  # collectives one after another: (seconds, bytes) summed
+def _sum(parts) -> tuple:  # collectives one after another: (seconds, bytes) summed
+    return tuple(map(sum, zip((0.0, 0.0), *parts)))
 
 
 def exchange_cost(c: Cluster, g: Group, numel: int, density: float, wire: torch.dtype, scheme: str) -> tuple:
@@ -142,7 +142,6 @@ def predict(c: Cluster, w: Workload, modes=MODES) -> List[Prediction]:
 
     def local(elements: float) -> float:
         return w.local_overhead_ms + elements / w.local_rate * 1e3
-
     comm = {"none": (node_sum, dense_local if L > 1 else 0.0),
             "dense_fp32": (_ring(c, flat, 2 * (N * L - 1), dense_allreduce_bytes(n, 4, N * L)), dense_local),
             "dense_bf16": (_ring(c, flat, 2 * (N * L - 1), dense_allreduce_bytes(n, 2, N * L)), dense_local),
@@ -186,13 +185,14 @@ TESTBEDS = {  # name: (record, nodes, ranks per node, params, ranks per core, mo
 }
 
 
-def validate(alpha_us: float = TESTBED_ALPHA_US, host_gbit: float = TESTBED_HOST_GBIT) -> List[dict]:
-    """Predicted against measured ms per step (and inter-node MB per node, where recorded) for every mode of
-    every testbed record. Compute = the same link's no-exchange step (else the first positive one: the 1 Gbit/s
-    2 x 2 one is negative, noise) less its predicted node allreduce; ``compute_from`` names the link."""
+def validate(alpha_us: float = TESTBED_ALPHA_US, host_gbit: float = TESTBED_HOST_GBIT, nodes_json=None) -> list:
+    """Predicted against measured ms per step (and inter-node MB per node, where recorded) for every mode of every
+    testbed record (``nodes_json``: a ``launch/bench_nodes.py`` record in place of the 2 x 2 one). Compute = the
+    same link's no-exchange step (else the first positive one: 1 Gbit/s 2 x 2's is negative, noise) less its node
+    allreduce; ``compute_from`` names the link. Times in ms, bytes in MB (1e6) per node."""
     rows = []
     for bed, (path, N, L, n, oversub, names) in TESTBEDS.items():
-        data = json.loads((REPO / path).read_text())
+        data = json.loads((REPO / (nodes_json if nodes_json and bed == "2x2" else path)).read_text())
         recs = [dict(r, mode=names.get(r["mode"], r["mode"])) for r in (data["rows"] if "rows" in data else data)]
         recs, host = [r for r in recs if r["mode"] in MODES], Link(host_gbit, alpha_us)
         w = Workload(n, 0.0, 0.01, "fp32", CPU_LOCAL_RATE / oversub, CPU_LOCAL_OVERHEAD * oversub,
@@ -246,10 +246,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--exchange", choices=SCHEMES, nargs="+", default=list(SCHEMES), help="DRAGONN exchange(s) shown")
     p.add_argument("--wire", choices=list(WIRE), default="bf16", help="gradient dtype, DRAGONN's values on the wire")
     p.add_argument("--select-rate", type=_number(float), default=None, help="DRAGONN local work (compensate, select, "
-                   "residual, decode) per rank, elements/s (default: docs/gpu/phases_gpu.json, else 1e11, assumed)")
+                   "residual, decode) per rank, elements/s; None: docs/gpu/phases_gpu.json, else 1e11, ASSUMED")
     p.add_argument("--overlap", type=_number(float, 1.0, zero=True), default=0.0,
                    help="fraction of compute that communication hides behind, [0, 1]")
-    p.add_argument("--validate", action="store_true", help="instead: predicted against measured on the testbed")
+    p.add_argument("--validate", nargs="?", const="", metavar="PATH", help="instead: testbeds, predicted vs measured; "
+                   "PATH: a launch/bench_nodes.py nodes.json for the 2 x 2 one (default: docs/results/nodes/)")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the result as JSON here")
     return p.parse_args(argv)
 
@@ -264,16 +265,15 @@ def _print(rows: List[dict], cols: dict) -> None:
 
 def main(argv=None) -> dict:
     a = parse_args(argv)
-    if a.validate:
-        rows = validate()
+    if a.validate is not None:
+        rows = validate(nodes_json=a.validate or None)
         print(f"testbed: {TESTBED_ALPHA_US:.0f} us a round, links capped at {TESTBED_HOST_GBIT} Gbit/s; MB: per node")
         _print(rows, {"testbed": "", "link": "", "mode": "", "compute_ms": ".1f", "measured_ms": ".1f",
                       "predicted_ms": ".1f", "error_pct": "+.0f", "measured_mb": ".4f", "predicted_mb": ".4f"})
         result = {"validation": rows, "alpha_us": TESTBED_ALPHA_US, "host_gbit": TESTBED_HOST_GBIT}
     else:
-        rate, overhead, source = gpu_local_rate()
-        if a.select_rate:
-            rate, source = a.select_rate, f"given: {GPU_LOCAL_OVERHEAD} ms + n / {a.select_rate:.3g} elements/s"
+        rate, overhead, source = gpu_local_rate() if not a.select_rate else \
+            (a.select_rate, GPU_LOCAL_OVERHEAD, f"given: {GPU_LOCAL_OVERHEAD} ms + n / {a.select_rate:.3g} elements/s")
         w = Workload(a.params, a.compute_ms, a.density, a.wire, rate, overhead, GPU_DENSE_RATE, a.overlap)
         shown = [m for m in MODES if all(m not in modes or s in a.exchange for s, modes in SCHEMES.items())]
         print(f"{a.params / 1e9:.3g} B parameters, {a.nodes} x {a.ranks_per_node} ranks, compute {a.compute_ms} ms, "

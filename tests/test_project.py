@@ -186,3 +186,19 @@ def test_main_prints_a_table_per_bandwidth_and_writes_json(tmp_path, capsys):
     fast = {r["mode"]: r["step_ms"] for r in saved["tables"]["100"]}
     slow = {r["mode"]: r["step_ms"] for r in saved["tables"]["25"]}
     assert all(fast[m] <= slow[m] for m in fast)
+
+
+def test_validate_takes_a_bench_nodes_record_in_place_of_the_committed_one(tmp_path, capsys):
+    """``--validate PATH``: the 2 x 2 rows come from PATH (here a copy with doubled steps), the 2 x 1 ones stay."""
+    data = json.loads((pj.REPO / "docs/results/nodes/nodes.json").read_text())
+    for r in data["rows"]:
+        r["ms_per_step"] *= 2
+    path = tmp_path / "nodes.json"
+    path.write_text(json.dumps(data))
+    base = {(r["testbed"], r["link"], r["mode"]): r for r in pj.main(["--validate"])["validation"]}
+    new = {(r["testbed"], r["link"], r["mode"]): r for r in pj.main(["--validate", str(path)])["validation"]}
+    assert "dense_bf16" in capsys.readouterr().out
+    key = ("2x2", "100mbit", "dense_bf16")
+    assert new[key]["measured_ms"] == pytest.approx(2 * base[key]["measured_ms"])
+    assert new[key]["predicted_ms"] > base[key]["predicted_ms"]  # the compute input doubled with the none step
+    assert new["2x1", "1gbit", "dense_fp32"] == base["2x1", "1gbit", "dense_fp32"]
