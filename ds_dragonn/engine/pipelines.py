@@ -1,7 +1,7 @@
 """The pipeline a hook reduces a data-parallel group's buckets with: flat, or node-aware (``hierarchy``).
 
 ``hierarchy`` ``auto`` resolves to the node-aware pipeline (``ds_dragonn/hierarchy.py``) on several nodes of
-several ranks where the hook supports it (ZeRO stages 0-2, either transport, the data-parallel group
+several ranks where the hook supports it (ZeRO stages 0-3, local steps, either transport, the data-parallel group
 being the world), else to the flat one; the choice and its reason are logged once.
 ``node`` where it cannot run is refused at ``initialize``, naming the reason.
 """
