@@ -123,7 +123,7 @@ def initialize(*args: Any, **kwargs: Any):
 
 def _initialize(ds_initialize: Any, *args: Any, **kwargs: Any):
     """:func:`initialize` around ``ds_initialize`` (DeepSpeed's, or a wrapper that :func:`enable` found)."""
-    from .engine import Stage0Hook, Stage12Hook, check_hook_point, check_zero_hook_point
+    from .engine import check_hook_point, check_zero_hook_point
     from .engine import teardown
     teardown.register()  # an orderly exit for every rank (engine/teardown.py: an upstream abort at exit)
 
@@ -168,34 +168,43 @@ def _initialize(ds_initialize: Any, *args: Any, **kwargs: Any):
         engine = result[0]
         cfg = _resolve_compress(cfg, engine)  # ("warmup_steps": "auto" is resolved by the hook)
         stage = engine.zero_optimization_stage()
-        if cfg.sync == SyncMode.local_steps:
-            from .engine.local_steps import LocalStepsHook, LocalStepsUnsupported
-            if stage != 0:
-                raise DragonnUnsupportedError(_LOCAL_STEPS_ZERO.format(stage=stage))
-            try:
-                LocalStepsHook(engine, cfg).install()
-            except LocalStepsUnsupported as err:
-                raise DragonnUnsupportedError(str(err)) from None
-        elif stage == 0:
-            from .engine.pipelines import HierarchyUnsupported
-            try:
-                Stage0Hook(engine, cfg).install()
-            except HierarchyUnsupported as err:  # every rank reached the same decision (a gathered layout)
-                raise DragonnUnsupportedError(str(err)) from None
-        elif stage == 3:
-            from .engine.stage3 import HOOKED, Stage3Hook
-            if not hasattr(engine.optimizer, HOOKED):
-                raise DragonnUnsupportedError(f"'dragonn' at ZeRO stage 3 hooks DeepSpeedZeroOptimizer_Stage3; the "
-                                              f"engine runs {type(engine.optimizer).__name__}")
-            Stage3Hook(engine, cfg).install()
-        elif stage in (1, 2) and hasattr(engine.optimizer, "average_tensor"):
-            if not engine.optimizer.reduce_scatter:
-                raise DragonnUnsupportedError(_NO_REDUCE_SCATTER)
-            Stage12Hook(engine, cfg).install()
-        else:
-            raise DragonnUnsupportedError(f"'dragonn' supports ZeRO stages 0-3; the engine runs stage {stage} "
-                                          f"with {type(engine.optimizer).__name__}")
+        from .engine.pipelines import HierarchyUnsupported
+        try:
+            _install(engine, cfg, stage)
+        except HierarchyUnsupported as err:  # every rank reached the same decision (a gathered layout)
+            raise DragonnUnsupportedError(str(err)) from None
     return result
+
+
+def _install(engine: Any, cfg: DragonnConfig, stage: int) -> None:
+    """Install the hook of this engine's ZeRO stage / sync mode (refusing what it cannot serve)."""
+    from .engine import Stage0Hook, Stage12Hook
+    if cfg.sync == SyncMode.local_steps:
+        from .engine.local_steps import LocalStepsHook, LocalStepsUnsupported
+        if stage != 0:
+            raise DragonnUnsupportedError(_LOCAL_STEPS_ZERO.format(stage=stage))
+        try:
+            LocalStepsHook(engine, cfg).install()
+        except LocalStepsUnsupported as err:
+            raise DragonnUnsupportedError(str(err)) from None
+    elif stage == 0:
+        Stage0Hook(engine, cfg).install()
+    elif stage == 3:
+        from .engine.stage3 import HOOKED, Stage3Hook
+        if not hasattr(engine.optimizer, HOOKED):
+            raise DragonnUnsupportedError(f"'dragonn' at ZeRO stage 3 hooks DeepSpeedZeroOptimizer_Stage3; the "
+                                          f"engine runs {type(engine.optimizer).__name__}")
+        if not getattr(engine.optimizer, "reduce_scatter", True):  # e.g. "reduce_scatter": "false" (a string)
+            raise DragonnUnsupportedError("'dragonn' with ZeRO stage 3 does not support 'zero_optimization."
+                                          "reduce_scatter': false (a dense path the hook does not see); remove it")
+        Stage3Hook(engine, cfg).install()
+    elif stage in (1, 2) and hasattr(engine.optimizer, "average_tensor"):
+        if not engine.optimizer.reduce_scatter:
+            raise DragonnUnsupportedError(_NO_REDUCE_SCATTER)
+        Stage12Hook(engine, cfg).install()
+    else:
+        raise DragonnUnsupportedError(f"'dragonn' supports ZeRO stages 0-3; the engine runs stage {stage} "
+                                      f"with {type(engine.optimizer).__name__}")
 
 
 def _resolve_compress(cfg: DragonnConfig, engine: Any) -> DragonnConfig:
@@ -254,7 +263,7 @@ def _check_zero3(zero: dict, ds_config: dict, cfg: Optional[DragonnConfig]) -> N
     def refuse(what: str) -> None:
         raise DragonnUnsupportedError(f"'dragonn' with ZeRO stage 3 does not support {what}; remove it, or set "
                                       f"'dragonn.enabled' to false")
-    for key in ("offload_optimizer", "offload_param"):
+    for key in ("offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_param"):  # (the last two: legacy)
         value = zero.get(key)
         if value and (not isinstance(value, dict) or value.get("device", "cpu") not in (None, "none")):
             refuse(f"'zero_optimization.{key}' ({value!r}: ZeRO-Infinity / offload)")

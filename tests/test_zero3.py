@@ -23,7 +23,11 @@ def z3(tmp_path_factory, request):
 
 @pytest.mark.parametrize("extra, key", [({"zero_optimization": {"stage": 3, "zenflow": {"topk_ratio": 0.1}}},
                                          "'zero_optimization.zenflow'"),
-                                        ({"gradient_predivide_factor": 2.0}, "'gradient_predivide_factor'")])
+                                        ({"gradient_predivide_factor": 2.0}, "'gradient_predivide_factor'"),
+                                        ({"zero_optimization": {"stage": 3, "cpu_offload": True}},
+                                         "'zero_optimization.cpu_offload'"),
+                                        ({"zero_optimization": {"stage": 3, "cpu_offload_param": True}},
+                                         "'zero_optimization.cpu_offload_param'")])
 def test_zero3_refuses_what_the_hook_does_not_reproduce_naming_the_key(extra, key):
     """Besides tests/test_config.py's (offload, qgZ, reduce_scatter false, compress momentum)."""
     import ds_dragonn
@@ -179,3 +183,9 @@ def test_nothing_is_lost_with_awkward_sizes(more):
     residual = sum(v for r in lost for v in r["residuals"].values())
     assert all(len(r["residuals"]) == 1 for r in lost) and residual.abs().sum() > 0
     torch.testing.assert_close((applied + residual) * world, total, rtol=0, atol=1e-12)
+
+
+def test_reduce_scatter_false_as_a_string_is_refused_after_initialize(tmp_path):
+    run_ranks("tests.zero3_cases:refused_runs", 2, tmp_path, timeout=300)
+    for msg in load_rank_files(tmp_path, "z3refused", 2):
+        assert msg is not None and "'zero_optimization.reduce_scatter': false" in msg, msg

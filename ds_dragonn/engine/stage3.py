@@ -106,7 +106,8 @@ class Stage3Hook(HookBase):
         world = pipeline.backend.world_size
         dt = communication_data_type
         numel = sum(p.grad.numel() for p in params)
-        key = BucketKey(ZERO3, ordinal, str(dt), numel, self._layout(params))
+        padded = world * sum(math.ceil(p.grad.numel() / world) for p in params)  # rank_major's length
+        key = BucketKey(ZERO3, ordinal, str(dt), padded, self._layout(params))  # (the residual's length)
         dense_bytes = dense_reduce_scatter_bytes(numel, dt.itemsize, world)
         dense, fixed = self.decision.choose(key, numel, step, pipeline, dt, dense_bytes)
         clock = PhaseClock(params[0].grad.device)
