@@ -93,6 +93,17 @@ RUNS = {
     "diloco_flat": {"sync": "local_steps", "density": 1.0, "hierarchy": "flat"},
     "diloco_node": {"sync": "local_steps", "density": 1.0, "hierarchy": "node"},
 }
+#: runs that change DeepSpeed's own keys or the script's arguments too: run name -> (DeepSpeed keys merged into the
+#: task's config, "dragonn" overrides or None for dense, extra script arguments); for several nodes: the dense
+#: allreduce node by node (launch/bench/hier_dense.py), ZeRO 3 (hpZ: the parameter all-gathers inside the node)
+DS_RUNS = {
+    "dense_fp32": ({"communication_data_type": "fp32"}, None, []),
+    "hier_bf16": ({}, None, ["--hier-dense", "bf16"]),
+    "zero3_dense": ({"zero_optimization": {"stage": 3}}, None, []),
+    "zero3_hpz_0.01": ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}},
+                       {"density": 0.01, "hierarchy": "flat"}, []),
+}
+RUNS.update({name: over for name, (_, over, _) in DS_RUNS.items()})
 #: --lm-optimizer robust: the LM's AdamW tuned differently (merged into the config's optimizer params)
 ROBUST_ADAMW = {"betas": [0.9, 0.95], "weight_decay": 0.1}
 #: keys kept from the task's DRAGONN config; every other key takes its default
@@ -171,6 +182,8 @@ def write_config(task: str, run: str, steps: int, folder: Path, lm_optimizer: st
     cfg = json.loads((REPO / (dense_cfg if over is None else dragonn_cfg)).read_text())
     if over is not None:  # the product's defaults, except what the run names
         cfg["dragonn"] = {**{k: cfg["dragonn"][k] for k in BASE_KEYS if k in cfg["dragonn"]}, **over}
+    for key, value in DS_RUNS.get(run, ({}, None, []))[0].items():
+        cfg[key] = {**cfg.get(key, {}), **value} if isinstance(value, dict) else value
     if task == "lm" and lm_optimizer == "robust":
         cfg["optimizer"]["params"].update(ROBUST_ADAMW)
     sched = cfg.get("scheduler", {}).get("params", {})
@@ -193,7 +206,7 @@ def launch(task: str, run: str, seed: int, steps: int, args, folder: Path) -> di
     log = folder / f"{task}_{run}_s{seed}.log"
     port = free_port()
     job = [script, "--deepspeed_config", str(cfg), "--steps", str(steps), "--seed", str(seed),
-           "--summary", str(summary), *(quick_extra if args.quick else extra)]
+           "--summary", str(summary), *(quick_extra if args.quick else extra), *DS_RUNS.get(run, ({}, None, []))[2]]
     if args.nodes == 1:
         where = [["--num_gpus", str(args.ranks)]]
     else:  # the launcher's multi-node mode without ssh, one launcher per node, all on loopback

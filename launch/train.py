@@ -19,7 +19,7 @@ from sklearn.model_selection import train_test_split
 
 import ds_dragonn
 from ds_dragonn.comm.mpi_env import setup_mpi_env
-from bench.job import finish, job_parser  # launch/bench, beside this script
+from bench.job import finish, install_baselines, job_parser  # launch/bench, beside this script
 
 # -- defaults (units in comments) -----------------------------------------------------------------------
 STEPS = 600            # optimizer steps
@@ -30,9 +30,6 @@ SEED = 1234            # model init, split and batch order (same on every rank)
 
 def get_args():
     p = job_parser(__doc__.splitlines()[0], STEPS, LOG_INTERVAL, SEED)
-    p.add_argument("--hier-dense", choices=("bf16", "fp32"), default=None,
-                   help="benchmark baseline: a dense allreduce node by node, across nodes in this dtype "
-                        "(launch/bench/hier_dense.py; dense ZeRO-0 configs only)")
     p = deepspeed.add_config_arguments(p)
     return p.parse_args()
 
@@ -84,10 +81,7 @@ def main():
     model = build_model(x_tr.shape[1], 10)
     engine, _, _, _ = ds_dragonn.initialize(args=args, model=model, model_parameters=model.parameters())
     device, dtype = engine.device, next(engine.module.parameters()).dtype
-    hier_dense = None
-    if args.hier_dense:
-        from bench.hier_dense import install
-        hier_dense = install(engine, torch.bfloat16 if args.hier_dense == "bf16" else torch.float32)
+    hier_dense = install_baselines(engine, args)
     micro = engine.train_micro_batch_size_per_gpu()
     global_batch = micro * world
     dragonn = getattr(engine, "dragonn", None)
@@ -134,8 +128,7 @@ def main():
                "exchange": dragonn.exchange_name if dragonn else None,
                "zero_stage": int(engine.zero_optimization_stage()),
                "final_loss": last_loss, "wall_s": time.time() - t0,
-               "hierarchy": (str(dragonn.layout) if dragonn is not None and dragonn.layout is not None
-                             else hier_dense or "flat"),
+               **({"hierarchy": hier_dense} if hier_dense else {}),
                "ranks_in_sync": weights_agree(model)}
     finish(summary, dragonn, model, world, rank, f"test_accuracy {acc:.4f} | final_loss {last_loss:.4f}",
            args.summary)

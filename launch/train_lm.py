@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 import ds_dragonn
 from ds_dragonn.comm.mpi_env import setup_mpi_env
-from bench.job import finish, job_parser  # launch/bench, beside this script
+from bench.job import finish, install_baselines, job_parser  # launch/bench, beside this script
 
 # -- defaults (units in comments) -----------------------------------------------------------------------
 STEPS = 500            # optimizer steps
@@ -139,6 +139,7 @@ def main():
                                                  generator=eval_gen), args.ctx)
     model = ByteGPT(args.n_layer, args.d_model, args.n_head, args.ctx)
     engine, _, _, _ = ds_dragonn.initialize(args=args, model=model, model_parameters=model.parameters())
+    hier_dense = install_baselines(engine, args)
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     dragonn = getattr(engine, "dragonn", None)
     if rank == 0:
@@ -180,7 +181,8 @@ def main():
                "exchange": dragonn.exchange_name if dragonn else None, "metric": "test_loss",
                "test_loss": history[-1]["test_loss"] if history else math.nan, "final_loss": last_loss,
                "history": history, "wall_s": time.time() - t0, "python": platform.python_version(),
-               "train_bytes": len(train), "held_out_bytes": len(held)}
+               "train_bytes": len(train), "held_out_bytes": len(held),
+               **({"hierarchy": hier_dense} if hier_dense else {})}
     finish(summary, dragonn, model, world, rank,
            f"test_loss {summary['test_loss']:.4f} nats/byte | final_loss {last_loss:.4f}", args.summary)
 

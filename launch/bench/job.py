@@ -22,7 +22,19 @@ def job_parser(description: str, steps: int, log_interval: int, seed: int) -> ar
     p.add_argument("--seed", type=int, default=seed)
     p.add_argument("--summary", type=str, default=None, help="write a JSON summary here (rank 0)")
     p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", -1)))
+    p.add_argument("--hier-dense", choices=("bf16", "fp32"), default=None,
+                   help="benchmark baseline: a dense allreduce node by node, across nodes in this dtype "
+                        "(launch/bench/hier_dense.py; dense ZeRO-0 configs only)")
     return p
+
+
+def install_baselines(engine, args) -> Optional[str]:
+    """The benchmark baselines a job's arguments ask for (``--hier-dense``); returns the node layout in
+    words, or None when no baseline is installed."""
+    if not getattr(args, "hier_dense", None):
+        return None
+    from bench.hier_dense import install
+    return install(engine, torch.bfloat16 if args.hier_dense == "bf16" else torch.float32)
 
 
 def dense_totals(model: torch.nn.Module, world: int, steps: int) -> dict:
@@ -55,7 +67,7 @@ def finish(summary: dict, dragonn, model: torch.nn.Module, world: int, rank: int
     import deepspeed.comm as dist
 
     summary.update(dragonn.telemetry.summary() if dragonn else dense_totals(model, world, summary["steps"]))
-    layout = getattr(dragonn, "layout", None)
+    layout = getattr(dragonn, "layout", None)  # (a --hier-dense baseline has set its own)
     summary.setdefault("hierarchy", str(layout) if layout is not None else "flat")
     if dragonn:  # as resolved for the engine ("auto": from its learning-rate warm-up)
         warm = dragonn.schedule.warmup_steps
