@@ -110,6 +110,11 @@ def tx_bytes(i: int) -> int:
 #: --quick``, bf16) times the steady state of each mode its quality runs train: no dense or density warm-up (the
 #: time-to-target report charges those from the quality runs), ``compress`` auto (the momentum mode, as there),
 #: the dense modes on an explicit wire dtype (a bf16 engine's default wire is bf16), DiLoCo every 30 steps.
+#: LM at ZeRO 3: every parameter partitioned and gathered for the forward and again for the backward, as in a
+#: model too large for one rank (DeepSpeed's defaults keep parameters under 1e5 elements whole on every rank, which
+#: is all of this LM's, and never release a gathered one before its reuse: hpZ would then have nothing to keep
+#: inside the node). The arithmetic is unchanged: the quality runs keep the defaults.
+ZERO3_GATHERS = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}
 TASKS = {
     "classifier": ("launch/train.py", "configs/dragonn.json", [], {}, {}, 10, "20 60"),
     "lm": ("launch/train_lm.py", "configs/lm_dragonn.json",
@@ -134,6 +139,8 @@ def config(mode: str, out: Path, task: str = "classifier") -> Path:
                           **dragonn}
     for key, value in ds.items():
         cfg[key] = {**cfg.get(key, {}), **value} if isinstance(value, dict) else value
+    if task == "lm" and cfg.get("zero_optimization", {}).get("stage", 0) == 3:
+        cfg["zero_optimization"].update(ZERO3_GATHERS)
     if cfg.get("zero_optimization", {}).get("stage", 0) == 3 or dragonn is not None:
         cfg.pop("communication_data_type", None)  # ZeRO 3 and DRAGONN: the engine's own wire dtype
     if "total_num_steps" in cfg.get("scheduler", {}).get("params", {}):

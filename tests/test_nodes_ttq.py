@@ -80,7 +80,8 @@ def test_bench_nodes_lm_configs(tmp_path):
     assert node["dragonn"]["density_warmup_steps"] == 0 and "compress" not in node["dragonn"]  # auto, as trained
     assert cfg("diloco_node")["dragonn"]["local_steps"] == 30
     z3 = cfg("zero3_hpz_dragonn")
-    assert z3["zero_optimization"] == {"stage": 3, "zero_hpz_partition_size": 2} and "communication_data_type" not in z3
+    assert z3["zero_optimization"] == {"stage": 3, "zero_hpz_partition_size": 2, **bench_nodes.ZERO3_GATHERS}
+    assert "communication_data_type" not in z3
     # the classifier's configs are as before the LM task
     assert json.loads(bench_nodes.config("diloco_flat", tmp_path).read_text())["dragonn"]["local_steps"] == 10
     assert "communication_data_type" not in json.loads(bench_nodes.config("dense_fp32", tmp_path).read_text())
