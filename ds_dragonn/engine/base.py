@@ -1,8 +1,9 @@
 """What the hook points share: the compressor, the residual store, the pipelines and the step transaction.
 
-Each hook point (``stage0.py``: ZeRO stage 0, ``stage_1_and_2.py``: ZeRO stage 1/2) receives DeepSpeed's
-flattened gradient buckets at a different method and owns only what differs there: how DeepSpeed's
-averaging is reproduced and where the result goes. Beside the hook: the dense-or-compressed decision
+Each hook point (``stage0.py``: ZeRO stage 0, ``stage_1_and_2.py``: ZeRO stage 1/2, ``stage3.py``: ZeRO stage 3)
+receives DeepSpeed's flattened gradient buckets at a different method and owns only what differs there: how
+DeepSpeed's averaging is reproduced and where the result goes. The ZeRO 1-3 hooks share their choice of exchange
+(:class:`ZeroPartitionHook`). Beside the hook: the dense-or-compressed decision
 (``decision.py``), the logs and monitor events (``reporting.py``) and the state (``state.py``). The
 compress → exchange → decode → error-feedback order lives in ``ds_dragonn.pipeline`` alone.
 """
@@ -18,6 +19,7 @@ from ..comm.base import CommBackend
 from ..compress import build_compressor
 from ..config import CompressTarget, DragonnConfig
 from ..exchange import Exchange, build_exchange
+from ..exchange.reduce_scatter import ReduceScatterExchange
 from ..feedback import ErrorFeedback
 from ..momentum import LocalMomentum
 from ..pipeline import CompressedAllreduce, ReduceStats
@@ -192,3 +194,20 @@ class HookBase(FollowsOptimizer, HookState):
         if decided is not None:
             self.reporter.decided(ordinal, stats.numel, decided)
         self.reporter.compressed(stats, step)
+
+
+class ZeroPartitionHook(HookBase):
+    """A ZeRO 1-3 hook's exchange: flat, the sparse reduce-scatter to ZeRO's partition owners, whatever
+    ``exchange`` says; node-aware (``layout`` set), ``exchange`` (allgather/partitioned) for the shard across
+    nodes, whose node sum then gives each owner its slices."""
+
+    supports_hierarchy = True  # engine/pipelines.py: owners take their slices of the node-aware result
+
+    @property
+    def exchange_name(self) -> str:
+        return "reduce_scatter" if self.layout is None else self.cfg.exchange.value
+
+    def _build_exchange(self, backend: CommBackend) -> Exchange:
+        if self.layout is not None:
+            return super()._build_exchange(backend)
+        return ReduceScatterExchange(backend)

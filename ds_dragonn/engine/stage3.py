@@ -32,12 +32,10 @@ from typing import Any, List, Optional
 
 import torch
 
-from ..comm.base import CommBackend
-from ..exchange import Exchange
-from ..exchange.reduce_scatter import RangeOwnership, ReduceScatterExchange
+from ..exchange.reduce_scatter import RangeOwnership
 from ..exchange.wire import dense_reduce_scatter_bytes
 from ..pipeline import PhaseClock
-from .base import HookBase
+from .base import ZeroPartitionHook
 from .bucket import ZERO3, BucketKey, bucket_seed
 from .checkpoint import install as install_checkpointing
 
@@ -60,26 +58,16 @@ def rank_major(grads: List[torch.Tensor], world: int, dtype: torch.dtype) -> tup
     return flat, per, chunks
 
 
-class Stage3Hook(HookBase):
+class Stage3Hook(ZeroPartitionHook):
     """ZeRO stage 3: compresses ``__avg_scatter_grads`` with a sparse reduce-scatter (module docstring)."""
 
     hook_name = "ZeRO stage 3 reduce-scatter"
-    supports_hierarchy = True  # engine/pipelines.py: each rank takes its chunks of the node-aware result
 
     def __init__(self, engine: Any, cfg):
         super().__init__(engine, cfg)
         self.optimizer = engine.optimizer
         self._dense = getattr(self.optimizer, HOOKED)  # DeepSpeed's bound method
         self._names: Optional[dict] = None
-
-    @property
-    def exchange_name(self) -> str:
-        return "reduce_scatter" if self.layout is None else self.cfg.exchange.value
-
-    def _build_exchange(self, backend: CommBackend) -> Exchange:
-        if self.layout is not None:  # node-aware: the shard's exchange across nodes is "exchange"
-            return super()._build_exchange(backend)
-        return ReduceScatterExchange(backend)
 
     def install(self) -> "Stage3Hook":
         self.pipeline(self.optimizer.dp_process_group)  # a wrong launch fails at initialize

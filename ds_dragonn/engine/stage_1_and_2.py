@@ -37,12 +37,10 @@ from typing import Any, List, NamedTuple, Optional
 
 import torch
 
-from ..comm.base import CommBackend
-from ..exchange import Exchange
-from ..exchange.reduce_scatter import RangeOwnership, ReduceScatterExchange
+from ..exchange.reduce_scatter import RangeOwnership
 from ..exchange.wire import dense_allreduce_bytes, dense_reduce_scatter_bytes
 from ..pipeline import PhaseClock
-from .base import HookBase
+from .base import ZeroPartitionHook
 from .bucket import REDUCE_SCATTER, BucketKey, bucket_seed
 from .checkpoint import install as install_checkpointing
 
@@ -56,25 +54,15 @@ class _Call(NamedTuple):
     kwargs: dict
 
 
-class Stage12Hook(HookBase):
+class Stage12Hook(ZeroPartitionHook):
     """ZeRO stage 1/2: compresses ``DeepSpeedZeroOptimizer.average_tensor`` with a sparse reduce-scatter."""
 
     hook_name = "ZeRO stage 1/2 reduce-scatter"
-    supports_hierarchy = True  # engine/pipelines.py: the node-aware pipeline, owners take their slices of its result
 
     def __init__(self, engine: Any, cfg):
         super().__init__(engine, cfg)
         self.optimizer = engine.optimizer
         self._dense_average_tensor = self.optimizer.average_tensor  # DeepSpeed's bound method
-
-    @property
-    def exchange_name(self) -> str:
-        return "reduce_scatter" if self.layout is None else self.cfg.exchange.value
-
-    def _build_exchange(self, backend: CommBackend) -> Exchange:
-        if self.layout is not None:  # node-aware: the shard's exchange across nodes is "exchange" (allgather/partitioned)
-            return super()._build_exchange(backend)
-        return ReduceScatterExchange(backend)  # ZeRO's partitions are the owners, whatever "exchange" says
 
     def install(self) -> "Stage12Hook":
         self.pipeline(self.optimizer.dp_process_group)  # a wrong launch fails at initialize
