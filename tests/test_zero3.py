@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds_dragonn.engine.stage3 import check_zero3_hook_point, rank_major
+from ds_dragonn.engine.stage3 import check_zero3_hook_point, chunk_lengths, rank_major
 from tests.multiproc import load_rank_files, run_ranks
 from tests.zero3_cases import CLIP, RUNS
 
@@ -67,6 +67,8 @@ def test_rank_major_is_reduce_scatter_coalesced_layout(numels, world):
             part = g[r * c:(r + 1) * c].double()
             expect += part.tolist() + [0.0] * (c - part.numel())
     assert flat.tolist() == expect
+    assert chunk_lengths(numels, world) == chunks
+    assert torch.equal(rank_major(grads, world, torch.float64, chunks).flat, flat)  # the hook passes its chunks
 
 
 def test_density_one_is_deepspeeds_zero3(z3):
@@ -168,8 +170,8 @@ def test_nothing_is_lost_with_awkward_sizes(more):
     world = len(more)
     lost = [r["lost"] for r in more]
     assert lost[0]["telemetry"]["compressed_reductions"] == 4
-    total = sum(rank_major(g, world, torch.float64)[0] for r in lost for g in r["grads"])
-    chunks = rank_major(lost[0]["grads"][0], world, torch.float64)[2]
+    total = sum(rank_major(g, world, torch.float64).flat for r in lost for g in r["grads"])
+    chunks = rank_major(lost[0]["grads"][0], world, torch.float64).chunks
     applied = torch.zeros_like(total)
     for step in range(4):
         blocks = []

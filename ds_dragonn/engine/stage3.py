@@ -28,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import math
-from typing import Any, List, Optional
+from typing import Any, List, NamedTuple, Optional
 
 import torch
 
@@ -43,10 +43,24 @@ from .checkpoint import install as install_checkpointing
 HOOKED = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
 
 
-def rank_major(grads: List[torch.Tensor], world: int, dtype: torch.dtype) -> tuple:
-    """``reduce_scatter_coalesced``'s layout of ``grads``: ((world·s,) flat buffer of ``dtype``, padding zeroed;
-    s, the elements per rank; each gradient's chunk length per rank)."""
-    chunks = [math.ceil(g.numel() / world) for g in grads]
+class RankMajor(NamedTuple):
+    """``reduce_scatter_coalesced``'s layout of a bucket's gradients."""
+    flat: torch.Tensor  # (world·per,) of the communication dtype, padding zeroed
+    per: int            # elements per rank
+    chunks: List[int]   # each gradient's chunk length per rank
+
+
+def chunk_lengths(numels: List[int], world: int) -> List[int]:
+    """Each gradient's chunk per rank, ``ceil(numel / world)`` (``reduce_scatter_coalesced``'s)."""
+    return [math.ceil(n / world) for n in numels]
+
+
+def rank_major(grads: List[torch.Tensor], world: int, dtype: torch.dtype,
+               chunks: Optional[List[int]] = None) -> RankMajor:
+    """``grads`` laid out rank by rank as ``reduce_scatter_coalesced`` does (``chunks``: their
+    :func:`chunk_lengths`, where the caller has them already)."""
+    if chunks is None:
+        chunks = chunk_lengths([g.numel() for g in grads], world)
     per = sum(chunks)
     flat = torch.zeros(per * world, dtype=dtype, device=grads[0].device)
     for r in range(world):
@@ -55,7 +69,7 @@ def rank_major(grads: List[torch.Tensor], world: int, dtype: torch.dtype) -> tup
             part = g.reshape(-1)[r * c:(r + 1) * c]
             flat[offset:offset + part.numel()].copy_(part)
             offset += c
-    return flat, per, chunks
+    return RankMajor(flat, per, chunks)
 
 
 class Stage3Hook(ZeroPartitionHook):
@@ -84,18 +98,18 @@ class Stage3Hook(ZeroPartitionHook):
         opt, engine = self.optimizer, self.engine
         import deepspeed.comm as dist
         group = opt._get_param_partition_group(params[0])
-        if (dist.get_world_size(group) != dist.get_world_size(opt.dp_process_group)
-                or opt.gradient_predivide_factor != 1.0):
-            return self._dense(params, communication_data_type)  # MoE expert groups, a predivide factor: dense
+        if dist.get_world_size(group) != dist.get_world_size(opt.dp_process_group):
+            return self._dense(params, communication_data_type)  # MoE expert groups: dense
         step = int(engine.global_steps)
         self.steps.begin(step)
         ordinal = self._next_ordinal((step, int(engine.micro_steps)))
         pipeline = self.pipeline(opt.dp_process_group)
         world = pipeline.backend.world_size
         dt = communication_data_type
-        numel = sum(p.grad.numel() for p in params)
-        padded = world * sum(math.ceil(p.grad.numel() / world) for p in params)  # rank_major's length
-        key = BucketKey(ZERO3, ordinal, str(dt), padded, self._layout(params))  # (the residual's length)
+        numels = [p.grad.numel() for p in params]
+        numel, chunks = sum(numels), chunk_lengths(numels, world)
+        per = sum(chunks)
+        key = BucketKey(ZERO3, ordinal, str(dt), world * per, self._layout(params))  # the residual's (padded) length
         dense_bytes = dense_reduce_scatter_bytes(numel, dt.itemsize, world)
         dense, fixed = self.decision.choose(key, numel, step, pipeline, dt, dense_bytes)
         clock = PhaseClock(params[0].grad.device)
@@ -104,7 +118,7 @@ class Stage3Hook(ZeroPartitionHook):
             out = self._dense(params, dt)
             self._record_dense(key, numel, dt.itemsize, world, clock.lap(), fixed, dense_bytes)
             return out
-        flat, per, chunks = rank_major([p.grad for p in params], world, dt)
+        flat = rank_major([p.grad for p in params], world, dt, chunks).flat
         rank = pipeline.backend.rank
         if flush:  # compressed before, dense now: the residual goes out with this reduction
             out = pipeline.reduce_dense([flat], key, 1.0 / world, 1.0, dt)
@@ -169,4 +183,4 @@ def check_zero3_hook_point(optimizer_cls: Optional[type] = None) -> None:
                                f"found); ds_dragonn's ZeRO-3 hook would be bypassed or wrong (tested with 0.19.8)")
 
 
-__all__ = ["HOOKED", "Stage3Hook", "check_zero3_hook_point", "rank_major"]
+__all__ = ["HOOKED", "RankMajor", "Stage3Hook", "check_zero3_hook_point", "chunk_lengths", "rank_major"]
