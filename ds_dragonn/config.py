@@ -25,6 +25,7 @@ from pydantic import BaseModel, Field, StrictInt, ValidationError, ValidationInf
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 
 from . import constants
+from .exchange.quantize import ValueFormat
 
 DRAGONN_KEY = "dragonn"
 #: the momentum mode's own settings (refused or ignored where that mode does not run)
@@ -140,6 +141,11 @@ class AdvancedConfig(BaseModel):
     ranks_per_node: Optional[int] = Field(None, ge=1, strict=True)
     """Ranks per node for ``hierarchy`` (None: the launcher's ``LOCAL_SIZE``); ranks must be laid out node by
     node (ranks ``i·L … i·L + L − 1`` on node ``i``), as the deepspeed launcher assigns them."""
+
+    values: ValueFormat = ValueFormat.auto
+    """How the selected values travel: ``auto`` (the communication dtype), or ``int8`` / ``int4``: symmetric codes,
+    round to nearest, one float32 absmax scale per 64 values (ZeRO++ qgZ; SparseLoCo); the rounding stays in the
+    residual. Per pair with a packed position: bf16 4 bytes, int8 3.06, int4 2.56 (exchange/quantize.py)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -272,6 +278,7 @@ class DragonnConfig(DeepSpeedConfigModel):
     variance_refresh_steps = _delegate("variance_refresh_steps", "``advanced.variance_refresh_steps``.")
     cuda_aware = _delegate("cuda_aware", "``advanced.cuda_aware``.")
     ranks_per_node = _delegate("ranks_per_node", "``advanced.ranks_per_node``.")
+    values = _delegate("values", "``advanced.values``.")
     sample_ratio = _constant("sample_ratio")
     min_sample = _constant("min_sample")
     table_factor = _constant("table_factor")

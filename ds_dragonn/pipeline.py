@@ -166,7 +166,9 @@ class CompressedAllreduce:
         gathered = self.exchange.exchange(key, sent, n, dtype, seed, ownership)
         exchange_ms = clock.lap()
 
-        self.error_feedback.commit(key, sel.indices, sel.values, wire_values)
+        # quantized values: what every rank decodes differs from wire_values; its rounding stays in the residual
+        sent_values = gathered.sent if gathered.sent is not None else wire_values
+        self.error_feedback.commit(key, sel.indices, sel.values, sent_values)
         # a buffer with a NaN/Inf sends at least one of them (they rank first), so finite sent values
         # prove a finite buffer without a full pass; otherwise clear what stayed in the residual
         if self.error_feedback.enabled:

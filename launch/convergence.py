@@ -92,6 +92,9 @@ RUNS = {
     # local steps (uncompressed DiLoCo, H = 30): every rank a worker, or each node one (dense inside the node)
     "diloco_flat": {"sync": "local_steps", "density": 1.0, "hierarchy": "flat"},
     "diloco_node": {"sync": "local_steps", "density": 1.0, "hierarchy": "node"},
+    # quantized values on the wire (advanced.values): the defaults at 0.01 with int8 / int4 codes per 64 values
+    "int8_0.01": {"density": 0.01, "advanced": {"values": "int8"}},
+    "int4_0.01": {"density": 0.01, "advanced": {"values": "int4"}},
 }
 #: runs that change DeepSpeed's own keys or the script's arguments too: run name -> (DeepSpeed keys merged into the
 #: task's config, "dragonn" overrides or None for dense, extra script arguments); for several nodes: the dense

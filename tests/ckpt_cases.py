@@ -24,6 +24,10 @@ RESUME_RUNS = {
     "s2_fp32_momentum": {**zero_config(2, {"enabled": True, "density": 0.01, "compress": "momentum", "warmup_steps": 1}),
                          "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01,
                                                                            "warmup_num_steps": 3, "total_num_steps": 12}}},
+    # quantized values (advanced.values): the rounding in the worker and the owners' residuals resumes exactly
+    "s0_bf16_int8_partitioned": engine_config({**_D, "exchange": "partitioned", "advanced": {"values": "int8"}},
+                                              bf16=True),
+    "s2_fp32_int4": zero_config(2, {"enabled": True, "density": 0.01, "advanced": {"values": "int4"}}),
 }
 #: a second engine of these runs trains past K, then loads the step-K tag in the same process and trains to 2K:
 #: the result must be the uninterrupted run's. (steps past K, overflow step or -1): s0_fp32 stops one step

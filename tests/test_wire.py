@@ -166,7 +166,7 @@ def test_gather_pairs_between_ranks(world, n, wire_dtype):
     expect = torch.zeros(n, dtype=torch.float64)
     for i, v in zip(picks, values):
         expect.index_add_(0, i.long(), v.double())
-    for r, (idx, val, payload) in enumerate(results):
+    for r, (idx, val, payload, _) in enumerate(results):
         got = torch.zeros(n, dtype=torch.float64)
         for i, v, c in zip(idx, val, counts):
             assert i.dtype == idt and i.numel() == v.numel() == c
@@ -189,7 +189,7 @@ def test_gather_pairs_whole_tail_travels_without_positions():
     counts = [p.numel() for p in picks]
     out = ThreadGroup(world).run(lambda r, b: gather_pairs(picks[r], values[r], counts, n, torch.int32,
                                                             torch.float32, b, whole=4))
-    idx, val, _ = out[1]
+    idx, val, *_ = out[1]
     assert idx[0].tolist() == [5, 65_536, 70_000] + tail.tolist()
     assert val[0].tolist() == [1.0, 2.0, 0.0, 3.0, 4.0, 5.0, 6.0]
     assert idx[1].tolist() == [9] + tail.tolist() and val[1].tolist() == [10.0, 11.0, 12.0, 13.0, 14.0]

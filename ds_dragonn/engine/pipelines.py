@@ -15,6 +15,7 @@ from ..comm import build_backend
 from ..comm.base import CommBackend
 from ..comm.topology import NodeLayout, node_groups, resolve_layout
 from ..config import CommBackendName, Hierarchy
+from ..exchange.quantize import value_codec
 from ..hierarchy import NodeAllreduce
 from ..pipeline import CompressedAllreduce
 
@@ -58,13 +59,21 @@ def node_layout(hook: Any, backend: CommBackend) -> Optional[NodeLayout]:
     return resolved.layout
 
 
+def _exchange(hook: Any, backend: CommBackend) -> Any:
+    """The hook's exchange over ``backend``, its values in the format of ``advanced.values`` (every scheme:
+    also ZeRO's reduce-scatter, which the stage hooks build)."""
+    exchange = hook._build_exchange(backend)
+    exchange.values = value_codec(hook.cfg.values)
+    return exchange
+
+
 def build_pipeline(hook: Any, backend: CommBackend) -> Any:
     """A :class:`~ds_dragonn.pipeline.CompressedAllreduce` over ``backend``, or a
     :class:`~ds_dragonn.hierarchy.NodeAllreduce` whose shard pipeline runs over the ranks of this local index."""
     layout = node_layout(hook, backend)
     hook.layout = layout
     if layout is None:
-        return CompressedAllreduce(hook.compressor, backend, hook.error_feedback, hook._build_exchange(backend),
+        return CompressedAllreduce(hook.compressor, backend, hook.error_feedback, _exchange(hook, backend),
                                    hook.momentum)
     node_group, cross_group = node_groups(layout)
     node_comm = cross_comm = None
@@ -72,7 +81,7 @@ def build_pipeline(hook: Any, backend: CommBackend) -> Any:
         from ..comm.mpi_backend import split_comm
         node_comm, cross_comm = split_comm(layout.node, layout.local_rank), split_comm(layout.local_rank, layout.node)
     cross = build_backend(hook.cfg, cross_group, cross_comm)
-    shard = CompressedAllreduce(hook.compressor, cross, hook.error_feedback, hook._build_exchange(cross), hook.momentum)
+    shard = CompressedAllreduce(hook.compressor, cross, hook.error_feedback, _exchange(hook, cross), hook.momentum)
     return NodeAllreduce(shard, build_backend(hook.cfg, node_group, node_comm), backend, layout)
 
 

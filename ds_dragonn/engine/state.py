@@ -20,8 +20,9 @@ differs, none is silent):
 * another exchange scheme: the partitioned exchange's server residuals are **folded** into this rank's
   worker residuals at the indices it owned (exact: the same unsent sum goes out with the next
   compressed reduction);
-* another density, compressor, kernel, warm-up or policy: the residuals are unsent gradients (or momenta) in
-  the same units whatever those settings, so they are **kept**.
+* another density, compressor, kernel, value format on the wire (``advanced.values``: the residuals hold its
+  rounding, which is unsent gradient like the rest), warm-up or policy: the residuals are unsent gradients (or
+  momenta) in the same units whatever those settings, so they are **kept**.
 
 Where the residuals are reset, the hook may still take what applies (:meth:`HookBase.restore_after_reset`:
 under local steps, ``θ_outer``, which every rank held alike).
@@ -44,7 +45,8 @@ FORMAT = 1
 #: Settings of the "dragonn" block whose difference keeps the residuals (they are unsent gradients in the same
 #: units whatever these say); the difference is logged.
 _KEPT_FIELDS = ("density", "compressor", "kernel", "warmup_steps", "policy", "min_compress_numel",
-                "density_warmup_steps", "density_warmup_start", "variance_refresh_steps", "local_steps", "outer_lr")
+                "density_warmup_steps", "density_warmup_start", "variance_refresh_steps", "local_steps", "outer_lr",
+                "values")
 
 #: the modes whose residuals hold different things (``compress`` as resolved at start-up)
 _MODES = ("gradient", "momentum")

@@ -11,7 +11,9 @@ Wire format per rank, one ``all_gather`` of bytes after one small header ``all_g
   (``wire.write_indices``): sorted, as 16-bit offsets in chunks of 65 536 elements after one int32 count
   per chunk, so a bf16 pair costs 4 bytes instead of 6. The last ``whole`` values of a list are the elements of
   the tensors sent whole (per-tensor selection, ``Selection.whole``): the same positions on every rank,
-  so their indices are not sent.
+  so their indices are not sent. With ``advanced.values`` int8/int4 the values block holds per-group
+  scales then codes (``exchange/quantize.py``), quantized in travel order; ``Gathered.sent`` hands back
+  what every rank decodes of this rank's list, in the caller's order, for the residual.
 
 Bytes reported are those a ring allgather makes each rank send (and receive): ``(P - 1) × (header +
 payload)``. Each rank receives P·k pairs, so the traffic grows with the world size; the ``partitioned``
@@ -19,23 +21,39 @@ scheme does not.
 """
 from __future__ import annotations
 
-from typing import Hashable, List, Tuple
+from typing import Hashable, List, NamedTuple, Optional
 
 import torch
 
 from ..comm.base import CommBackend
 from ..compress.base import Selection, index_dtype
 from .base import Exchange, BufferMismatchError, Gathered, check_agreement
+from .quantize import PLAIN, ValueCodec, unpermute
 from .wire import align, dtype_code, index_block_bytes, read_indices, write_indices
 
 HEADER_INTS = 4  # [count, numel, dtype code, whole]
 
 
+class GatheredPairs(NamedTuple):
+    """What :func:`gather_pairs` returns.
+
+    Attributes:
+        indices: per rank, (counts[r],) ``idx_dtype`` positions.
+        values: per rank, (counts[r],) ``wire_dtype`` values as decoded (dequantized where quantized).
+        payload_bytes: bytes of one rank's row (the ring allgather sends ``(P − 1)`` of them).
+        sent: (c,) ``wire_dtype``: this rank's values as every rank decodes them, in the order given.
+    """
+    indices: List[torch.Tensor]
+    values: List[torch.Tensor]
+    payload_bytes: int
+    sent: Optional[torch.Tensor]
+
+
 def exchange_header(count: int, numel: int, wire_dtype: torch.dtype, backend: CommBackend,
-                    device: torch.device, whole: int = 0) -> List[int]:
-    """Allgather ``[count, numel, dtype, whole]``; check every rank reduces the same buffer (and sends the same
-    whole tensors); return the counts."""
-    header = backend.all_gather_ints([count, numel, dtype_code(wire_dtype), whole], device)
+                    device: torch.device, whole: int = 0, values: ValueCodec = PLAIN) -> List[int]:
+    """Allgather ``[count, numel, dtype, whole]``; check every rank reduces the same buffer in the same value
+    format (and sends the same whole tensors); return the counts."""
+    header = backend.all_gather_ints([count, numel, dtype_code(wire_dtype, values.code), whole], device)
     check_agreement([h[1] for h in header], [h[2] for h in header], backend.rank)
     if len({h[3] for h in header}) > 1:
         raise BufferMismatchError(f"rank {backend.rank}: ranks send different whole tensors in one bucket "
@@ -44,8 +62,8 @@ def exchange_header(count: int, numel: int, wire_dtype: torch.dtype, backend: Co
 
 
 def gather_pairs(indices: torch.Tensor, values: torch.Tensor, counts: List[int], numel: int,
-                 idx_dtype: torch.dtype, wire_dtype: torch.dtype, backend: CommBackend, whole: int = 0
-                 ) -> Tuple[List[torch.Tensor], List[torch.Tensor], int]:
+                 idx_dtype: torch.dtype, wire_dtype: torch.dtype, backend: CommBackend, whole: int = 0,
+                 codec: ValueCodec = PLAIN) -> GatheredPairs:
     """Allgather every rank's ``counts[r]`` pairs (counts from :func:`exchange_header`); the last ``whole``
     pairs of every list (the same positions on every rank) travel without their indices.
 
@@ -54,35 +72,37 @@ def gather_pairs(indices: torch.Tensor, values: torch.Tensor, counts: List[int],
 
     Args:
         numel: the buffer's length (fixes the chunk grid of the packed positions).
+        codec: how the values travel (``exchange/quantize.py``; every rank the same).
     Returns:
-        (indices per rank in ``idx_dtype``, values per rank in ``wire_dtype``, payload bytes per rank).
+        :class:`GatheredPairs`.
     """
     world, device = backend.world_size, values.device
+    wire = values.to(wire_dtype)
     if max(counts, default=0) == 0:
-        return ([torch.empty(0, dtype=idx_dtype, device=device)] * world,
-                [torch.empty(0, dtype=wire_dtype, device=device)] * world, 0)
+        return GatheredPairs([torch.empty(0, dtype=idx_dtype, device=device)] * world,
+                             [torch.empty(0, dtype=wire_dtype, device=device)] * world, 0, wire)
     vcap = align(max(counts))
     icap = align(max(counts) - whole)
-    ib, vb = index_block_bytes(icap, numel, idx_dtype), wire_dtype.itemsize
-    payload = torch.zeros(ib + vcap * vb, dtype=torch.uint8, device=device)
-    c = indices.numel()
-    head = c - whole
+    ib = index_block_bytes(icap, numel, idx_dtype)
+    payload = torch.zeros(ib + codec.block_bytes(vcap, wire_dtype), dtype=torch.uint8, device=device)
+    head = indices.numel() - whole
     order = write_indices(payload[:ib], indices[:head], icap, numel, idx_dtype)
-    wire = values.to(wire_dtype)
     if order is not None:  # packed positions travel sorted: their values follow them
         wire = torch.cat([wire[:head][order], wire[head:]])
-    payload[ib:ib + c * vb].view(wire_dtype).copy_(wire)
+    sent = codec.write(payload[ib:], wire, vcap)
+    if order is not None:
+        sent = torch.cat([unpermute(sent[:head], order), sent[head:]])
     rows = backend.all_gather_bytes(payload)
     tail = indices[head:].to(idx_dtype)
     idx = [read_indices(rows[r, :ib], counts[r] - whole, icap, numel, idx_dtype) for r in range(world)]
     if whole:
         idx = [torch.cat([i, tail]) for i in idx]
-    val = [rows[r, ib:ib + counts[r] * vb].view(wire_dtype) for r in range(world)]
-    return idx, val, payload.numel()
+    val = [codec.read(rows[r, ib:], counts[r], vcap, wire_dtype) for r in range(world)]
+    return GatheredPairs(idx, val, payload.numel(), sent)
 
 
 def allgather_exchange(selection: Selection, numel: int, wire_dtype: torch.dtype,
-                       backend: CommBackend) -> Gathered:
+                       backend: CommBackend, codec: ValueCodec = PLAIN) -> Gathered:
     """Exchange one buffer's selection with every rank.
 
     Args:
@@ -90,14 +110,16 @@ def allgather_exchange(selection: Selection, numel: int, wire_dtype: torch.dtype
         numel: length of the buffer the selection came from (must agree across ranks).
         wire_dtype: dtype of values on the wire (the buffer's communication dtype).
         backend: the transport.
+        codec: how the values travel (``exchange/quantize.py``).
     Raises:
-        BufferMismatchError: on every rank, when ranks disagree on ``numel`` or ``wire_dtype``.
+        BufferMismatchError: on every rank, when ranks disagree on ``numel``, ``wire_dtype`` or the value format.
     """
-    counts = exchange_header(selection.count, numel, wire_dtype, backend, selection.values.device, selection.whole)
-    idx, val, payload = gather_pairs(selection.indices, selection.values, counts, numel, index_dtype(numel),
-                                     wire_dtype, backend, selection.whole)
-    moved = (backend.world_size - 1) * (HEADER_INTS * 8 + payload)
-    return Gathered(idx, val, counts, moved, moved)
+    counts = exchange_header(selection.count, numel, wire_dtype, backend, selection.values.device, selection.whole,
+                             codec)
+    got = gather_pairs(selection.indices, selection.values, counts, numel, index_dtype(numel), wire_dtype, backend,
+                       selection.whole, codec)
+    moved = (backend.world_size - 1) * (HEADER_INTS * 8 + got.payload_bytes)
+    return Gathered(got.indices, got.values, counts, moved, moved, sent=got.sent if codec.quantized else None)
 
 
 class AllgatherExchange(Exchange):
@@ -107,10 +129,10 @@ class AllgatherExchange(Exchange):
 
     def exchange(self, key: Hashable, selection: Selection, numel: int, wire_dtype: torch.dtype,
                  seed: int, ownership=None) -> Gathered:
-        return allgather_exchange(selection, numel, wire_dtype, self.backend)
+        return allgather_exchange(selection, numel, wire_dtype, self.backend, self.values)
 
     def max_bytes(self, numel: int, pairs: int, wire_dtype: torch.dtype, world_size: int) -> int:
         """``(P − 1) × (header + padded pairs)``: every rank's list goes to every other rank."""
         cap = align(pairs)
         return (world_size - 1) * (HEADER_INTS * 8 + index_block_bytes(cap, numel, index_dtype(numel))
-                                   + cap * wire_dtype.itemsize)
+                                   + self.values.block_bytes(cap, wire_dtype))

@@ -23,7 +23,8 @@ import torch
 from ..comm.base import CommBackend
 from ..compress.base import Selection
 from .ownership import Ownership
-from .wire import DTYPE_CODES, SCHEME_CODES, bucket_code, dense_allreduce_bytes, dtype_code
+from .quantize import PLAIN, ValueCodec
+from .wire import SCHEME_CODES, bucket_code, dense_allreduce_bytes, describe_code, dtype_code
 
 
 class Gathered(NamedTuple):
@@ -42,6 +43,9 @@ class Gathered(NamedTuple):
         scale: the values were already multiplied by this (``partitioned`` with fp16 values: the owners
             send their sum ÷ P, which fits fp16 where the sum may not); the decode multiplies by
             ``postscale / scale``.
+        sent: (c,) wire dtype: this rank's selection as every rank decodes it, in the selection's order,
+            where that differs from the values given (quantized values, ``exchange/quantize.py``): the
+            residual keeps ``kept − sent``. None: the values given were sent unchanged.
     """
     indices: List[torch.Tensor]
     values: List[torch.Tensor]
@@ -50,6 +54,7 @@ class Gathered(NamedTuple):
     bytes_received: int = 0
     owner_pairs: Sequence[int] = ()
     scale: float = 1.0
+    sent: Optional[torch.Tensor] = None
 
 
 class BufferMismatchError(ValueError):
@@ -59,8 +64,7 @@ class BufferMismatchError(ValueError):
 def check_agreement(numels: Sequence[int], codes: Sequence[int], rank: int) -> None:
     """Raise :class:`BufferMismatchError` (same text on every rank) unless all ranks gave one numel and dtype."""
     if len(set(numels)) > 1 or len(set(codes)) > 1:
-        names = {v: str(k).replace("torch.", "") for k, v in DTYPE_CODES.items()}
-        per_rank = ", ".join(f"rank {r}: {n} x {names.get(c, c)}" for r, (n, c) in enumerate(zip(numels, codes)))
+        per_rank = ", ".join(f"rank {r}: {n} x {describe_code(c)}" for r, (n, c) in enumerate(zip(numels, codes)))
         raise BufferMismatchError(f"[rank {rank}] ranks disagree on the gradient buffer to reduce "
                                   f"({per_rank}); every rank must reduce the same model's gradients")
 
@@ -95,12 +99,16 @@ def check_buffer_agreement(numel: int, dtype: torch.dtype, backend: CommBackend,
 
 
 class Exchange(ABC):
-    """One exchange scheme over one transport (``backend``); may keep per-bucket state (``partitioned``)."""
+    """One exchange scheme over one transport (``backend``); may keep per-bucket state (``partitioned``).
+
+    ``values`` (:class:`~ds_dragonn.exchange.quantize.ValueCodec`, ``advanced.values``) says how values
+    travel: in the wire dtype (the default) or as int8/int4 codes with per-group scales."""
 
     name: str = "base"
 
-    def __init__(self, backend: CommBackend):
+    def __init__(self, backend: CommBackend, values: ValueCodec = PLAIN):
         self.backend = backend
+        self.values = values
 
     @abstractmethod
     def exchange(self, key: Hashable, selection: Selection, numel: int, wire_dtype: torch.dtype,

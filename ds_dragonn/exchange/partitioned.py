@@ -17,6 +17,10 @@ The two-phase scheme of DeepSpeed's former compressed backends (``runtime/comm/n
    ``wire.pack_indices``) or — when it is smaller, i.e. above ~6 % density — as a bitmap over the owner's part plus the values in slot order (Zen). Every rank
    decodes the same lists, so all ranks end bit-identical.
 
+Quantized values (``advanced.values``, ``exchange/quantize.py``): each phase-1 block is quantized by its
+sender, whose residual keeps the rounding; each owner re-quantizes its selection for phase 3 and keeps that
+rounding in its server residual, so nothing is lost in either phase.
+
 Traffic per rank: phase 1 sends ≈ k(P−1)/P pairs and phase 2 ≈ k(P−1)/P, together the lower bound
 2k(P−1)/P of any sparse allreduce (Ok-Topk, Sec. 3), against (P−1)·k for the allgather exchange. Only
 k pairs (not P·k) are decoded. The owner's selection and its server-residual pass over n/P elements
@@ -28,7 +32,7 @@ collective ends the run, so this state is never used.
 """
 from __future__ import annotations
 
-from typing import Dict, Hashable, List, NamedTuple, Tuple
+from typing import Dict, Hashable, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -38,7 +42,8 @@ from ..compress.base import Compressor, Selection, index_dtype, max_pairs, targe
 from ..feedback import ErrorFeedback
 from .allgather import HEADER_INTS, exchange_header, gather_pairs
 from .base import Exchange, Gathered, check_agreement
-from .wire import (ALIGN, align, block_bytes, chunk_counts_bytes, counts_header_bytes, dtype_code, index_block_bytes,
+from .quantize import PLAIN, ValueCodec, unpermute
+from .wire import (ALIGN, align, chunk_counts_bytes, counts_header_bytes, dtype_code, index_block_bytes,
                    pair_block_bytes, read_indices, to_wire, write_indices)
 from .ownership import HashedOwnership, Ownership
 
@@ -54,12 +59,15 @@ class Scattered(NamedTuple):
         matrix: ``matrix[src][dst]`` pairs ``src`` sent to ``dst`` (the same on every rank).
         bytes_sent, bytes_received: bytes this rank put on / took off the wire (header allgather by the ring
             model, plus the all-to-all blocks addressed to / from other ranks).
+        sent: (c,) wire dtype: this rank's selection as its owners decode it (dequantized where the values
+            are quantized), in the selection's order.
     """
     slots: List[torch.Tensor]
     values: List[torch.Tensor]
     matrix: List[List[int]]
     bytes_sent: int
     bytes_received: int
+    sent: Optional[torch.Tensor] = None
 
     @property
     def owner_pairs(self) -> List[int]:
@@ -68,7 +76,7 @@ class Scattered(NamedTuple):
 
 
 def sparse_reduce_scatter(selection: Selection, numel: int, wire_dtype: torch.dtype, ownership: Ownership,
-                          backend: CommBackend) -> Scattered:
+                          backend: CommBackend, codec: ValueCodec = PLAIN) -> Scattered:
     """Send each selected pair to the rank that owns its index (phase 1 of the partitioned exchange).
 
     Also the primitive ZeRO-1/2 needs: with a :class:`~ds_dragonn.exchange.reduce_sparse_ops.RangeOwnership`
@@ -80,6 +88,8 @@ def sparse_reduce_scatter(selection: Selection, numel: int, wire_dtype: torch.dt
         wire_dtype: dtype of values on the wire.
         ownership: the index → (owner, slot) map; ``ownership.world_size`` must be the backend's.
         backend: the transport.
+        codec: how the values travel (``exchange/quantize.py``): each destination's block is quantized on
+            its own, in its travel order.
     Returns:
         :class:`Scattered`: the pairs addressed to this rank, per source rank, in slot coordinates.
     Raises:
@@ -95,24 +105,25 @@ def sparse_reduce_scatter(selection: Selection, numel: int, wire_dtype: torch.dt
     # group the pairs by owner; torch sorts 1-byte keys by radix (~8x faster than int64 at k = 2.4e5)
     owner, order = torch.sort(owner.to(torch.uint8 if world <= 256 else torch.int32), stable=True)
     counts = torch.bincount(owner.long(), minlength=world).tolist() if owner.numel() else [0] * world
-    header = backend.all_gather_ints(counts + [numel, dtype_code(wire_dtype)], device)
+    header = backend.all_gather_ints(counts + [numel, dtype_code(wire_dtype, codec.code)], device)
     check_agreement([h[world] for h in header], [h[world + 1] for h in header], rank)
     matrix = [h[:world] for h in header]
 
     sdt = index_dtype(numel)  # slots < numel; a block's slots travel packed where smaller (wire.write_indices)
-    send_sizes = [pair_block_bytes(c, numel, sdt, wire_dtype) for c in counts]
+    send_sizes = [pair_block_bytes(c, numel, sdt, wire_dtype, codec) for c in counts]
     recv_counts = [matrix[src][rank] for src in range(world)]
-    recv_sizes = [pair_block_bytes(c, numel, sdt, wire_dtype) for c in recv_counts]
+    recv_sizes = [pair_block_bytes(c, numel, sdt, wire_dtype, codec) for c in recv_counts]
     payload = torch.zeros(sum(send_sizes), dtype=torch.uint8, device=device)
-    slot, values = slot[order], selection.values[order]
+    slot, values = slot[order], selection.values.to(wire_dtype)[order]
     off = first = 0
+    decoded = []  # per destination, its block's values as the owner decodes them (grouped order)
     for dst, c in enumerate(counts):
         if c:
             ib = index_block_bytes(c, numel, sdt)
             packed = write_indices(payload[off:off + ib], slot[first:first + c], c, numel, sdt)
             block = values[first:first + c]
-            payload[off + ib:off + ib + c * wire_dtype.itemsize].view(wire_dtype).copy_(
-                block if packed is None else block[packed])
+            travel = codec.write(payload[off + ib:off + send_sizes[dst]], block if packed is None else block[packed], c)
+            decoded.append(unpermute(travel, packed))
         off, first = off + send_sizes[dst], first + c
     recv = backend.all_to_all_bytes(payload, send_sizes, recv_sizes)
 
@@ -120,23 +131,29 @@ def sparse_reduce_scatter(selection: Selection, numel: int, wire_dtype: torch.dt
     for src, c in enumerate(recv_counts):
         ib = index_block_bytes(c, numel, sdt)
         slots.append(read_indices(recv[off:off + ib], c, c, numel, sdt))
-        vals.append(recv[off + ib:off + ib + c * wire_dtype.itemsize].view(wire_dtype))
+        vals.append(codec.read(recv[off + ib:off + recv_sizes[src]], c, c, wire_dtype))
         off += recv_sizes[src]
     header_bytes = counts_header_bytes(world)
     sent = header_bytes + sum(s for d, s in enumerate(send_sizes) if d != rank)
     received = header_bytes + sum(s for d, s in enumerate(recv_sizes) if d != rank)
-    return Scattered(slots, vals, matrix, sent, received)
+    as_sent = unpermute(torch.cat(decoded), order) if codec.quantized and decoded else None
+    return Scattered(slots, vals, matrix, sent, received, as_sent)
 
 
-def max_scatter_bytes(numel: int, pairs: int, wire_dtype: torch.dtype, world_size: int) -> int:
+def max_scatter_bytes(numel: int, pairs: int, wire_dtype: torch.dtype, world_size: int,
+                      codec: ValueCodec = PLAIN) -> int:
     """Most bytes :func:`sparse_reduce_scatter` sends per rank for at most ``pairs`` pairs: the counts header
-    plus every pair addressed to another rank (padding of each block included)."""
+    plus every pair addressed to another rank (padding of each block included; with quantized values, one
+    more scale per destination for a group cut by a block's end)."""
     if world_size <= 1:
         return 0
     padding = 2 * ALIGN * (world_size - 1)  # each destination's block is aligned
-    plain = block_bytes(pairs, index_dtype(numel), wire_dtype)
+    if codec.quantized:
+        padding += (world_size - 1) * (ALIGN + 4)
+    values = codec.block_bytes(pairs, wire_dtype)
+    plain = align(pairs * index_dtype(numel).itemsize) + values
     # a block's positions are packed where smaller: at most its chunk counts + 2 bytes a position
-    packed = (world_size - 1) * chunk_counts_bytes(numel) + align(2 * pairs) + align(pairs * wire_dtype.itemsize)
+    packed = (world_size - 1) * chunk_counts_bytes(numel) + align(2 * pairs) + values
     return counts_header_bytes(world_size) + min(plain, packed) + padding
 
 
@@ -158,8 +175,8 @@ class PartitionedExchange(Exchange):
     name = "partitioned"
 
     def __init__(self, backend: CommBackend, compressor: Compressor, error_feedback: bool = True,
-                 transactional: bool = False):
-        super().__init__(backend)
+                 transactional: bool = False, values: ValueCodec = PLAIN):
+        super().__init__(backend, values)
         self.compressor = compressor
         self.server = ErrorFeedback(error_feedback)  # keyed like the workers' residuals; (n_r,) each
         # transactional (steps DeepSpeed may skip): the old values of every server-residual entry this step
@@ -181,7 +198,7 @@ class PartitionedExchange(Exchange):
                  seed: int, ownership=None) -> Gathered:
         backend, rank, device = self.backend, self.backend.rank, selection.values.device
         own = self.ownership(numel)
-        scattered = sparse_reduce_scatter(selection, numel, wire_dtype, own, backend)
+        scattered = sparse_reduce_scatter(selection, numel, wire_dtype, own, backend, self.values)
         self._numel[key] = numel
 
         # owner: server residual += every rank's pairs (rank order: deterministic), then re-sparsify
@@ -195,15 +212,16 @@ class PartitionedExchange(Exchange):
         scale = 1.0 / backend.world_size if wire_dtype == torch.float16 else 1.0
         wire = to_wire(sel.values * scale if scale != 1.0 else sel.values, wire_dtype)
 
-        counts = exchange_header(sel.count, numel, wire_dtype, backend, device)
-        idx, val, moved = self._gather(own, sel.indices, wire, counts, numel, wire_dtype)
+        # quantized values: the owner re-quantizes its selection, and its rounding stays in its server residual
+        counts = exchange_header(sel.count, numel, wire_dtype, backend, device, values=self.values)
+        idx, val, moved, wire = self._gather(own, sel.indices, wire, counts, numel, wire_dtype)
         self._save(key, part, sel.indices)
         self.server.commit(key, sel.indices, sel.values, wire if scale == 1.0 else wire.float() / scale)
         if self.server.enabled:
             self.server.clear_non_finite(key, sel.values, getattr(self.compressor, "sends_non_finite", False))
         header = (backend.world_size - 1) * HEADER_INTS * 8
         return Gathered(idx, val, counts, scattered.bytes_sent + header + moved,
-                        scattered.bytes_received + header + moved, scattered.owner_pairs, scale)
+                        scattered.bytes_received + header + moved, scattered.owner_pairs, scale, scattered.sent)
 
     def max_bytes(self, numel: int, pairs: int, wire_dtype: torch.dtype, world_size: int) -> int:
         """Phase 1 (:func:`max_scatter_bytes`) plus the owners' allgather of at most ``max_pairs`` of
@@ -212,30 +230,33 @@ class PartitionedExchange(Exchange):
             return 0
         part = -(-numel // world_size)
         owner = align(max_pairs(target_k(part, self.compressor.density)))
-        gathered = min(index_block_bytes(owner, numel, index_dtype(numel)), align(-(-part // 8))) + owner * wire_dtype.itemsize
-        return max_scatter_bytes(numel, pairs, wire_dtype, world_size) + (world_size - 1) * (HEADER_INTS * 8 + gathered)
+        gathered = (min(index_block_bytes(owner, numel, index_dtype(numel)), align(-(-part // 8)))
+                    + self.values.block_bytes(owner, wire_dtype))
+        return (max_scatter_bytes(numel, pairs, wire_dtype, world_size, self.values)
+                + (world_size - 1) * (HEADER_INTS * 8 + gathered))
 
     def _gather(self, own: Ownership, slots: torch.Tensor, wire: torch.Tensor, counts: List[int], numel: int,
-                wire_dtype: torch.dtype) -> Tuple[List[torch.Tensor], List[torch.Tensor], int]:
+                wire_dtype: torch.dtype) -> Tuple[List[torch.Tensor], List[torch.Tensor], int, torch.Tensor]:
         """Allgather the owners' (slot, value) selections as pairs or as bitmap + values, whichever is
         smaller (every rank decides the same from ``counts``). Returns (global indices, values, bytes
-        each rank sends and receives: (P−1) × payload)."""
+        each rank sends and receives: (P−1) × payload, this owner's values as every rank decodes them in
+        the order of ``slots``)."""
         world, rank, device = self.backend.world_size, self.backend.rank, wire.device
-        idt = index_dtype(numel)
+        idt, codec = index_dtype(numel), self.values
         cap = align(max(counts, default=0))
         bitmap_bytes = align(-(-max(own.size(r) for r in range(world)) // 8))
         if max(counts, default=0) == 0 or index_block_bytes(cap, numel, idt) <= bitmap_bytes:
-            idx, val, payload = gather_pairs(own.to_index(rank, slots).to(idt), wire, counts, numel, idt, wire_dtype,
-                                             self.backend)
-            return idx, val, (world - 1) * payload
+            got = gather_pairs(own.to_index(rank, slots).to(idt), wire, counts, numel, idt, wire_dtype,
+                               self.backend, codec=codec)
+            return got.indices, got.values, (world - 1) * got.payload_bytes, got.sent
         # bitmap over the owner's part (bit s = slot s sent), then the values in slot order
         slots, order = torch.sort(slots.long())
-        payload = torch.zeros(bitmap_bytes + cap * wire_dtype.itemsize, dtype=torch.uint8, device=device)
+        payload = torch.zeros(bitmap_bytes + codec.block_bytes(cap, wire_dtype), dtype=torch.uint8, device=device)
         bits = torch.zeros(bitmap_bytes * 8, dtype=torch.uint8, device=device)
         bits[slots] = 1
         weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=device)
         payload[:bitmap_bytes] = (bits.view(-1, 8) * weights).sum(1, dtype=torch.uint8)
-        payload[bitmap_bytes:bitmap_bytes + slots.numel() * wire_dtype.itemsize].view(wire_dtype).copy_(wire[order])
+        sent = unpermute(codec.write(payload[bitmap_bytes:], wire[order], cap), order)
         rows = self.backend.all_gather_bytes(payload)
         idx, val = [], []
         for r in range(world):
@@ -245,8 +266,8 @@ class PartitionedExchange(Exchange):
                 raise ValueError(f"[rank {rank}] owner {r}'s bitmap marks {got.numel()} slots for {counts[r]} values: "
                                  f"a corrupt exchange, or ranks reducing different buckets")
             idx.append(own.to_index(r, got).to(idt))
-            val.append(rows[r, bitmap_bytes:bitmap_bytes + counts[r] * wire_dtype.itemsize].view(wire_dtype))
-        return idx, val, (world - 1) * payload.numel()
+            val.append(codec.read(rows[r, bitmap_bytes:], counts[r], cap, wire_dtype))
+        return idx, val, (world - 1) * payload.numel(), sent
 
     def flush_into(self, key: Hashable, buf: torch.Tensor) -> None:
         """Add this rank's server residual of ``key`` into the bucket-sized ``buf`` at the indices it owns,

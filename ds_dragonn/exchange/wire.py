@@ -88,10 +88,14 @@ def index_block_bytes(capacity: int, numel: int, idx_dtype: torch.dtype) -> int:
     return index_bytes(capacity, numel) if packs(capacity, numel, idx_dtype) else align(int(capacity) * idx_dtype.itemsize)
 
 
-def pair_block_bytes(count: int, numel: int, idx_dtype: torch.dtype, wire_dtype: torch.dtype) -> int:
+def pair_block_bytes(count: int, numel: int, idx_dtype: torch.dtype, wire_dtype: torch.dtype, codec=None) -> int:
     """Bytes of one block of ``count`` (position, value) pairs as :func:`write_indices` lays it out: the
-    positions (packed or plain, :func:`index_block_bytes`) then the values, each aligned; 0 for no pairs."""
-    return index_block_bytes(count, numel, idx_dtype) + align(count * wire_dtype.itemsize) if count else 0
+    positions (packed or plain, :func:`index_block_bytes`) then the values, each aligned; 0 for no pairs.
+    ``codec``: a :class:`~ds_dragonn.exchange.quantize.ValueCodec` sizing the values (None: ``wire_dtype``)."""
+    if not count:
+        return 0
+    values = codec.block_bytes(count, wire_dtype) if codec is not None else align(count * wire_dtype.itemsize)
+    return index_block_bytes(count, numel, idx_dtype) + values
 
 
 def pack_indices(indices: torch.Tensor, numel: int) -> tuple:
@@ -164,11 +168,20 @@ def read_indices(block: torch.Tensor, count: int, capacity: int, numel: int, idx
     return unpack_indices(block[cb:cb + 2 * count].view(torch.int16), counts, numel, idx_dtype)
 
 
-def dtype_code(dtype: torch.dtype) -> int:
-    """Wire code of a value dtype. Raises TypeError for dtypes the exchanges do not carry."""
+def dtype_code(dtype: torch.dtype, value_bits: int = 0) -> int:
+    """Wire code of a value dtype, plus ``16 × value_bits`` for quantized values (``exchange/quantize.py``:
+    8 or 4; 0 for values in the dtype), so ranks on different value formats fail the header check.
+    Raises TypeError for dtypes the exchanges do not carry."""
     if dtype not in DTYPE_CODES:
         raise TypeError(f"unsupported gradient dtype {dtype}; supported: {list(DTYPE_CODES)}")
-    return DTYPE_CODES[dtype]
+    return DTYPE_CODES[dtype] + 16 * int(value_bits)
+
+
+def describe_code(code: int) -> str:
+    """Readable name of a :func:`dtype_code` (``bfloat16``, ``bfloat16 as int8``)."""
+    names = {v: str(k).replace("torch.", "") for k, v in DTYPE_CODES.items()}
+    name = names.get(code % 16, str(code))
+    return f"{name} as int{code // 16}" if code >= 16 else name
 
 
 #: wire codes of the exchange schemes, for the agreement check
