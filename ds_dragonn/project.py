@@ -18,19 +18,18 @@ import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import List, NamedTuple
+from typing import TYPE_CHECKING, List, NamedTuple
 
-import torch
-
-from .compress.base import index_dtype, target_k
-from .exchange.allgather import HEADER_INTS
-from .exchange.wire import (align, counts_header_bytes, dense_allreduce_bytes, dense_reduce_scatter_bytes,
-                            index_block_bytes, pair_block_bytes)
+if TYPE_CHECKING:
+    import torch
+# torch and the wire format (exchange/wire.py) are imported where the model runs: --help needs neither
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = ("none", "dense_fp32", "dense_bf16", "hier_bf16", "dragonn_flat", "part_flat", "dragonn_node", "part_node")
-WIRE = {"fp32": torch.float32, "bf16": torch.bfloat16}
+WIRE = {"fp32": "float32", "bf16": "bfloat16"}  # --wire: the torch dtype's name
 SCHEMES = {"allgather": ("dragonn_flat", "dragonn_node"), "partitioned": ("part_flat", "part_node")}
+#: at 1 rank per node these are dense_bf16 and the flat modes (``hierarchy`` resolves to flat): not shown there
+NODE_MODES = ("hier_bf16", "dragonn_node", "part_node")
 
 # -- GPU assumptions, used until a GPU benchmark (launch/gpu_check.sh: phases_gpu.json) sits under docs/gpu/ --
 GPU_LOCAL_RATE = 1e11     # elements/s of DRAGONN's local work: 8 fp32 passes (as on this CPU) at 3 TB/s of HBM
@@ -93,6 +92,12 @@ class Prediction(NamedTuple):
 Group = NamedTuple("Group", [("nodes", int), ("per_node", int)])
 
 
+def wire_dtype(name: str) -> "torch.dtype":
+    """The torch dtype of a ``--wire`` name (``WIRE``)."""
+    import torch
+    return getattr(torch, WIRE[name])
+
+
 def _ring(c: Cluster, g: Group, rounds: int, edge: float) -> tuple:
     """(seconds, inter-node bytes per node) of ``rounds`` ring rounds sending ``edge`` bytes per ring edge."""
     if g.nodes * g.per_node <= 1 or rounds == 0:
@@ -118,6 +123,9 @@ def _sum(parts) -> tuple:  # collectives one after another: (seconds, bytes) sum
 
 def exchange_cost(c: Cluster, g: Group, numel: int, density: float, wire: torch.dtype, scheme: str) -> tuple:
     """(seconds, inter-node bytes per node) of one DRAGONN exchange of a ``numel`` bucket among group ``g``."""
+    from .compress.base import index_dtype, target_k
+    from .exchange.allgather import HEADER_INTS
+    from .exchange.wire import align, counts_header_bytes, index_block_bytes, pair_block_bytes
     size, vb, idt = g.nodes * g.per_node, wire.itemsize, index_dtype(numel)  # size 1: every collective costs 0
     header, k = (size - 1) * HEADER_INTS * 8, target_k(numel, density)
     if scheme == "allgather":  # allgather.py: a header, then every rank's padded pairs to every rank
@@ -134,9 +142,10 @@ def exchange_cost(c: Cluster, g: Group, numel: int, density: float, wire: torch.
 
 def predict(c: Cluster, w: Workload, modes=MODES) -> List[Prediction]:
     """The step of every mode in ``modes`` (see the module docstring) on cluster ``c`` for workload ``w``."""
+    from .exchange.wire import dense_allreduce_bytes, dense_reduce_scatter_bytes
     n, N, L = w.params, c.nodes, c.ranks_per_node
     flat, node, cross = Group(N, L), Group(1, L), Group(N, 1)
-    wire, shard = WIRE[w.wire], -(-n // L)
+    wire, shard = wire_dtype(w.wire), -(-n // L)
     node_sum = _ring(c, node, 2 * (L - 1), dense_allreduce_bytes(shard * L, 4, L))  # fp32 (hierarchy.py)
     dense_local = n / w.dense_rate * 1e3
 
@@ -178,22 +187,26 @@ def gpu_local_rate(folder: Path = REPO / "docs" / "gpu") -> tuple:
 
 # -- validation against the testbed --------------------------------------------------------------------------------
 TC_GBIT = {"100mbit": 0.1, "1gbit": 1.0, "10gbit": 10.0}  # tc rates; "unthrottled": the host's TCP is the link
-TESTBEDS = {  # name: (record, nodes, ranks per node, params, ranks per core, mode renames)
-    "2x2": ("docs/results/nodes/nodes.json", 2, 2, 167178, 2.0, {}),
-    "2x1": ("docs/results/link/link_1gbit_10gbit_unthrottled_120steps.json", 2, 1, 24202250, 1.0,
+TESTBEDS = {  # name: (records, nodes, ranks per node, params, ranks per core, mode renames)
+    "2x2": (("docs/results/nodes/nodes_all_modes.json", "docs/results/nodes/nodes_all_modes_1gbit.json"), 2, 2,
+            167178, 2.0, {}),
+    "2x1": (("docs/results/link/link_1gbit_10gbit_unthrottled_120steps.json",), 2, 1, 24202250, 1.0,
             {"ds_dense_fp32": "dense_fp32", "ds_dense_bf16": "dense_bf16", "dragonn": "dragonn_flat"}),
 }
 
 
 def validate(alpha_us: float = TESTBED_ALPHA_US, host_gbit: float = TESTBED_HOST_GBIT, nodes_json=None) -> list:
     """Predicted against measured ms per step (and inter-node MB per node, where recorded) for every mode of every
-    testbed record (``nodes_json``: a ``launch/bench_nodes.py`` record in place of the 2 x 2 one). Compute = the
-    same link's no-exchange step (else the first positive one: 1 Gbit/s 2 x 2's is negative, noise) less its node
-    allreduce; ``compute_from`` names the link. Times in ms, bytes in MB (1e6) per node."""
+    testbed record (``nodes_json``: a ``launch/bench_nodes.py`` record in place of the 2 x 2 ones). Compute = the
+    same link's no-exchange step (else the first positive one: noise can make it negative, as at 1 Gbit/s in the
+    earlier nodes.json) less its node allreduce; ``compute_from`` names the link. Times in ms, bytes in MB (1e6)
+    per node."""
     rows = []
-    for bed, (path, N, L, n, oversub, names) in TESTBEDS.items():
-        data = json.loads((REPO / (nodes_json if nodes_json and bed == "2x2" else path)).read_text())
-        recs = [dict(r, mode=names.get(r["mode"], r["mode"])) for r in (data["rows"] if "rows" in data else data)]
+    for bed, (paths, N, L, n, oversub, names) in TESTBEDS.items():
+        recs = []
+        for path in [nodes_json] if nodes_json and bed == "2x2" else paths:
+            data = json.loads((REPO / path).read_text())
+            recs += [dict(r, mode=names.get(r["mode"], r["mode"])) for r in (data["rows"] if "rows" in data else data)]
         recs, host = [r for r in recs if r["mode"] in MODES], Link(host_gbit, alpha_us)
         w = Workload(n, 0.0, 0.01, "fp32", CPU_LOCAL_RATE / oversub, CPU_LOCAL_OVERHEAD * oversub,
                      CPU_DENSE_RATE / oversub)
@@ -250,7 +263,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--overlap", type=_number(float, 1.0, zero=True), default=0.0,
                    help="fraction of compute that communication hides behind, [0, 1]")
     p.add_argument("--validate", nargs="?", const="", metavar="PATH", help="instead: testbeds, predicted vs measured; "
-                   "PATH: a launch/bench_nodes.py nodes.json for the 2 x 2 one (default: docs/results/nodes/)")
+                   "PATH: a launch/bench_nodes.py nodes.json in place of the 2 x 2 records "
+                   "(default: docs/results/nodes/nodes_all_modes*.json)")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the result as JSON here")
     return p.parse_args(argv)
 
@@ -276,9 +290,13 @@ def main(argv=None) -> dict:
             (a.select_rate, GPU_LOCAL_OVERHEAD, f"given: {GPU_LOCAL_OVERHEAD} ms + n / {a.select_rate:.3g} elements/s")
         w = Workload(a.params, a.compute_ms, a.density, a.wire, rate, overhead, GPU_DENSE_RATE, a.overlap)
         shown = [m for m in MODES if all(m not in modes or s in a.exchange for s, modes in SCHEMES.items())]
+        if a.ranks_per_node == 1:
+            shown = [m for m in shown if m not in NODE_MODES]
         print(f"{a.params / 1e9:.3g} B parameters, {a.nodes} x {a.ranks_per_node} ranks, compute {a.compute_ms} ms, "
               f"density {a.density}, {a.wire}, overlap {a.overlap}; local work: dense n / 2.5e11/s (ASSUMED), "
               f"DRAGONN {source}")
+        if a.ranks_per_node == 1:
+            print(f"1 rank per node: {', '.join(NODE_MODES)} equal dense_bf16 and the flat modes, not shown")
         result = {"args": vars(a), "local_work": source, "tables": {}}
         for gbit in a.inter_gbit:
             intra, inter = Link(a.intra_gbit, a.intra_latency_us), Link(gbit, a.inter_latency_us)
