@@ -89,6 +89,9 @@ RUNS = {
     "outer_lr": ({"outer_lr": 0.7}, {}, 11),
     "dense_delta": ({"density": 1.0}, {"bf16": True}, 8),
     "no_warmup_h1": ({"warmup_steps": 0, "local_steps": 1}, {}, 4),
+    # quantized values (advanced.values): the Δ's rounding stays in the residual (the owners' too)
+    "int8_fp32": ({"advanced": {"values": "int8"}}, {}, 11),
+    "partitioned_int4_fp32": ({"exchange": "partitioned", "advanced": {"values": "int4"}}, {}, 11),
 }
 
 

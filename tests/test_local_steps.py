@@ -137,7 +137,8 @@ def test_ranks_end_every_round_bit_identical(rounds, name):
     assert not torch.equal(runs[0]["delta"][0], runs[1]["delta"][0])
 
 
-@pytest.mark.parametrize("name", ["allgather_fp32", "partitioned_fp32", "outer_lr", "no_warmup_h1"])
+@pytest.mark.parametrize("name", ["allgather_fp32", "partitioned_fp32", "outer_lr", "no_warmup_h1", "int8_fp32",
+                                  "partitioned_int4_fp32"])
 def test_nothing_lost_over_the_rounds(rounds, name):
     """float64: Σ_ranks residual = Σ_rounds (Σ_ranks Δ_r − P·Δ̄_r) (what was applied × P plus every residual,
     server residuals included, is every pseudo-gradient); θ_outer = θ_0 minus the outer steps of the applied Δ̄
@@ -151,7 +152,7 @@ def test_nothing_lost_over_the_rounds(rounds, name):
     for i in range(total):
         expected = decay * expected + sum(r["delta"][i] for r in runs) - world * runs[0]["applied"][i]
     held = sum(r["residual"] + r["server"] for r in runs)
-    if name == "partitioned_fp32":
+    if name.startswith("partitioned"):
         assert any(r["server"].abs().sum() > 0 for r in runs)  # the owners held something back
     torch.testing.assert_close(held, expected, rtol=1e-5, atol=1e-5)
     anchor, velocity = runs[0]["anchor0"].clone(), torch.zeros_like(runs[0]["anchor0"])
