@@ -19,6 +19,9 @@ Python stack of every thread in its log. ``DS_DRAGONN_RANK_DEBUG`` (opt-in) catc
   on a signal (slower start; it changes timing more than ``core`` does).
 
 A rank that died on a signal fails the call in every mode: the debug modes only keep the evidence.
+
+``ranks_fixture("tests.zero_cases:zero_runs", "zero")`` makes the usual module fixture of a test file: the
+function run once on its ranks, every rank's saved record its value (by world size, where it takes several).
 """
 from __future__ import annotations
 
@@ -157,3 +160,27 @@ def load_rank_files(out_dir: Path, stem: str, world_size: int) -> list:
     """Every rank's ``<out_dir>/<stem>_rank<r>.pt`` (what a rank function saved), in rank order."""
     import torch
     return [torch.load(Path(out_dir) / f"{stem}_rank{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def ranks_fixture(target: str, stem: str, world: int = 2, timeout: float = 400.0, env: dict | None = None,
+                  worlds: list | None = None, ids: list | None = None):
+    """A module-scoped pytest fixture, named by the attribute it is assigned to: ``target`` run once on ``world``
+    ranks (:func:`run_ranks`), its value every rank's ``<stem>_rank<r>.pt`` (:func:`load_rank_files`). With
+    ``worlds``, parametrized over those world sizes (``ids``: the test ids), its value (world size, records)."""
+    import pytest
+
+    def launch(tmp_path_factory, size: int) -> list:
+        out = tmp_path_factory.mktemp(f"{stem}{size}")
+        run_ranks(target, size, out, timeout=timeout, env=env)
+        return load_rank_files(out, stem, size)
+
+    if worlds is None:
+        @pytest.fixture(scope="module")
+        def records(tmp_path_factory):
+            return launch(tmp_path_factory, world)
+        return records
+
+    @pytest.fixture(scope="module", params=worlds, ids=ids)
+    def records_by_world(tmp_path_factory, request):
+        return request.param, launch(tmp_path_factory, request.param)
+    return records_by_world

@@ -4,18 +4,13 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from tests.agreement_cases import AGREE_ANYWAY, DISAGREE, REFUSED_ON_ONE_RANK
-from tests.multiproc import run_ranks
+from tests.multiproc import ranks_fixture
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
-def runs(request, tmp_path_factory):
-    world = request.param
-    out = tmp_path_factory.mktemp(f"disagree{world}")
-    run_ranks("tests.agreement_cases:disagree_runs", world, out, timeout=300)
-    return world, [torch.load(out / f"disagree_rank{r}.pt", weights_only=False) for r in range(world)]
+runs = ranks_fixture("tests.agreement_cases:disagree_runs", "disagree", timeout=300, worlds=[2, 3],
+                     ids=["2ranks", "3ranks"])
 
 
 @pytest.mark.parametrize("name", list(DISAGREE))

@@ -9,14 +9,10 @@ import pytest
 import torch
 
 from tests.enable_cases import STEPS
-from tests.multiproc import load_rank_files, run_ranks
+from tests.multiproc import ranks_fixture
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("enable")
-    run_ranks("tests.enable_cases:enabled_runs", 2, out, timeout=400)
-    return load_rank_files(out, "enable", 2)
+runs = ranks_fixture("tests.enable_cases:enabled_runs", "enable")
 
 
 def test_without_enable_the_block_is_ignored(runs):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.multiproc import load_rank_files, run_ranks
+from tests.multiproc import ranks_fixture
 
 pytest.importorskip("transformers", reason="pip install 'ds_dragonn[hf]' (transformers, accelerate)")
 pytest.importorskip("accelerate", reason="pip install 'ds_dragonn[hf]' (transformers, accelerate)")
@@ -17,11 +17,7 @@ pytest.importorskip("accelerate", reason="pip install 'ds_dragonn[hf]' (transfor
 from tests.hf_cases import STEPS  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def trainer(tmp_path_factory):
-    out = tmp_path_factory.mktemp("hf_trainer")
-    run_ranks("tests.hf_cases:trainer_runs", 2, out, timeout=600)
-    return load_rank_files(out, "trainer", 2)
+trainer = ranks_fixture("tests.hf_cases:trainer_runs", "trainer", timeout=600)
 
 
 @pytest.mark.parametrize("stage", [0, 2])
@@ -57,11 +53,8 @@ def test_trainer_checkpoint_resume_carries_the_residuals(trainer):
         assert all(torch.equal(a, b) for a, b in zip(got["whole"], got["resumed"]))
 
 
-@pytest.fixture(scope="module")
-def accelerate_loop(tmp_path_factory):
-    out = tmp_path_factory.mktemp("accelerate")
-    run_ranks("tests.hf_cases:accelerate_runs", 2, out, timeout=600, env={"ACCELERATE_USE_DEEPSPEED": "true"})
-    return load_rank_files(out, "accelerate", 2)
+accelerate_loop = ranks_fixture("tests.hf_cases:accelerate_runs", "accelerate", timeout=600,
+                                env={"ACCELERATE_USE_DEEPSPEED": "true"})
 
 
 @pytest.mark.parametrize("stage", [0, 2])

@@ -10,7 +10,7 @@ from ds_dragonn.comm.topology import NodeLayout, check_layout, launcher_view
 from ds_dragonn.config import DragonnConfig, DragonnConfigError
 from ds_dragonn.exchange import HashedOwnership
 from tests.hierarchy_cases import ENGINE_RUNS, PIPE_CASES, RESUME_RUNS, STEPS, grad
-from tests.multiproc import load_rank_files, run_ranks
+from tests.multiproc import load_rank_files, ranks_fixture, run_ranks
 
 WORLD, L = 4, 2
 
@@ -60,13 +60,8 @@ def test_config_names_the_bad_value(block, words):
 
 
 # -- the shard pipeline, 2 nodes x 2 ranks --------------------------------------------------------------------
-@pytest.fixture(scope="module", params=[4, 6], ids=["2x2", "3x2"])
-def pipe_runs(tmp_path_factory, request):
-    """(world size, every rank's record) of the pipeline cases at 2 and 3 nodes of L = 2 ranks."""
-    world = request.param
-    out = tmp_path_factory.mktemp(f"hpipe{world}")
-    run_ranks("tests.hierarchy_cases:pipeline_runs", world, out, timeout=400)
-    return world, load_rank_files(out, "hpipe", world)
+# (world size, every rank's record) of the pipeline cases at 2 and 3 nodes of L = 2 ranks
+pipe_runs = ranks_fixture("tests.hierarchy_cases:pipeline_runs", "hpipe", worlds=[4, 6], ids=["2x2", "3x2"])
 
 
 def test_the_launchers_local_size_gives_nodes_of_two(pipe_runs):
@@ -122,11 +117,7 @@ def test_each_rank_sends_a_shard_not_a_bucket(pipe_runs, ci):
 
 
 # -- engines at ZeRO 0, 1 and 2, 2 nodes x 2 ranks -----------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def engine_runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("hengine")
-    run_ranks("tests.hierarchy_cases:engine_runs", WORLD, out, timeout=600)
-    return load_rank_files(out, "hengine", WORLD)
+engine_runs = ranks_fixture("tests.hierarchy_cases:engine_runs", "hengine", WORLD, timeout=600)
 
 
 @pytest.mark.parametrize("name", [n for n in ENGINE_RUNS if "dense" not in n])
@@ -163,12 +154,7 @@ def test_a_node_aware_checkpoint_folds_or_resets_on_load(tmp_path):
         assert any("hierarchy 2 nodes x 2 ranks (now flat)" in n for n in r["flat"]["notes"]), r["flat"]["notes"]
 
 
-
-@pytest.fixture(scope="module")
-def resume_runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("hresume")
-    run_ranks("tests.hierarchy_cases:resume_runs", WORLD, out, timeout=600)
-    return load_rank_files(out, "hresume", WORLD)
+resume_runs = ranks_fixture("tests.hierarchy_cases:resume_runs", "hresume", WORLD, timeout=600)
 
 
 @pytest.mark.parametrize("name", list(RESUME_RUNS))

@@ -7,16 +7,12 @@ import pytest
 import torch
 
 from tests.late_cases import LATE_AT
-from tests.multiproc import load_rank_files, run_ranks
+from tests.multiproc import ranks_fixture
 
 REFRESH_AT = 110  # the default variance_refresh_steps (100) after the 10-step dense warm-up
 
 
-@pytest.fixture(scope="module")
-def late_runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("late")
-    run_ranks("tests.late_cases:cases", 2, out, timeout=600)
-    return load_rank_files(out, "late", 2)
+late_runs = ranks_fixture("tests.late_cases:cases", "late", timeout=600)
 
 
 def _dense_max(runs, name):

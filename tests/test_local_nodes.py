@@ -11,7 +11,7 @@ import torch
 from ds_dragonn.config import DragonnConfig
 from ds_dragonn.exchange.wire import dense_allreduce_bytes
 from tests.local_nodes_cases import L, RUNS
-from tests.multiproc import load_rank_files, run_ranks
+from tests.multiproc import ranks_fixture
 
 WORLD, WARMUP = 4, 2
 
@@ -31,11 +31,7 @@ def test_config_accepts_the_node_hierarchy_with_local_steps_and_zero_1_2_stay_re
             _check_zero(stage, {"stage": stage}, {}, cfg)
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("lnodes")
-    run_ranks("tests.local_nodes_cases:node_rounds", WORLD, out, timeout=500)
-    return load_rank_files(out, "lnodes", WORLD)
+ranks = ranks_fixture("tests.local_nodes_cases:node_rounds", "lnodes", WORLD, timeout=500)
 
 
 @pytest.mark.parametrize("name", list(RUNS))

@@ -12,7 +12,7 @@ from ds_dragonn.engine.variance import VarianceFreeze
 from ds_dragonn.feedback import ErrorFeedback
 from ds_dragonn.momentum import LocalMomentum
 from tests.momentum_cases import BETA, ENGINE_RUNS, PIPE_CASES, PIPE_STEPS, REFRESH_RUNS, pipe_input
-from tests.multiproc import load_rank_files, run_ranks
+from tests.multiproc import ranks_fixture
 
 
 def _reference(grads_per_step, beta, prescale):
@@ -148,11 +148,7 @@ def test_adam_applies_the_averaged_momentum_with_the_frozen_variance(fraction):
     assert float((p.detach() - p0)[:5].abs().max()) < 0.01 * 6 * 1.5  # Adam's own steps: ~lr each
 
 
-@pytest.fixture(scope="module")
-def pipe_runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("mompipe")
-    run_ranks("tests.momentum_cases:pipeline_runs", 2, out, timeout=300)
-    return load_rank_files(out, "mompipe", 2)
+pipe_runs = ranks_fixture("tests.momentum_cases:pipeline_runs", "mompipe", timeout=300)
 
 
 @pytest.mark.parametrize("ci", range(len(PIPE_CASES)), ids=[f"{x}-{n}-{d}" for x, n, d in PIPE_CASES])
@@ -187,11 +183,7 @@ def test_nothing_lost_everything_applied_plus_residuals_is_the_momenta(pipe_runs
         assert float(held.abs().sum()) > 0, "a sparse run must hold something back"
 
 
-@pytest.fixture(scope="module")
-def engine_runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("momengine")
-    run_ranks("tests.momentum_cases:engine_runs", 2, out, timeout=400)
-    return load_rank_files(out, "momengine", 2)
+engine_runs = ranks_fixture("tests.momentum_cases:engine_runs", "momengine")
 
 
 @pytest.mark.parametrize("name", list(ENGINE_RUNS))

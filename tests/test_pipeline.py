@@ -13,15 +13,11 @@ import torch
 from ds_dragonn.compress import target_k
 from ds_dragonn.feedback import residual_dtype
 from tests.pipeline_cases import EXCHANGE_CASES, SCALE, STEPS, case_id, rank_input
-from tests.multiproc import run_ranks
+from tests.multiproc import ranks_fixture
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
-def exchanged(request, tmp_path_factory):
-    world = request.param
-    out = tmp_path_factory.mktemp(f"exchange{world}")
-    run_ranks("tests.pipeline_cases:exchange_cases", world, out)
-    return world, [torch.load(out / f"exchange_rank{r}.pt", weights_only=False) for r in range(world)]
+exchanged = ranks_fixture("tests.pipeline_cases:exchange_cases", "exchange", timeout=240, worlds=[2, 3],
+                          ids=["2ranks", "3ranks"])
 
 
 @pytest.mark.parametrize("ci", range(len(EXCHANGE_CASES)), ids=[case_id(c) for c in EXCHANGE_CASES])

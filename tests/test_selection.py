@@ -13,7 +13,7 @@ from ds_dragonn.compress.kernels import cpu_table
 from ds_dragonn.compress.segments import Segments, plan_segments
 from ds_dragonn.config import DragonnConfig, DragonnConfigError
 from ds_dragonn.schedule import UNDECIDED, DensitySchedule
-from tests.multiproc import load_rank_files, run_ranks
+from tests.multiproc import ranks_fixture
 
 needs_cpu_kernel = pytest.mark.skipif(not cpu_table.available(), reason="no C++ compiler")
 
@@ -219,11 +219,7 @@ def test_config_validates_the_warmup_keys():
 
 
 # -- in real engines ----------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def engines(tmp_path_factory):
-    out = tmp_path_factory.mktemp("selection")
-    run_ranks("tests.selection_cases:selection_runs", 2, out, timeout=400)
-    return load_rank_files(out, "selection", 2)
+engines = ranks_fixture("tests.selection_cases:selection_runs", "selection")
 
 
 def test_global_selection_starves_the_quiet_tensors(engines):
@@ -250,11 +246,7 @@ def test_defaults_warm_up_dense_then_the_density(engines):
 RUNS_NAMES = ("defaults", "density_warmup", "global", "zero2_global")
 
 
-@pytest.fixture(scope="module")
-def exchanged(tmp_path_factory):
-    out = tmp_path_factory.mktemp("selection_exchange")
-    run_ranks("tests.selection_cases:exchange_runs", 3, out, timeout=300)
-    return [torch.load(out / f"exchange_rank{r}.pt", weights_only=False) for r in range(3)]
+exchanged = ranks_fixture("tests.selection_cases:exchange_runs", "exchange", 3, timeout=300)
 
 
 @pytest.mark.parametrize("dtype", ["torch.float32", "torch.bfloat16"])

@@ -11,7 +11,7 @@ import torch
 
 from ds_dragonn.engine.steps import StepGuard, loss_scale
 from ds_dragonn.feedback import ErrorFeedback
-from tests.multiproc import run_ranks
+from tests.multiproc import ranks_fixture
 from tests.step_cases import BAD_STEP, SKIP_RUNS, SKIP_STEPS
 
 
@@ -127,11 +127,7 @@ def test_loss_scale_reads_deepspeed_optimizers():
     assert loss_scale(e) == 1.0
 
 
-@pytest.fixture(scope="module")
-def skips(tmp_path_factory):
-    out = tmp_path_factory.mktemp("skips")
-    run_ranks("tests.step_cases:skip_runs", 2, out, timeout=300)
-    return [torch.load(out / f"skip_rank{r}.pt", weights_only=False) for r in range(2)]
+skips = ranks_fixture("tests.step_cases:skip_runs", "skip", timeout=300)
 
 
 @pytest.mark.parametrize("name", list(SKIP_RUNS))

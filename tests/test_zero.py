@@ -6,14 +6,10 @@ import torch
 
 from ds_dragonn.engine import check_zero_hook_point
 from tests.zero_cases import ZERO_REFUSED, ZERO_RUNS, ZERO_STEPS
-from tests.multiproc import run_ranks
+from tests.multiproc import ranks_fixture
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("zero")
-    run_ranks("tests.zero_cases:zero_runs", 2, out, timeout=400)
-    return [torch.load(out / f"zero_rank{r}.pt", weights_only=False) for r in range(2)]
+runs = ranks_fixture("tests.zero_cases:zero_runs", "zero")
 
 
 def _equal(a, b):

@@ -9,16 +9,11 @@ import pytest
 import torch
 
 from ds_dragonn.engine.stage3 import check_zero3_hook_point, chunk_lengths, rank_major
-from tests.multiproc import load_rank_files, run_ranks
+from tests.multiproc import load_rank_files, ranks_fixture, run_ranks
 from tests.zero3_cases import CLIP, RUNS
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
-def z3(tmp_path_factory, request):
-    world = request.param
-    out = tmp_path_factory.mktemp(f"z3_{world}")
-    run_ranks("tests.zero3_cases:runs", world, out, timeout=600)
-    return world, load_rank_files(out, "z3", world)
+z3 = ranks_fixture("tests.zero3_cases:runs", "z3", timeout=600, worlds=[2, 3], ids=["2ranks", "3ranks"])
 
 
 @pytest.mark.parametrize("extra, key", [({"zero_optimization": {"stage": 3, "zenflow": {"topk_ratio": 0.1}}},
@@ -128,11 +123,7 @@ def test_hpz_runs_with_the_hook_flat_and_node_aware(tmp_path):
                 torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
-@pytest.fixture(scope="module")
-def more(tmp_path_factory):
-    out = tmp_path_factory.mktemp("z3more")
-    run_ranks("tests.zero3_cases:more_runs", 2, out, timeout=600)
-    return load_rank_files(out, "z3more", 2)
+more = ranks_fixture("tests.zero3_cases:more_runs", "z3more", timeout=600)
 
 
 def _equal(a, b):
