@@ -123,8 +123,12 @@ class Exchange(ABC):
             seed: the step's seed, equal on every rank.
             ownership: who reduces which index of this bucket, for a scheme whose owners the caller fixes
                 (``reduce_scatter``: ZeRO's partitions); schemes that choose their own owners ignore it.
+        Returns:
+            :class:`Gathered`; with quantized values (``self.values``) its ``sent`` holds what every rank
+            decodes of ``selection``, which the caller's residual must subtract.
         Raises:
-            BufferMismatchError: on every rank, when ranks disagree on ``numel`` or ``wire_dtype``.
+            BufferMismatchError: on every rank, when ranks disagree on ``numel``, ``wire_dtype`` or the value
+                format.
             CommError: a collective failed.
         """
 
