@@ -69,6 +69,11 @@ class CompressTarget(str, Enum):
     momentum = "momentum"  # each rank's local momentum, with error feedback; Adam's variance frozen (1-bit Adam)
 
 
+class SelectionMode(str, Enum):
+    global_ = "global"  # one threshold over the whole bucket: the budget goes where the gradient mass is
+    chunked = "chunked"  # every chunk of CHUNK_SIZE entries sends its own top-k (SparseLoCo; compress/chunks.py)
+
+
 class SyncMode(str, Enum):
     every_step = "every_step"  # every optimizer step's gradient is exchanged (compressed or dense)
     local_steps = "local_steps"  # ranks step alone; every local_steps steps the pseudo-gradient is exchanged (DiLoCo)
@@ -93,9 +98,8 @@ _STEPS_OR_AUTO = {
 #: Keys the block had and no longer has, and what replaces each (issue 35). A block that names one is refused
 #: with this text, not with pydantic's generic "extra field".
 REMOVED_KEYS = {
-    "selection": "removed: one threshold per bucket (global) measured better than per-tensor selection",
-    "tensor_min_compress_numel": "removed with 'selection' (per-tensor selection)",
-    "compress_1d": "removed with 'selection' (per-tensor selection)",
+    "tensor_min_compress_numel": "removed with per-tensor selection (one threshold per bucket measured better)",
+    "compress_1d": "removed with per-tensor selection (one threshold per bucket measured better)",
     "outer_momentum": "removed: no outer momentum (it made compressed local steps worse, +57.5 %)",
     "outer_feedback_decay": "removed: the residual keeps everything unsent (a decay made local steps worse, +34.8 %)",
     "sample_ratio": "removed: internal constant 0.001 (ds_dragonn/constants.py)",
@@ -146,6 +150,11 @@ class AdvancedConfig(BaseModel):
     """How the selected values travel: ``auto`` (the communication dtype), or ``int8`` / ``int4``: symmetric codes,
     round to nearest, one float32 absmax scale per 64 values (ZeRO++ qgZ; SparseLoCo); the rounding stays in the
     residual. Per pair with a packed position: bf16 4 bytes, int8 3.06, int4 2.56 (exchange/quantize.py)."""
+
+    selection: SelectionMode = SelectionMode.global_
+    """``global``: one threshold over each bucket. ``chunked``: every chunk of ``constants.CHUNK_SIZE`` (4096) entries
+    sends its own top ``≈ density × 4096`` (SparseLoCo, Sarfi et al. 2025), the same ``k`` in all; per-step
+    modes, every ZeRO stage, the partitioned owners and local steps' Δ (compress/chunks.py)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -279,6 +288,7 @@ class DragonnConfig(DeepSpeedConfigModel):
     cuda_aware = _delegate("cuda_aware", "``advanced.cuda_aware``.")
     ranks_per_node = _delegate("ranks_per_node", "``advanced.ranks_per_node``.")
     values = _delegate("values", "``advanced.values``.")
+    selection = _delegate("selection", "``advanced.selection``.")
     sample_ratio = _constant("sample_ratio")
     min_sample = _constant("min_sample")
     table_factor = _constant("table_factor")

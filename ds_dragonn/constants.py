@@ -35,3 +35,17 @@ OUTER_MOMENTUM = 0.0
 #: ``sync: local_steps``: the pseudo-gradient residual keeps everything unsent. SparseLoCo's decay 0.95 made
 #: compressed local steps worse: +34.8 % against +32.8 % (docs/results.md, local steps).
 OUTER_FEEDBACK_DECAY = 1.0
+
+#: ``advanced.selection: chunked``: entries per chunk, each chunk sending its own top ``≈ density × CHUNK_SIZE``
+#: (SparseLoCo's 4096, Sarfi et al. 2025). A bucket's tail shorter than a chunk joins the last chunk.
+CHUNK_SIZE = 4096
+
+#: ``advanced.selection: chunked``: threshold sample per chunk, in elements (1.6 % of a 4096-entry chunk). The
+#: threshold sits below the chunk's k-th value (``compress/chunks.py``), so a small sample costs hashed
+#: candidates in the scan instead of sampled reads: per chunk ``s`` reads plus ``~2·CHUNK_SIZE/s`` extra
+#: candidates is least near ``s = sqrt(2·CHUNK_SIZE) ≈ 90``; 64 is as cheap and reads fewer scattered lines.
+CHUNK_SAMPLE = 64
+
+#: ``advanced.selection: chunked``: at most this share of chunks gets a threshold above its k-th largest value
+#: (then it sends fewer than its k): the sample's rank is the binomial quantile of this tail.
+CHUNK_MISS = 0.01

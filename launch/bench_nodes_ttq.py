@@ -17,7 +17,8 @@ with a throttled link between the nodes. No root: it reads the records of two ea
    own allreduce, bf16 on this bf16 engine; ZeRO 3: the dense ZeRO-3 + hpZ step), its density warm-up linear in
    the density between the two, every other step at the mode's steady step.
 
-Modes without a quality run (``none``: no exchange, the physical limit; ``part_*``, ``zero2_*``) are left out.
+Modes without a quality run (``none``: no exchange, the physical limit; ``part_*``, ``zero2_*``) are left out;
+each row names the quality run it took (``MODE_RUN``).
 Dense ZeRO 3 with hpZ trains as dense ZeRO 3 does (hpZ changes only where the parameters are gathered from), so
 both take ``zero3_dense``'s curve.
 
@@ -40,18 +41,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_ttq, bench.com
 from bench_ttq import loss_at, seconds_at, steps_to_target  # noqa: E402
 from bench.common import pyplot, save_figure, write_json  # noqa: E402
 
-#: timing mode (bench_nodes.py) -> (quality run (convergence.py), the timing mode whose step a dense step costs)
+#: timing mode (bench_nodes.py) -> (its quality runs (convergence.py), the first one recorded is used; the timing
+#: mode whose step a dense step costs). The dense allreduces of this bf16 engine differ only in the rounding of
+#: the sum (its gradients are bf16 either way), so ``dense``'s curve stands in where a dense run is missing.
 MODE_RUN = {
-    "dense_fp32": ("dense_fp32", None),
-    "dense_bf16": ("dense", None),
-    "hier_bf16": ("hier_bf16", None),
-    "dragonn_flat": ("flat_0.01", "dense_bf16"),
-    "dragonn_node": ("node_0.01", "dense_bf16"),
-    "zero3_dense": ("zero3_dense", None),
-    "zero3_hpz_dense": ("zero3_dense", None),
-    "zero3_hpz_dragonn": ("zero3_hpz_0.01", "zero3_hpz_dense"),
-    "diloco_flat": ("diloco_flat", "dense_bf16"),
-    "diloco_node": ("diloco_node", "dense_bf16"),
+    "dense_fp32": (("dense_fp32", "dense"), None),
+    "dense_bf16": (("dense",), None),
+    "hier_bf16": (("hier_bf16", "dense"), None),
+    "dragonn_flat": (("flat_0.01",), "dense_bf16"),
+    "dragonn_node": (("node_0.01",), "dense_bf16"),
+    "zero3_dense": (("zero3_dense",), None),
+    "zero3_hpz_dense": (("zero3_dense",), None),
+    "zero3_hpz_dragonn": (("zero3_hpz_0.01",), "zero3_hpz_dense"),
+    "diloco_flat": (("diloco_flat",), "dense_bf16"),
+    "diloco_node": (("diloco_node",), "dense_bf16"),
 }
 REFERENCES = ("dense_fp32", "dense")
 TARGET_FRACTION = 0.8
@@ -101,8 +104,9 @@ def build_rows(curves: Dict[str, dict], timing: List[dict], fraction: float = TA
     for link in dict.fromkeys(t["link"] for t in timing):
         ms = {t["mode"]: t["ms_per_step"] for t in timing if t["link"] == link}
         mb = {t["mode"]: t["inter_node_mb_per_step_per_node"] for t in timing if t["link"] == link}
-        for mode, (run, dense_mode) in MODE_RUN.items():
-            if mode not in ms or run not in curves:
+        for mode, (runs, dense_mode) in MODE_RUN.items():
+            run = next((r for r in runs if r in curves), None)
+            if mode not in ms or run is None:
                 continue
             c = curves[run]
             steps = steps_to_target(c["curve"], target)

@@ -95,6 +95,13 @@ RUNS = {
     # quantized values on the wire (advanced.values): the defaults at 0.01 with int8 / int4 codes per 64 values
     "int8_0.01": {"density": 0.01, "advanced": {"values": "int8"}},
     "int4_0.01": {"density": 0.01, "advanced": {"values": "int4"}},
+    # chunk-wise selection (advanced.selection): every 4096 entries send their own top-k (SparseLoCo); per step,
+    # and for local steps' Δ (H = 30) against the global threshold (local_0.01)
+    "chunked_0.01": {"density": 0.01, "advanced": {"selection": "chunked"}},
+    "chunked_0.001": {"density": 0.001, "advanced": {"selection": "chunked"}},
+    "local_0.01": {"sync": "local_steps", "density": 0.01, "hierarchy": "flat"},
+    "local_chunked_0.01": {"sync": "local_steps", "density": 0.01, "hierarchy": "flat",
+                           "advanced": {"selection": "chunked"}},
 }
 #: runs that change DeepSpeed's own keys or the script's arguments too: run name -> (DeepSpeed keys merged into the
 #: task's config, "dragonn" overrides or None for dense, extra script arguments); for several nodes: the dense

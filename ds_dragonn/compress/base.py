@@ -169,12 +169,22 @@ class Compressor(ABC):
 
     name: str = "base"
     #: True when a buffer holding NaN/±Inf always sends at least one of them (see ``ds_dragonn.pipeline``)
-    sends_non_finite: bool = False
+    finite_proof: bool = False
 
-    def __init__(self, density: float):
+    def __init__(self, density: float, chunk: int | None = None):
         if not 0.0 < density <= 1.0:
             raise ValueError(f"density must be in (0, 1], got {density}")
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(f"chunk must be None (one selection over the buffer) or an int >= 1, got {chunk!r}")
         self.density = float(density)
+        #: chunk-wise selection (``compress/chunks.py``): entries per chunk; None: one selection over the buffer
+        self.chunk = chunk
+
+    @property
+    def sends_non_finite(self) -> bool:
+        """True when a buffer holding NaN/±Inf always sends at least one of them (``ds_dragonn.pipeline`` then
+        skips its full non-finite pass). Chunk-wise, only while every chunk sends (``density × chunk ≥ 1``)."""
+        return self.finite_proof and (self.chunk is None or self.density * self.chunk >= 1.0)
 
     def compress(self, flat: torch.Tensor, seed: int = 0, segments=None) -> Selection:
         """Select from ``flat``; an empty buffer gives an empty selection. At most :func:`max_pairs` (k)
@@ -187,14 +197,20 @@ class Compressor(ABC):
                 Segments` tiling ``flat``: per-tensor selection, each segment with its own
                 ``k_s = ceil(density · n_s)`` (``n_s`` for a whole segment) and seed; then
                 ``k = Σ k_s`` and the cut is ``max_pairs(k)`` over the whole selection.
+                With ``chunk`` set (chunk-wise selection, ``compress/chunks.py``) each chunk sends at most
+                its own ``k_c``, ``Σ k_c = k``; ``segments`` must then be None.
         Raises:
-            ValueError: ``flat`` is not 1-D, or ``segments`` do not tile it. TypeError: ``flat`` is not
-                floating point.
+            ValueError: ``flat`` is not 1-D, ``segments`` do not tile it, or are given with ``chunk``.
+                TypeError: ``flat`` is not floating point.
         """
         if flat.dim() != 1:
             raise ValueError(f"compressors take a flattened 1-D buffer, got shape {tuple(flat.shape)}")
         if not flat.is_floating_point():
             raise TypeError(f"compressors take a floating-point buffer, got {flat.dtype}")
+        if self.chunk is not None:
+            if segments is not None:
+                raise ValueError("chunk-wise selection (chunk set) and per-tensor segments exclude each other")
+            return self._compress_chunks(flat, seed)
         if segments is not None:
             check_segments(segments, flat)
             ks = segments.ks(self.density)
@@ -208,8 +224,36 @@ class Compressor(ABC):
         return trim(self._select(flat, k, seed), max_pairs(k))
 
     def target(self, numel: int, segments=None) -> int:
-        """The target count k of a buffer of ``numel`` elements (``Σ k_s`` with ``segments``)."""
+        """The target count k of a buffer of ``numel`` elements (``Σ k_s`` with ``segments``; chunk-wise as global)."""
         return sum(segments.ks(self.density)) if segments is not None else target_k(numel, self.density)
+
+    def _compress_chunks(self, flat: torch.Tensor, seed: int) -> Selection:
+        """Chunk-wise selection of ``flat`` (``compress/chunks.py``): at most ``k_c`` pairs per chunk."""
+        from .chunks import chunk_ks, chunk_layout  # chunks imports this module
+        k = target_k(flat.numel(), self.density)
+        if k == 0:
+            return empty_selection(flat)
+        layout = chunk_layout(flat.numel(), self.chunk)
+        return self._select_chunks(flat, layout, chunk_ks(layout, self.density, seed), seed)
+
+    def _select_chunks(self, flat: torch.Tensor, layout, ks: torch.Tensor, seed: int) -> Selection:
+        """:meth:`_select` on each chunk with its ``k_c`` (``ks``, (nchunks,) int64) and :func:`segment_seed`, cut to
+        its ``k_c`` largest (:func:`trim`), indices shifted to buffer positions; ``k = capacity = Σ k_c``,
+        ``threshold`` the smallest chunk's cut. Kernels override this."""
+        n = flat.numel()
+        idx, vals, thr = [], [], []
+        for c, (lo, hi, kc) in enumerate(zip(layout.offsets[:-1], layout.offsets[1:], ks.tolist())):
+            if kc == 0:
+                continue
+            sel = trim(self._select(flat[lo:hi], kc, segment_seed(seed, c)), kc)
+            idx.append(sel.indices.to(index_dtype(n)) + lo)
+            vals.append(sel.values)
+            thr.append(sel.threshold.reshape(1))
+        k = int(ks.sum())
+        return Selection(torch.cat(idx) if idx else flat.new_empty(0, dtype=index_dtype(n)),
+                         torch.cat(vals) if vals else flat.new_empty(0),
+                         torch.cat(thr).min() if thr else torch.zeros((), dtype=torch.float32, device=flat.device),
+                         k, k)
 
     def _select_segments(self, flat: torch.Tensor, segments, ks, seed: int) -> Selection:
         """Per-tensor selection: :meth:`_select` on each segment that is not whole, with ``k_s`` and

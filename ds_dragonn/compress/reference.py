@@ -137,9 +137,27 @@ def sample_threshold(flat: torch.Tensor, density: float, num_samples: int,
     else:
         pos = torch.randint(0, n, (num_samples,), generator=generator, device=flat.device)
         sample = flat[pos]
+    return _kth_finite(sample, target_k(sample.numel(), density))
+
+
+def sample_kth(flat: torch.Tensor, num_samples: int, kk: int, seed: int) -> torch.Tensor:
+    """The ``kk``-th largest finite magnitude (non-finite count as 0) of the stratified hashed sample of
+    :func:`sample_positions` (the whole buffer when ``num_samples ≥ n``): :func:`sample_threshold` with the rank
+    given directly (chunk-wise selection, ``chunks.chunk_rank``).
+
+    Args:
+        flat: (n,) float tensor, n ≥ 1. num_samples: s ≥ 1. kk: rank in [1, min(s, n)]. seed: 32-bit seed.
+    Returns:
+        0-d float32 tensor on ``flat.device``.
+    """
+    n = flat.numel()
+    sample = flat if num_samples >= n else flat[sample_positions(n, num_samples, seed, flat.device)]
+    return _kth_finite(sample, kk)
+
+
+def _kth_finite(sample: torch.Tensor, kk: int) -> torch.Tensor:
     mag = sample.abs().float()
     mag = torch.where(torch.isfinite(mag), mag, torch.zeros((), device=mag.device))
-    kk = target_k(mag.numel(), density)
     return torch.topk(mag, kk, sorted=False).values.min()
 
 

@@ -14,8 +14,8 @@ class TopKCompressor(Compressor):
 
     name = "topk"
     #: a buffer with NaN/±Inf always sends at least one of them (they rank first): the pipeline may skip
-    #: its full non-finite pass when every sent value is finite
-    sends_non_finite = True
+    #: its full non-finite pass when every sent value is finite (chunk-wise: see ``sends_non_finite``)
+    finite_proof = True
 
     def _select(self, flat: torch.Tensor, k: int, seed: int) -> Selection:
         n = flat.numel()

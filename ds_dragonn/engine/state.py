@@ -20,7 +20,7 @@ differs, none is silent):
 * another exchange scheme: the partitioned exchange's server residuals are **folded** into this rank's
   worker residuals at the indices it owned (exact: the same unsent sum goes out with the next
   compressed reduction);
-* another density, compressor, kernel, value format on the wire (``advanced.values``: the residuals hold its
+* another density, compressor, kernel, selection (``advanced.selection``: global or chunk-wise), value format on the wire (``advanced.values``: the residuals hold its
   rounding, which is unsent gradient like the rest), warm-up or policy: the residuals are unsent gradients (or
   momenta) in the same units whatever those settings, so they are **kept**.
 
@@ -46,7 +46,7 @@ FORMAT = 1
 #: units whatever these say); the difference is logged.
 _KEPT_FIELDS = ("density", "compressor", "kernel", "warmup_steps", "policy", "min_compress_numel",
                 "density_warmup_steps", "density_warmup_start", "variance_refresh_steps", "local_steps", "outer_lr",
-                "values")
+                "values", "selection")
 
 #: the modes whose residuals hold different things (``compress`` as resolved at start-up)
 _MODES = ("gradient", "momentum")

@@ -86,16 +86,22 @@ TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 def sample_threshold_fast(flat: torch.Tensor, density: float, num_samples: int, seed: int,
                           kernel: str = "auto") -> torch.Tensor:
     """``reference.sample_threshold(flat, density, num_samples, seed=seed)`` by the chosen kernel."""
+    s = min(num_samples, flat.numel())
+    return sample_kth_fast(flat, s, target_k(s, density), seed, kernel)
+
+
+def sample_kth_fast(flat: torch.Tensor, num_samples: int, kk: int, seed: int, kernel: str = "auto") -> torch.Tensor:
+    """``reference.sample_kth(flat, num_samples, kk, seed)`` by the chosen kernel: 0-d float32."""
     kernel = resolve_kernel(kernel, flat)
     n = flat.numel()
     s = min(num_samples, n)
     if kernel == "cpu":
-        return cpu_table.sample_kth(flat, s, target_k(s, density), seed)
+        return cpu_table.sample_kth(flat, s, kk, seed)
     if kernel == "triton" and s < n:
         from . import triton_table
         mag = triton_table.sample_magnitudes(flat, s, seed)
-        return torch.topk(mag, target_k(s, density), sorted=False).values.min()
-    return reference.sample_threshold(flat, density, s, seed=seed)
+        return torch.topk(mag, kk, sorted=False).values.min()
+    return reference.sample_kth(flat, s, kk, seed)
 
 
 def build_table_fast(flat: torch.Tensor, threshold: torch.Tensor, capacity: int, seed: int,
@@ -131,5 +137,5 @@ def select_fast(flat: torch.Tensor, threshold: torch.Tensor, capacity: int, seed
     return gather_table_fast(flat, build_table_fast(flat, threshold, capacity, seed, kernel), kernel)
 
 
-__all__ = ["KERNELS", "check_kernel", "resolve_kernel", "triton_available", "sample_threshold_fast",
+__all__ = ["KERNELS", "check_kernel", "resolve_kernel", "triton_available", "sample_threshold_fast", "sample_kth_fast",
            "build_table_fast", "gather_table_fast", "select_fast"]

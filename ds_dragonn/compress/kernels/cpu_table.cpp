@@ -895,12 +895,44 @@ inline int local_ibits(int64_t n) {
 }  // namespace
 
 extern "C" {
+// float32 bit pattern of |v| for a value of dtype, NaN -> +Inf (base.magnitude's order).
+inline uint32_t value_mag_bits(const char* v, int dtype) {
+  uint32_t b;
+  if (dtype == F32) { std::memcpy(&b, v, 4); b &= 0x7FFFFFFFu; }
+  else if (dtype == F16) { uint16_t h; std::memcpy(&h, v, 2); b = half_abs_to_f32_bits(h); }
+  else if (dtype == BF16) { uint16_t h; std::memcpy(&h, v, 2); b = (uint32_t)(h & 0x7FFFu) << 16; }
+  else { double d; std::memcpy(&d, v, 8); b = f2bits((float)(d < 0 ? -d : d)) & 0x7FFFFFFFu; }
+  return std::min(b, kInfBits);
+}
+
+// Keeps the cap largest-magnitude pairs of the c at (idx, val), in their order; ties to the earlier pair
+// (base.trim's keys: magnitude bits above the complemented position). Returns the new count.
+int64_t cap_pairs(char* idx, int isz, char* val, int es, int dtype, int64_t c, int64_t cap,
+                  std::vector<uint64_t>& keys, std::vector<uint64_t>& tmp) {
+  if (cap <= 0 || c <= cap) return c;
+  keys.resize(c);
+  for (int64_t j = 0; j < c; ++j)
+    keys[j] = ((uint64_t)value_mag_bits(val + j * es, dtype) << 32) | (0xFFFFFFFFull - (uint64_t)j);
+  tmp.assign(keys.begin(), keys.end());
+  std::nth_element(tmp.begin(), tmp.begin() + (cap - 1), tmp.end(), std::greater<uint64_t>());
+  const uint64_t kth = tmp[cap - 1];
+  int64_t w = 0;
+  for (int64_t j = 0; j < c; ++j) {
+    if (keys[j] < kth) continue;
+    if (w != j) { std::memmove(idx + w * isz, idx + j * isz, isz); std::memmove(val + w * es, val + j * es, es); }
+    ++w;
+  }
+  return w;
+}
+
+// caps: null, or per segment the most pairs it keeps (0: no cap), the largest by cap_pairs.
 int64_t dragonn_select_segments(const void* x, int dtype, int nseg, const int64_t* off, const int64_t* ns,
                                 const int64_t* kk, const int64_t* ms, uint64_t seed, int64_t* table, void* vtab,
                                 uint32_t* scratch, void* idx_out, int idx64, void* val_out, float* thr_out,
-                                int nthreads, int isa) {
+                                int nthreads, int isa, const int64_t* caps) {
   const int es = elem_size(dtype), isz = idx64 ? 8 : 4;
   int64_t w = 0, toff = 0;
+  std::vector<uint64_t> keys, tmp;
   for (int s = 0; s < nseg; ++s) {
     const int64_t n = off[s + 1] - off[s], m = ms[s];
     thr_out[s] = 0.0f;
@@ -914,8 +946,9 @@ int64_t dragonn_select_segments(const void* x, int dtype, int nseg, const int64_
     int64_t* tb = table + toff;
     char* vt = (char*)vtab + toff * es;
     const int filled = dragonn_build_table(xs, dtype, n, thr, m, hash_seed_of(sd), ib, tb, nthreads, 0, 0, isa, vt);
-    const int64_t c = dragonn_gather(tb, m, ib, xs, es, (char*)idx_out + w * isz, idx64, (char*)val_out + w * es,
-                                     nthreads, filled ? vt : nullptr);
+    int64_t c = dragonn_gather(tb, m, ib, xs, es, (char*)idx_out + w * isz, idx64, (char*)val_out + w * es,
+                               nthreads, filled ? vt : nullptr);
+    if (caps) c = cap_pairs((char*)idx_out + w * isz, isz, (char*)val_out + w * es, es, dtype, c, caps[s], keys, tmp);
     if (idx64) { int64_t* io = (int64_t*)idx_out + w; for (int64_t j = 0; j < c; ++j) io[j] += off[s]; }
     else { int32_t* io = (int32_t*)idx_out + w; for (int64_t j = 0; j < c; ++j) io[j] += (int32_t)off[s]; }
     w += c;

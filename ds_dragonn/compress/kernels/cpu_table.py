@@ -182,7 +182,7 @@ def load() -> ctypes.CDLL:
         lib.dragonn_gather.argtypes = [vp, i64, i32, vp, i32, vp, i32, vp, i32, vp]
         lib.dragonn_gather.restype = i64
         lib.dragonn_select_segments.argtypes = [vp, i32, i32, vp, vp, vp, vp, ctypes.c_uint64, vp, vp, vp, vp,
-                                                i32, vp, vp, i32, i32]
+                                                i32, vp, vp, i32, i32, vp]
         lib.dragonn_select_segments.restype = i64
         lib.dragonn_isa.argtypes = [i32]
         lib.dragonn_isa.restype = i32
@@ -306,15 +306,20 @@ def select_segments(flat: torch.Tensor, offsets: torch.Tensor, plan: torch.Tenso
 
     Args:
         flat: (n,) CPU buffer. offsets: (nseg + 1,) int64 segment offsets.
-        plan: (3, nseg) int64: per segment the sample size (0: threshold 0, every nonzero element), the rank
-            of the threshold in the sample, and the table slots (0: nothing kept).
+        plan: (3, nseg) or (4, nseg) int64: per segment the sample size (0: threshold 0, every nonzero element),
+            the rank of the threshold in the sample, the table slots (0: nothing kept), and (fourth row, optional)
+            the most pairs the segment keeps (0: no cap): its largest magnitudes, ties to the earlier table slot,
+            as ``base.trim`` (chunk-wise selection, ``compress/chunks.py``).
         seed: the call's seed; segment s uses ``base.segment_seed(seed, s)``.
         index_dtype: int32 or int64 of the output indices (bucket positions).
     Returns:
         (indices, values, thresholds (nseg,) float32): equal to the concatenation of :func:`select` on each
-        slice with its threshold from :func:`sample_kth` (tests/test_segments.py).
+        slice with its threshold from :func:`sample_kth`, each cut to its cap (tests/test_selection.py,
+        tests/test_chunked.py).
     """
     flat = _check(flat)
+    plan = plan.contiguous()
+    caps = plan[3] if plan.shape[0] > 3 else None
     nseg = offsets.numel() - 1
     total = int(plan[2].sum())
     table = torch.empty(total, dtype=torch.int64)
@@ -327,7 +332,7 @@ def select_segments(flat: torch.Tensor, offsets: torch.Tensor, plan: torch.Tenso
         flat.data_ptr(), DTYPE_CODES[flat.dtype], nseg, offsets.data_ptr(), plan[0].data_ptr(), plan[1].data_ptr(),
         plan[2].data_ptr(), int(seed) & 0xFFFF_FFFF_FFFF_FFFF, table.data_ptr(), vtab.data_ptr(), scratch.data_ptr(),
         idx.data_ptr(), int(index_dtype == torch.int64), vals.data_ptr(), thr.data_ptr(), torch.get_num_threads(),
-        _isa_code(ISA))
+        _isa_code(ISA), None if caps is None else caps.data_ptr())
     return idx[:count], vals[:count], thr
 
 
