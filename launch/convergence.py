@@ -254,7 +254,7 @@ def record(task: str, run: str, seed: int, steps: int, s: dict) -> dict:
         history.append({"step": h["step"], "value": h[metric], "bytes_sent": sent})
     return {
         "task": task, "run": run,
-        "selection": ("global" if d else None),  # the engine's only selection (per-tensor was removed)
+        "selection": (d.selection.value if d else None),  # global or chunked (advanced.selection)
         "exchange": (d.exchange.value if d else "dense"),
         "compressor": (d.compressor.value if d else "dense"), "density": (d.density if d else 1.0),
         "error_feedback": (d.error_feedback if d else None),
