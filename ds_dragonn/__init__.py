@@ -276,10 +276,6 @@ def _check_zero3(zero: dict, ds_config: dict, cfg: Optional[DragonnConfig]) -> N
     if ds_config.get("gradient_predivide_factor", 1.0) != 1.0:
         refuse(f"'gradient_predivide_factor' ({ds_config['gradient_predivide_factor']!r}: ZeRO-3 then scales the "
                f"reduce-scatter in a way the hook does not reproduce, and would leave it dense)")
-    if cfg is not None and cfg.compress == CompressTarget.momentum:
-        raise DragonnUnsupportedError("'dragonn.compress': 'momentum' runs at ZeRO stages 0-2: ZeRO-3 keeps Adam's "
-                                      "moments in flat sub-group partitions the hook does not map. Use 'compress': "
-                                      "'gradient' (or 'auto', which picks it at ZeRO-3)")
 
 
 _NO_REDUCE_SCATTER = ("'dragonn' compresses the gradient reduce-scatter of ZeRO stages 1/2, but "

@@ -147,13 +147,6 @@ def test_initialize_reads_args_deepspeed_config(tmp_path):
         ds_dragonn.initialize(args=argparse.Namespace(deepspeed_config=str(p)), model=None)
 
 
-@pytest.mark.parametrize("block, words", [({"compress": "momentum"}, "'dragonn.compress': 'momentum' runs at ZeRO stages 0-2")])
-def test_initialize_refuses_what_zero3_does_not_run(block, words):
-    cfg = {"train_batch_size": 1, "zero_optimization": {"stage": 3}, "dragonn": {"enabled": True, **block}}
-    with pytest.raises(ds_dragonn.DragonnUnsupportedError, match=words):
-        ds_dragonn.initialize(model=None, config=cfg)
-
-
 def test_initialize_refuses_zero1_bf16_with_fp32_accumulation():
     """DeepSpeed runs its BF16_Optimizer there (not the ZeRO optimizer the hook wraps): refused up front."""
     cfg = {"train_batch_size": 1, "zero_optimization": {"stage": 1}, "bf16": {"enabled": True},

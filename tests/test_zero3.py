@@ -2,7 +2,9 @@
 (density 1.0 bit for bit at 2 ranks, within float rounding at 3), ranks in sync in fp32, bf16 with gradient
 accumulation, overlap_comm on and off, the layout of ``reduce_scatter_coalesced``, bytes, and exact resume; at
 density 1.0 with clipping and with bf16 accumulation bit for bit; DeepSpeed's own ZeRO-3 checkpoints both ways
-(zero_to_fp32 included); the float64 nothing-lost invariant of the hook with awkward sizes; refusals by key."""
+(zero_to_fp32 included); the float64 nothing-lost invariant of the hook with awkward sizes; refusals by key.
+The momentum mode: density 1.0 against the ZeRO-2 momentum run, ranks in sync (fp32, bf16 with accumulation,
+``auto``), nothing lost in float64, resume exact."""
 from __future__ import annotations
 
 import pytest
@@ -24,7 +26,7 @@ z3 = ranks_fixture("tests.zero3_cases:runs", "z3", timeout=600, worlds=[2, 3], i
                                         ({"zero_optimization": {"stage": 3, "cpu_offload_param": True}},
                                          "'zero_optimization.cpu_offload_param'")])
 def test_zero3_refuses_what_the_hook_does_not_reproduce_naming_the_key(extra, key):
-    """Besides tests/test_config.py's (offload, qgZ, reduce_scatter false, compress momentum)."""
+    """Besides tests/test_config.py's (offload, qgZ, reduce_scatter false)."""
     import ds_dragonn
     cfg = {"train_batch_size": 1, "zero_optimization": {"stage": 3}, "dragonn": {"enabled": True}, **extra}
     with pytest.raises(ds_dragonn.DragonnUnsupportedError, match=f"ZeRO stage 3 does not support {key}"):
@@ -182,3 +184,69 @@ def test_reduce_scatter_false_as_a_string_is_refused_after_initialize(tmp_path):
     run_ranks("tests.zero3_cases:refused_runs", 2, tmp_path, timeout=300)
     for msg in load_rank_files(tmp_path, "z3refused", 2):
         assert msg is not None and "'zero_optimization.reduce_scatter': false" in msg, msg
+
+
+# -- the momentum mode at ZeRO-3 ---------------------------------------------------------------------------------
+mom = ranks_fixture("tests.zero3_cases:momentum_runs", "z3mom", timeout=600)
+
+
+def test_momentum_mode_at_density_one_is_the_zero2_momentum_mode(mom):
+    """The same model, data and steps: ZeRO-3's momentum mode (local momentum over the rank-major bucket, Adam's
+    variance frozen on the fp32 sub-group flats, two refreshes) equals ZeRO-2's within float rounding; and it is
+    the momentum mode, not dense Adam (the variance was frozen and refreshed, the weights differ from dense)."""
+    for r in mom:
+        assert r["z3_d1"]["compress"] == "momentum" and r["z3_d1"]["frozen"] and r["z3_d1"]["refreshed"] == 2
+        for a, b in zip(r["z3_d1"]["params"], r["z2_d1"]["params"]):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        assert any(not torch.allclose(a, b, atol=1e-4) for a, b in zip(r["z3_d1"]["params"], r["z3_dense"]["params"]))
+
+
+@pytest.mark.parametrize("name", ["z3_sparse", "z3_sparse_bf16_gas2", "z3_auto"])
+def test_momentum_mode_ranks_stay_in_sync_and_compress(mom, name):
+    """Density 0.05 in fp32, in bf16 with accumulation 2 (transactional residuals and momenta, two reductions per
+    step), and ``compress: auto``, which picks the momentum mode at ZeRO-3 for Adam."""
+    run = mom[0][name]
+    assert run["compress"] == "momentum" and run["frozen"] and run["refreshed"] == 2
+    assert run["telemetry"]["compressed_reductions"] > 0 and run["residual_mass"] > 0
+    for r in mom[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(r[name]["params"], run["params"]))
+
+
+def test_momentum_mode_loses_nothing_with_awkward_sizes(mom):
+    """float64, 4 compressed steps of the hook: what every rank received + every rank's residual == the sum over
+    steps and ranks of the local momenta ``M <- b1 M + (1 - b1) g / P``, in the rank-major layout; the kept
+    momenta are each rank's ``M``."""
+    world, lost = len(mom), [r["lost"] for r in mom]
+    beta = lost[0]["beta"]
+    assert lost[0]["telemetry"]["compressed_reductions"] == 4 and beta == 0.9
+    chunks = rank_major(lost[0]["grads"][0], world, torch.float64).chunks
+    total, applied = 0.0, 0.0
+    for r in lost:
+        m = 0.0
+        for g in r["grads"]:
+            m = beta * m + (1.0 - beta) / world * rank_major(g, world, torch.float64).flat
+            total = total + m
+        (kept,) = r["momenta"].values()
+        torch.testing.assert_close(kept, m, rtol=0, atol=1e-12)
+    for step in range(4):
+        blocks = []
+        for r in lost:
+            blocks += [torch.cat([t, t.new_zeros(c - t.numel())]) for t, c in zip(r["received"][step], chunks)]
+        applied = applied + torch.cat(blocks)
+    residual = sum(v for r in lost for v in r["residuals"].values())
+    assert residual.abs().sum() > 0
+    torch.testing.assert_close(applied + residual, total, rtol=0, atol=1e-12)
+
+
+def test_momentum_mode_resume_is_exact(tmp_path):
+    """Saved after the freeze, resumed by a fresh engine: the residuals, the local momenta and the frozen variance
+    (on the fp32 sub-group flats, by position) are restored, and the next steps (a refresh among them) are
+    bit-identical."""
+    run_ranks("tests.zero3_cases:momentum_resume_runs", 2, tmp_path, timeout=600)
+    for r in load_rank_files(tmp_path, "z3mresume", 2):
+        assert r["notes"] == [], r["notes"]
+        assert r["mass"] > 0 and r["loaded_mass"] == pytest.approx(r["mass"], rel=1e-12)
+        assert r["frozen_loaded"] is not None and all(torch.equal(a, b) for a, b in zip(r["frozen_saved"],
+                                                                                          r["frozen_loaded"]))
+        assert r["refreshed"][1] >= 1
+        assert all(torch.equal(a, b) for a, b in zip(r["params"], r["resumed"]))

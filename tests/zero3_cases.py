@@ -223,3 +223,96 @@ def refused_runs(rank: int, world: int, out_dir: str) -> None:
         out = str(err)
     torch.save(out, Path(out_dir) / f"z3refused_rank{rank}.pt")
     torch.distributed.destroy_process_group()
+
+
+#: the momentum mode (1-bit Adam's structure) at ZeRO-3 and its reference, the same mode at ZeRO-2 on the same
+#: model, data and steps; 2 dense steps, then the variance frozen and refreshed every 3 steps (two refreshes)
+_M = {"enabled": True, "density": 0.05, "warmup_steps": 2, "compress": "momentum",
+      "advanced": {"variance_refresh_steps": 3}}
+MOMENTUM_STEPS = 9
+MOMENTUM_RUNS = {
+    "z2_d1": {**zero_config(2, {**_M, "density": 1.0}), "gradient_clipping": 0.0},
+    "z3_d1": {**zero_config(3, {**_M, "density": 1.0}), "gradient_clipping": 0.0},
+    "z3_sparse": zero_config(3, _M),
+    "z3_sparse_bf16_gas2": zero_config(3, _M, bf16=True, gas=2),
+    "z3_auto": zero_config(3, {**_M, "compress": "auto"}),
+    "z3_dense": {**zero_config(3, None), "gradient_clipping": 0.0},
+}
+
+
+def _weights(engine) -> list:
+    """The full weights, fp32, at any ZeRO stage."""
+    if engine.zero_optimization_stage() == 3:
+        return _gathered(engine)
+    return [p.detach().float().clone() for p in engine.module.parameters()]
+
+
+def _momentum_lost(rank: int, world: int) -> dict:
+    """:func:`_nothing_lost` in the momentum mode (no refresh among the 4 steps): also the local momenta."""
+    from types import SimpleNamespace
+    cfg = zero_config(3, {**_M, "warmup_steps": 1, "advanced": {"variance_refresh_steps": 0}})
+    engine = train(cfg, rank, steps=0)
+    hook, opt = engine.dragonn, engine.optimizer
+    opt.gradient_accumulation_dtype = torch.float64
+    g = torch.Generator().manual_seed(20 + rank)
+    params = [SimpleNamespace(ds_id=2000 + i, ds_shape=s, grad=None) for i, s in enumerate(AWKWARD)]
+    grads, received = [], []
+    for step in range(4):
+        engine.global_steps = 10 + step
+        for p in params:
+            p.grad = torch.randn(p.ds_shape, generator=g, dtype=torch.float64)
+        grads.append([p.grad.clone() for p in params])
+        received.append([t.clone() for t in hook.avg_scatter_grads(params, torch.float64)])
+    hook.steps.end()
+    return {"grads": grads, "received": received, "telemetry": hook.telemetry.summary(), "beta": hook.momentum.beta,
+            "residuals": {repr(k): v.clone() for k, v in hook.error_feedback.residuals.items()},
+            "momenta": {repr(k): v.clone() for k, v in hook.momentum.momenta.items()}}
+
+
+def momentum_runs(rank: int, world: int, out_dir: str) -> None:
+    init_distributed()
+    out = {}
+    for name, cfg in MOMENTUM_RUNS.items():
+        engine = train(cfg, rank, steps=MOMENTUM_STEPS)
+        hook = getattr(engine, "dragonn", None)
+        freeze = hook.variance_freeze if hook is not None else None
+        out[name] = {"params": _weights(engine), "telemetry": hook.telemetry.summary() if hook else None,
+                     "compress": hook.cfg.compress.value if hook else None,
+                     "frozen": None if freeze is None or freeze.frozen is None else len(freeze.frozen),
+                     "refreshed": freeze.refreshed if freeze is not None else 0,
+                     "residual_mass": (sum(float(v.double().abs().sum()) for v in hook.error_feedback.residuals.values())
+                                       if hook else 0.0)}
+    out["lost"] = _momentum_lost(rank, world)
+    torch.save(out, Path(out_dir) / f"z3mom_rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+#: the momentum mode saved at step K (after the freeze) and resumed: a refresh every 2 steps falls on both sides
+RESUME_MOMENTUM = zero_config(3, {"enabled": True, "density": 0.01, "warmup_steps": 1, "compress": "momentum",
+                                  "advanced": {"variance_refresh_steps": 2}})
+
+
+def momentum_resume_runs(rank: int, world: int, out_dir: str) -> None:
+    import tests.ckpt_cases as ckpt_cases
+    from tests.ckpt_cases import K, _engine, _residual_mass, _train
+    ckpt_cases.LAYERS = LAYERS
+    init_distributed()
+    ckpt = str(Path(out_dir) / "ckpt")
+    engine = _engine(RESUME_MOMENTUM)
+    _train(engine, rank, 0, K)
+    mass = _residual_mass(engine)
+    engine.save_checkpoint(ckpt, tag="k")
+    frozen_at_k = [v.clone() for v in engine.dragonn.variance_freeze.frozen]
+    torch.distributed.barrier()
+    _train(engine, rank, K, 2 * K)
+    resumed = _engine(RESUME_MOMENTUM)
+    resumed.load_checkpoint(ckpt, tag="k")
+    loaded, freeze = _residual_mass(resumed), resumed.dragonn.variance_freeze
+    frozen = [v.clone() for v in freeze.frozen] if freeze.frozen is not None else None
+    _train(resumed, rank, K, 2 * K)
+    out = {"params": _gathered(engine), "resumed": _gathered(resumed), "mass": mass, "loaded_mass": loaded,
+           "frozen_saved": frozen_at_k, "frozen_loaded": frozen,
+           "refreshed": (engine.dragonn.variance_freeze.refreshed, freeze.refreshed),
+           "notes": list(resumed.dragonn.notes)}
+    torch.save(out, Path(out_dir) / f"z3mresume_rank{rank}.pt")
+    torch.distributed.destroy_process_group()

@@ -1,11 +1,12 @@
 """What the momentum mode needs to know of the engine's optimizer: the innermost ``torch.optim.Optimizer``,
+its parameters per group (:func:`optimizer_params`: ZeRO-3 lends them to their group one sub-group at a time),
 its β1 and learning rate, and whether it is an Adam whose update the momentum mode can steer
 (``engine/variance.py`` freezes its variance).
 """
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import torch
 
@@ -19,6 +20,27 @@ def base_optimizer(engine: Any) -> Optional[torch.optim.Optimizer]:
             return opt
         opt, seen = inner, seen + 1
     return None
+
+
+def optimizer_params(engine: Any, optimizer: Optional[torch.optim.Optimizer] = None) -> List[List[torch.Tensor]]:
+    """The innermost optimizer's parameters per parameter group, in order, as DeepSpeed holds them (at ZeRO 0-2
+    its ``param_groups``' ``params``: the fp32 partitions at ZeRO 1/2).
+
+    ZeRO-3 (DeepSpeed 0.19.8 ``runtime/zero/stage3.py`` ``_optimizer_step``) keeps each group's ``params`` empty
+    and puts one fp32 sub-group flat (``fp32_partitioned_groups_flat[i]``, 1-D, this rank's partition of the
+    sub-group's parameters) into its group (``sub_group_to_group_id[i]``) for that sub-group's ``step()``
+    only: there the lists are those flats, grouped by ``sub_group_to_group_id``."""
+    opt = base_optimizer(engine) if optimizer is None else optimizer
+    groups = getattr(opt, "param_groups", None) or []
+    zero = getattr(engine, "optimizer", None)
+    flats = getattr(zero, "fp32_partitioned_groups_flat", None)
+    owner = getattr(zero, "sub_group_to_group_id", None)
+    if flats is not None and owner is not None and zero is not opt:
+        lists: List[List[torch.Tensor]] = [[] for _ in groups]
+        for i, flat in enumerate(flats):
+            lists[owner[i]].append(flat)
+        return lists
+    return [list(g["params"]) for g in groups]
 
 
 def adam_beta1(engine: Any) -> Optional[float]:
@@ -64,11 +86,8 @@ def momentum_refusal(engine: Any) -> Optional[str]:
     they apply the moments differently), one β1 in (0, 1) for every parameter group (the local momentum's,
     and the first moment is set through it), β2 in (0, 1) (the frozen variance is set through it), no
     amsgrad, no ``maximize``, and weight decay that is decoupled (AdamW) or zero: coupled L2 decay would
-    enter the first moment once per step, not accumulated as Adam does."""
-    stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else 0
-    if stage == 3:
-        return ("runs at ZeRO stages 0-2: ZeRO-3 keeps Adam's moments in flat sub-group partitions that the "
-                "ZeRO-3 hook does not map to its gradient buckets")
+    enter the first moment once per step, not accumulated as Adam does. Every ZeRO stage: at ZeRO-3 the freeze
+    acts on the fp32 sub-group flats elementwise (:func:`optimizer_params`)."""
     opt = base_optimizer(engine)
     name = type(opt if opt is not None else getattr(engine, "optimizer", None)).__name__
     groups = getattr(opt, "param_groups", None) or []
@@ -96,4 +115,4 @@ def momentum_refusal(engine: Any) -> Optional[str]:
     return None
 
 
-__all__ = ["adam_beta1", "base_optimizer", "momentum_refusal", "optimizer_lr"]
+__all__ = ["adam_beta1", "base_optimizer", "momentum_refusal", "optimizer_lr", "optimizer_params"]

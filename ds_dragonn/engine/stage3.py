@@ -16,8 +16,13 @@ rest in its residual (error feedback, as at ZeRO 1/2). It returns the rank's chu
 warm-up, buckets below ``min_compress_numel``, the auto policy's dense choices, and the parameter
 all-gathers of the forward and backward passes (hpZ keeps them inside the node).
 
-Only the gradient mode runs here: the momentum mode follows the optimizer's moments per element, which ZeRO-3
-keeps in sub-groups of flat partitions this hook does not map (refused by name at ``initialize``).
+The momentum mode (``compress: momentum``, as at ZeRO 1/2): each rank folds its full local gradients, in the
+rank-major layout, into its local momentum per bucket key (``1/P`` the prescale, as DeepSpeed divides), and the
+residual and the compressed exchange carry that momentum; what rank ``r`` gets back is its chunks of the
+averaged momentum, which ``partition_grads`` puts into ``grad_partitions_flat_buffer`` and the step into the
+fp32 sub-group flats' ``.grad``. Adam's variance freeze acts on those flats elementwise
+(``engine/variance.py``, ``adam.optimizer_params``), so no map from buckets to sub-groups is needed. Variance
+refresh steps reduce the raw gradient with DeepSpeed's own method, the step's momentum held in the residual.
 
 Several nodes (``hierarchy``): the rank-major bucket goes through the node-aware pipeline
 (:class:`~ds_dragonn.hierarchy.NodeAllreduce`: dense inside the node, the shard compressed across nodes with
@@ -99,9 +104,13 @@ class Stage3Hook(ZeroPartitionHook):
         import deepspeed.comm as dist
         group = opt._get_param_partition_group(params[0])
         if dist.get_world_size(group) != dist.get_world_size(opt.dp_process_group):
+            if self.momentum is not None and not self.decision.schedule.dense(int(engine.global_steps)):
+                raise RuntimeError("'dragonn.compress': 'momentum' cannot carry the momentum of gradients reduced "
+                                   "outside the data-parallel group (MoE experts); use 'compress': 'gradient'")
             return self._dense(params, communication_data_type)  # MoE expert groups: dense
         step = int(engine.global_steps)
         self.steps.begin(step)
+        self._follow_optimizer()  # momentum mode: the optimizer's β1
         ordinal = self._next_ordinal((step, int(engine.micro_steps)))
         pipeline = self.pipeline(opt.dp_process_group)
         world = pipeline.backend.world_size
@@ -111,20 +120,28 @@ class Stage3Hook(ZeroPartitionHook):
         per = sum(chunks)
         key = BucketKey(ZERO3, ordinal, str(dt), world * per, self._layout(params))  # the residual's (padded) length
         dense_bytes = dense_reduce_scatter_bytes(numel, dt.itemsize, world)
-        dense, fixed = self.decision.choose(key, numel, step, pipeline, dt, dense_bytes)
         clock = PhaseClock(params[0].grad.device)
-        flush = dense and key in self.pending
+        if self._refreshes(step):  # momentum mode: the raw gradient, densely, refreshes Adam's variance
+            self._hold_momentum(key, [self._flat(params, world, dt, chunks)], dt, 1.0 / world, pipeline)
+            out = self._dense(params, dt)
+            self._record_dense(key, numel, dt.itemsize, world, clock.lap(), True, dense_bytes)
+            return out
+        dense, fixed = self.decision.choose(key, numel, step, pipeline, dt, dense_bytes)
+        flush = dense and (key in self.pending or self._carries_momentum(step))  # residual (and momentum) go out
         if dense and not flush:
+            if self.momentum is not None:  # the warm-up's gradients start the local momentum
+                self._track_momentum(pipeline, key, [self._flat(params, world, dt, chunks)], dt, 1.0 / world)
             out = self._dense(params, dt)
             self._record_dense(key, numel, dt.itemsize, world, clock.lap(), fixed, dense_bytes)
             return out
-        flat = rank_major([p.grad for p in params], world, dt, chunks).flat
+        flat = self._flat(params, world, dt, chunks)
         rank = pipeline.backend.rank
         if flush:  # compressed before, dense now: the residual goes out with this reduction
             out = pipeline.reduce_dense([flat], key, 1.0 / world, 1.0, dt)
             self._flushed(key)
             self._record_dense(key, numel, dt.itemsize, world, clock.lap(), fixed, dense_bytes)
         else:
+            self._carries_momentum(step)
             self.reporter.announce(step)
             self.decision.set_density(self.compressor, step)
             ranges = [(r * per, per, r) for r in range(world)]
@@ -137,6 +154,11 @@ class Stage3Hook(ZeroPartitionHook):
             parts.append(mine[offset:offset + length].to(opt.gradient_accumulation_dtype))
             offset += c
         return parts
+
+    @staticmethod
+    def _flat(params: List[Any], world: int, dt: torch.dtype, chunks: List[int]) -> torch.Tensor:
+        """The bucket's local gradients in the rank-major layout, (world·per,) of ``dt``."""
+        return rank_major([p.grad for p in params], world, dt, chunks).flat
 
     def _layout(self, params: List[Any]) -> str:
         """Digest of the bucket's parameters (names and shapes), part of the residual's key. Not ZeRO-3's

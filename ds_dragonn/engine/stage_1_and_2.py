@@ -92,7 +92,7 @@ class Stage12Hook(ZeroPartitionHook):
         key = BucketKey(REDUCE_SCATTER, ordinal, str(dt), numel, self._layout(dt))
         if self._refreshes(step):  # momentum mode: the raw gradient, densely, refreshes Adam's variance
             clock = PhaseClock(tensor.device)
-            self._hold_momentum(key, [tensor], dt, 1.0 / world)  # in the units DeepSpeed divides to
+            self._hold_momentum(key, [tensor], dt, 1.0 / world, pipeline)  # in the units DeepSpeed divides to
             self._dense_average_tensor(tensor, dt)
             dense_bytes = self._dense_bytes(numel, dt.itemsize, world)
             return self._record_dense(key, numel, dt.itemsize, world, clock.lap(), True, dense_bytes)

@@ -12,9 +12,11 @@ Adam/AdamW, DeepSpeed's FusedAdam/CPUAdam: per-parameter ``exp_avg``, ``exp_avg_
 step at or after ``freeze_step`` in which a bucket sent the momentum (:meth:`arm`) it records each tensor's
 ``V̂ = v / (1 − β2^t)`` and which elements it knows (those with ``V̂ > 0``; floored, ``variance_math``). Before every later step it
 sets Adam's moments of the known elements so that Adam applies ``lr · (g / c1) / (sqrt(V̂) + eps)``, ``g``
-being the averaged momentum that arrived (``variance_math.momentum_step_``). Elements without gradient
-through the warm-up and tensors that first get gradient after the freeze keep Adam's own update until a
-variance refresh gives them a variance.
+being the averaged momentum that arrived (``variance_math.momentum_step_``). At ZeRO-3 the tensors are the
+fp32 sub-group flats (DeepSpeed 0.19.8 ``runtime/zero/stage3.py``: ``fp32_partitioned_groups_flat``), each
+lent to its group for its own ``step()`` (one pre-hook call per sub-group): the same elementwise arithmetic.
+Elements without gradient through the warm-up and tensors that first get gradient after the freeze keep
+Adam's own update until a variance refresh gives them a variance.
 
 Variance refresh (``variance_refresh_steps``; 0/1 Adam, Lu et al., ICLR 2022): a frozen ``V̂`` drifts from
 Adam's, up to ~10x per tensor over a 2000-step run (``launch/variance_drift.py``). On a refresh step the hooks
@@ -31,7 +33,7 @@ from deepspeed.utils.logging import print_dist
 
 from ..feedback import residual_dtype
 from . import variance_math
-from .adam import base_optimizer
+from .adam import base_optimizer, optimizer_params
 from .variance_math import (bias_correction2, default_refresh_decay, floor_variance_, known_mask,
                             momentum_step_, no_update_, refresh_)
 
@@ -72,6 +74,7 @@ class VarianceFreeze:
         self.refresh = refresh if refresh is not None and refresh_steps >= 2 else None
         self.refresh_steps = int(refresh_steps)
         self.refreshed = 0  # refreshes applied (this process)
+        self._refreshed_at: Optional[int] = None  # the step of the last refresh (ZeRO-3 calls the hook per sub-group)
         self.optimizer = base_optimizer(engine)
         self.frozen: Optional[List[torch.Tensor]] = None  # V̂ per entry of self.params (None: not frozen yet)
         self.known: List[torch.Tensor] = []  # bool mask per entry: the elements V̂ is an estimate for
@@ -128,8 +131,8 @@ class VarianceFreeze:
         self._log(step, refreshing, new, joined)
 
     def _log(self, step: int, refreshing: bool, new: int, joined: int) -> None:
-        if refreshing:
-            self.refreshed += 1
+        if refreshing and step != self._refreshed_at:
+            self.refreshed, self._refreshed_at = self.refreshed + 1, step
             if self.refreshed == 1:
                 rho = sorted({self.decay(float(g["betas"][1])) for g in self.optimizer.param_groups})
                 print_dist(f"DRAGONN: Adam's frozen variance refreshed from the dense gradient of step {step + 1} "
@@ -151,11 +154,12 @@ class VarianceFreeze:
         return self._index[id(p)]
 
     def _record(self, optimizer) -> None:
-        """Record ``V̂ = v / (1 − β2^t)`` and its known elements for every parameter with Adam state."""
+        """Record ``V̂ = v / (1 − β2^t)`` and its known elements for every parameter with Adam state (every
+        sub-group's at ZeRO-3, whose groups hold one sub-group at a time: ``adam.optimizer_params``)."""
         self.params, self.frozen, self.known, self._index = [], [], [], {}
-        for group in optimizer.param_groups:
+        for group, params in zip(optimizer.param_groups, optimizer_params(self.engine, optimizer)):
             beta2, corrected = float(group["betas"][1]), group.get("bias_correction", True)
-            for p in group["params"]:
+            for p in params:
                 vhat = _own_vhat(optimizer.state.get(p, {}), beta2, corrected) if 0.0 < beta2 < 1.0 else None
                 if vhat is None:
                     continue
@@ -178,7 +182,8 @@ class VarianceFreeze:
         values (recomputing them from ``exp_avg_sq`` would round differently)."""
         if self.frozen is None or self.optimizer is None:
             return {"armed": self.armed, "frozen": None}
-        where = {id(p): (gi, pi) for gi, g in enumerate(self.optimizer.param_groups) for pi, p in enumerate(g["params"])}
+        where = {id(p): (gi, pi) for gi, ps in enumerate(optimizer_params(self.engine, self.optimizer))
+                 for pi, p in enumerate(ps)}
         return {"armed": self.armed, "frozen": [v.detach().clone() for v in self.frozen],
                 "known": [k.clone() for k in self.known], "positions": [where.get(id(p)) for p in self.params]}
 
@@ -193,10 +198,10 @@ class VarianceFreeze:
         frozen = state.get("frozen")
         if frozen is None or self.optimizer is None:
             return
-        groups = self.optimizer.param_groups
+        groups = optimizer_params(self.engine, self.optimizer)
         known = state.get("known") or [torch.ones(v.shape, dtype=torch.bool) for v in frozen]
         try:
-            params = [groups[gi]["params"][pi] for gi, pi in state.get("positions") or []]
+            params = [groups[gi][pi] for gi, pi in state.get("positions") or []]
         except (IndexError, TypeError, ValueError, KeyError):
             return
         if len(params) != len(frozen) or len(known) != len(frozen) or any(
