@@ -85,9 +85,12 @@ def charges(record: dict) -> dict:
     warm = record.get("warmup") or {}
     if not warm:
         return {"dense_steps": 0, "refresh_steps": 0, "density_warmup": None}
-    momentum = record.get("density", 1.0) < 1.0 and not record["run"].startswith(("zero3", "diloco"))
+    # compress auto: the momentum mode for this AdamW at every ZeRO stage; named gradient runs and the local
+    # steps' pseudo-gradient have no variance refreshes
+    momentum = record.get("density", 1.0) < 1.0 and "gradient" not in record["run"] and \
+        not record["run"].startswith(("diloco", "local"))
     return {"dense_steps": int(warm.get("warmup_steps") or 0),
-            "refresh_steps": REFRESH_STEPS if momentum else 0,  # ZeRO 3 refuses momentum: gradient mode
+            "refresh_steps": REFRESH_STEPS if momentum else 0,
             "density_warmup": ({"steps": int(warm.get("density_warmup_steps") or 0),
                                 "start": warm.get("density_warmup_start", DENSITY_WARMUP_START),
                                 "density": record["density"]} if record.get("density", 1.0) < 1.0 else None)}

@@ -112,6 +112,8 @@ DS_RUNS = {
     "zero3_dense": ({"zero_optimization": {"stage": 3}}, None, []),
     "zero3_hpz_0.01": ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}},
                        {"density": 0.01, "hierarchy": "flat"}, []),
+    "zero3_hpz_gradient_0.01": ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}},
+                                {"density": 0.01, "hierarchy": "flat", "compress": "gradient"}, []),
 }
 RUNS.update({name: over for name, (_, over, _) in DS_RUNS.items()})
 #: --lm-optimizer robust: the LM's AdamW tuned differently (merged into the config's optimizer params)

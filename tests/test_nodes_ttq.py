@@ -62,10 +62,11 @@ def test_means_over_seeds_not_reached_and_missing_reference():
         nt.build_rows(nt.mean_curves([slow]), timing("1gbit", diloco_node=5.0))
 
 
-def test_zero3_dragonn_is_charged_in_the_gradient_mode():
-    rec = record("zero3_hpz_0.01", [1.0], density=0.01,
-                 warmup={"warmup_steps": 100, "density_warmup_steps": 300, "density_warmup_start": 0.25})
-    assert nt.charges(rec)["refresh_steps"] == 0
+def test_refreshes_charged_in_the_momentum_mode_only():
+    warm = {"warmup_steps": 100, "density_warmup_steps": 300, "density_warmup_start": 0.25}
+    assert nt.charges(record("zero3_hpz_0.01", [1.0], density=0.01, warmup=warm))["refresh_steps"] == 100
+    assert nt.charges(record("zero3_hpz_gradient_0.01", [1.0], density=0.01, warmup=warm))["refresh_steps"] == 0
+    assert nt.charges(record("diloco_node", [1.0], density=1.0, warmup=warm))["refresh_steps"] == 0
     assert nt.charges(record("node_0.01", [1.0], density=0.01, warmup={"warmup_steps": 100}))["refresh_steps"] == 100
     assert nt.charges(record("dense", [1.0])) == {"dense_steps": 0, "refresh_steps": 0, "density_warmup": None}
 
