@@ -230,9 +230,12 @@ def refused_runs(rank: int, world: int, out_dir: str) -> None:
 _M = {"enabled": True, "density": 0.05, "warmup_steps": 2, "compress": "momentum",
       "advanced": {"variance_refresh_steps": 3}}
 MOMENTUM_STEPS = 9
+SUB_GROUP = 100  # elements per ZeRO-3 sub-group: at 2 ranks the MLP's partitions form two (281, then 9 + 43 + 3)
 MOMENTUM_RUNS = {
     "z2_d1": {**zero_config(2, {**_M, "density": 1.0}), "gradient_clipping": 0.0},
     "z3_d1": {**zero_config(3, {**_M, "density": 1.0}), "gradient_clipping": 0.0},
+    # several fp32 sub-group flats, each lent to its parameter group for its own step() only
+    "z3_d1_subgroups": {**zero_config(3, {**_M, "density": 1.0}, sub_group_size=SUB_GROUP), "gradient_clipping": 0.0},
     "z3_sparse": zero_config(3, _M),
     "z3_sparse_bf16_gas2": zero_config(3, _M, bf16=True, gas=2),
     "z3_auto": zero_config(3, {**_M, "compress": "auto"}),
@@ -279,6 +282,7 @@ def momentum_runs(rank: int, world: int, out_dir: str) -> None:
         out[name] = {"params": _weights(engine), "telemetry": hook.telemetry.summary() if hook else None,
                      "compress": hook.cfg.compress.value if hook else None,
                      "frozen": None if freeze is None or freeze.frozen is None else len(freeze.frozen),
+                     "sub_groups": len(getattr(engine.optimizer, "fp32_partitioned_groups_flat", [])),
                      "refreshed": freeze.refreshed if freeze is not None else 0,
                      "residual_mass": (sum(float(v.double().abs().sum()) for v in hook.error_feedback.residuals.values())
                                        if hook else 0.0)}
@@ -289,7 +293,7 @@ def momentum_runs(rank: int, world: int, out_dir: str) -> None:
 
 #: the momentum mode saved at step K (after the freeze) and resumed: a refresh every 2 steps falls on both sides
 RESUME_MOMENTUM = zero_config(3, {"enabled": True, "density": 0.01, "warmup_steps": 1, "compress": "momentum",
-                                  "advanced": {"variance_refresh_steps": 2}})
+                                  "advanced": {"variance_refresh_steps": 2}}, sub_group_size=SUB_GROUP)
 
 
 def momentum_resume_runs(rank: int, world: int, out_dir: str) -> None:
@@ -313,6 +317,7 @@ def momentum_resume_runs(rank: int, world: int, out_dir: str) -> None:
     out = {"params": _gathered(engine), "resumed": _gathered(resumed), "mass": mass, "loaded_mass": loaded,
            "frozen_saved": frozen_at_k, "frozen_loaded": frozen,
            "refreshed": (engine.dragonn.variance_freeze.refreshed, freeze.refreshed),
+           "sub_groups": len(resumed.optimizer.fp32_partitioned_groups_flat),
            "notes": list(resumed.dragonn.notes)}
     torch.save(out, Path(out_dir) / f"z3mresume_rank{rank}.pt")
     torch.distributed.destroy_process_group()
