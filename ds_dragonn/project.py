@@ -264,7 +264,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="fraction of compute that communication hides behind, [0, 1]")
     p.add_argument("--validate", nargs="?", const="", metavar="PATH", help="instead: testbeds, predicted vs measured; "
                    "PATH: a launch/bench_nodes.py nodes.json in place of the 2 x 2 records "
-                   "(default: docs/results/nodes/nodes_all_modes*.json)")
+                   "(bare --validate: docs/results/nodes/nodes_all_modes*.json)")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the result as JSON here")
     return p.parse_args(argv)
 

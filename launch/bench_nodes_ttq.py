@@ -163,16 +163,27 @@ def plot(result: dict, curves: Dict[str, dict], path: Path, link: str) -> None:
     save_figure(fig, path, dpi=110)
 
 
+def _load(p: argparse.ArgumentParser, path: str, key: str, what: str) -> list:
+    """The ``key`` list of the JSON file ``path``; an argparse error names the file when it is not one."""
+    try:
+        return json.loads(Path(path).read_text())[key]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        p.error(f"{path}: not {what} (a JSON object with '{key}'): {e!r}")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quality", nargs="+", required=True, help="convergence.py records (convergence.json)")
     p.add_argument("--timing", nargs="+", required=True, help="bench_nodes.py --task lm records (nodes_lm.json)")
-    p.add_argument("--out", required=True)
-    p.add_argument("--target-fraction", type=float, default=TARGET_FRACTION)
-    p.add_argument("--plot-link", default="100mbit")
+    p.add_argument("--out", required=True, help="ttq_nodes.json and ttq_nodes.png go here")
+    p.add_argument("--target-fraction", type=float, default=TARGET_FRACTION,
+                   help=f"the target is the reference's held-out loss at this fraction of its run (default {TARGET_FRACTION})")
+    p.add_argument("--plot-link", default="100mbit", help="the link whose seconds the PNG's x axis shows (default 100mbit)")
     a = p.parse_args(argv)
-    records = [r for f in a.quality for r in json.loads(Path(f).read_text())["records"]]
-    timing = [r for f in a.timing for r in json.loads(Path(f).read_text())["rows"]]
+    if not 0.0 < a.target_fraction <= 1.0:
+        p.error(f"--target-fraction must be in (0, 1], got {a.target_fraction}")
+    records = [r for f in a.quality for r in _load(p, f, "records", "launch/convergence.py's convergence.json")]
+    timing = [r for f in a.timing for r in _load(p, f, "rows", "launch/bench_nodes.py --task lm's nodes_lm.json")]
     curves = mean_curves(records)
     result = build_rows(curves, timing, a.target_fraction)
     out = Path(a.out)

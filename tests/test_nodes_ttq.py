@@ -96,3 +96,14 @@ def test_convergence_runs_with_deepspeed_keys(tmp_path):
     assert fp32["communication_data_type"] == "fp32" and "dragonn" not in fp32
     assert convergence.DS_RUNS["hier_bf16"][2] == ["--hier-dense", "bf16"]
     assert {run for runs, _ in nt.MODE_RUN.values() for run in runs} <= set(convergence.RUNS)
+
+
+def test_command_line_refuses_bad_input(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(SystemExit):
+        nt.main(["--quality", str(bad), "--timing", str(bad), "--out", str(tmp_path)])
+    assert "bad.json: not launch/convergence.py's convergence.json" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        nt.main(["--quality", str(bad), "--timing", str(bad), "--out", str(tmp_path), "--target-fraction", "0"])
+    assert "--target-fraction must be in (0, 1]" in capsys.readouterr().err
