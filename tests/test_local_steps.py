@@ -77,7 +77,7 @@ def test_config_names_the_bad_key(block, key):
 @pytest.mark.parametrize("block,match", [
     ({"local_steps": 8}, "'local_steps' applies to 'sync': 'local_steps' only"),
     ({"outer_lr": 0.7}, "'outer_lr' applies to 'sync': 'local_steps' only"),
-    ({"sync": "local_steps", "selection": "per_tensor"}, "'dragonn.selection' was removed"),
+    ({"sync": "local_steps", "selection": "per_tensor"}, "'dragonn.selection' belongs under 'advanced'"),
     ({"sync": "local_steps", "outer_feedback_decay": 0.9}, "'dragonn.outer_feedback_decay' was removed")])
 def test_settings_of_the_other_sync_mode_are_refused(block, match):
     with pytest.raises(DragonnConfigError, match=match):
