@@ -139,15 +139,15 @@ BIG = (128, 256, 10)
 AWKWARD = [(7,), (1,), (3, 5), (1001,)]
 
 
-def _nothing_lost(rank: int, world: int) -> dict:
-    """The hook's ``avg_scatter_grads`` on float64 gradients of :data:`AWKWARD` sizes (fake parameters, 4 steps
-    at density 0.05): what this rank received per step, its gradients and its residuals at the end."""
+def _scatter_float64(cfg: dict, rank: int, seed: int, first_id: int):
+    """The hook's ``avg_scatter_grads`` on float64 gradients of :data:`AWKWARD` sizes (fake parameters, 4 steps):
+    the hook, and a record of what this rank received per step, its gradients, telemetry and residuals."""
     from types import SimpleNamespace
-    engine = train(zero_config(3, {**_D, "warmup_steps": 0}), rank, steps=0)
+    engine = train(cfg, rank, steps=0)
     hook, opt = engine.dragonn, engine.optimizer
     opt.gradient_accumulation_dtype = torch.float64  # the fp32 partition's dtype, float64 here
-    g = torch.Generator().manual_seed(10 + rank)
-    params = [SimpleNamespace(ds_id=1000 + i, ds_shape=s, grad=None) for i, s in enumerate(AWKWARD)]
+    g = torch.Generator().manual_seed(seed + rank)
+    params = [SimpleNamespace(ds_id=first_id + i, ds_shape=s, grad=None) for i, s in enumerate(AWKWARD)]
     grads, received = [], []
     for step in range(4):
         engine.global_steps = 10 + step
@@ -156,8 +156,13 @@ def _nothing_lost(rank: int, world: int) -> dict:
         grads.append([p.grad.clone() for p in params])
         received.append([t.clone() for t in hook.avg_scatter_grads(params, torch.float64)])
     hook.steps.end()
-    return {"grads": grads, "received": received, "telemetry": hook.telemetry.summary(),
-            "residuals": {repr(k): v.clone() for k, v in hook.error_feedback.residuals.items()}}
+    return hook, {"grads": grads, "received": received, "telemetry": hook.telemetry.summary(),
+                  "residuals": {repr(k): v.clone() for k, v in hook.error_feedback.residuals.items()}}
+
+
+def _nothing_lost(rank: int, world: int) -> dict:
+    """:func:`_scatter_float64` at density 0.05 in the gradient mode."""
+    return _scatter_float64(zero_config(3, {**_D, "warmup_steps": 0}), rank, 10, 1000)[1]
 
 
 def more_runs(rank: int, world: int, out_dir: str) -> None:
@@ -252,23 +257,9 @@ def _weights(engine) -> list:
 
 def _momentum_lost(rank: int, world: int) -> dict:
     """:func:`_nothing_lost` in the momentum mode (no refresh among the 4 steps): also the local momenta."""
-    from types import SimpleNamespace
     cfg = zero_config(3, {**_M, "warmup_steps": 1, "advanced": {"variance_refresh_steps": 0}})
-    engine = train(cfg, rank, steps=0)
-    hook, opt = engine.dragonn, engine.optimizer
-    opt.gradient_accumulation_dtype = torch.float64
-    g = torch.Generator().manual_seed(20 + rank)
-    params = [SimpleNamespace(ds_id=2000 + i, ds_shape=s, grad=None) for i, s in enumerate(AWKWARD)]
-    grads, received = [], []
-    for step in range(4):
-        engine.global_steps = 10 + step
-        for p in params:
-            p.grad = torch.randn(p.ds_shape, generator=g, dtype=torch.float64)
-        grads.append([p.grad.clone() for p in params])
-        received.append([t.clone() for t in hook.avg_scatter_grads(params, torch.float64)])
-    hook.steps.end()
-    return {"grads": grads, "received": received, "telemetry": hook.telemetry.summary(), "beta": hook.momentum.beta,
-            "residuals": {repr(k): v.clone() for k, v in hook.error_feedback.residuals.items()},
+    hook, record = _scatter_float64(cfg, rank, 20, 2000)
+    return {**record, "beta": hook.momentum.beta,
             "momenta": {repr(k): v.clone() for k, v in hook.momentum.momenta.items()}}
 
 
