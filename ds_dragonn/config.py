@@ -74,6 +74,11 @@ class SelectionMode(str, Enum):
     chunked = "chunked"  # every chunk of CHUNK_SIZE entries sends its own top-k (SparseLoCo; compress/chunks.py)
 
 
+class OuterResidual(str, Enum):
+    anchor = "anchor"  # unsent Δ waits in the residual; every rank restarts from θ_outer
+    weights = "weights"  # unsent Δ also stays in the rank's weights: restart from θ_outer − residual (CSER)
+
+
 class SyncMode(str, Enum):
     every_step = "every_step"  # every optimizer step's gradient is exchanged (compressed or dense)
     local_steps = "local_steps"  # ranks step alone; every local_steps steps the pseudo-gradient is exchanged (DiLoCo)
@@ -155,6 +160,12 @@ class AdvancedConfig(BaseModel):
     """``global``: one threshold over each bucket. ``chunked``: every chunk of ``constants.CHUNK_SIZE`` (4096) entries
     sends its own top ``≈ density × 4096`` (SparseLoCo, Sarfi et al. 2025), the same ``k`` in all; per-step
     modes, every ZeRO stage, the partitioned owners and local steps' Δ (compress/chunks.py)."""
+
+    outer_residual: OuterResidual = OuterResidual.anchor
+    """``sync: local_steps`` with ``density`` < 1: where a rank's unsent pseudo-gradient waits. ``anchor``: in the
+    residual only, every rank restarting from ``θ_outer``; ``weights``: also in the rank's own weights, each rank
+    restarting from ``θ_outer − residual`` (error reset, CSER: Xie et al., NeurIPS 2020), so the next round does not
+    redo the progress that is still waiting."""
 
     @model_validator(mode="before")
     @classmethod
@@ -289,6 +300,7 @@ class DragonnConfig(DeepSpeedConfigModel):
     ranks_per_node = _delegate("ranks_per_node", "``advanced.ranks_per_node``.")
     values = _delegate("values", "``advanced.values``.")
     selection = _delegate("selection", "``advanced.selection``.")
+    outer_residual = _delegate("outer_residual", "``advanced.outer_residual``.")
     sample_ratio = _constant("sample_ratio")
     min_sample = _constant("min_sample")
     table_factor = _constant("table_factor")

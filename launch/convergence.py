@@ -100,6 +100,18 @@ RUNS = {
     "chunked_0.01": {"density": 0.01, "advanced": {"selection": "chunked"}},
     "chunked_0.001": {"density": 0.001, "advanced": {"selection": "chunked"}},
     "local_0.01": {"sync": "local_steps", "density": 0.01, "hierarchy": "flat"},
+    # local steps' Δ with the unsent part kept in each rank's weights (advanced.outer_residual: weights, CSER)
+    "local_kept_0.01": {"sync": "local_steps", "density": 0.01, "hierarchy": "flat",
+                        "advanced": {"outer_residual": "weights"}},
+    "local_kept_0.001": {"sync": "local_steps", "density": 0.001, "hierarchy": "flat",
+                         "advanced": {"outer_residual": "weights"}},
+    "local_kept_int4_0.01": {"sync": "local_steps", "density": 0.01, "hierarchy": "flat",
+                             "advanced": {"outer_residual": "weights", "values": "int4"}},
+    "local_kept_sparseloco_0.01": {"sync": "local_steps", "density": 0.01, "hierarchy": "flat",
+                                   "advanced": {"outer_residual": "weights", "values": "int4", "selection": "chunked"}},
+    "local_kept_h15_0.01": {"sync": "local_steps", "local_steps": 15, "density": 0.01, "hierarchy": "flat",
+                            "advanced": {"outer_residual": "weights"}},
+    "diloco_h15": {"sync": "local_steps", "local_steps": 15, "density": 1.0, "hierarchy": "flat"},
     "local_chunked_0.01": {"sync": "local_steps", "density": 0.01, "hierarchy": "flat",
                            "advanced": {"selection": "chunked"}},
 }

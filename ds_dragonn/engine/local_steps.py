@@ -196,6 +196,10 @@ class LocalStepsHook(HookBase):
         deltas = self.outer.pseudo_gradient(masters)
         numel = sum(d.numel() for d in deltas)
         key = BucketKey(OUTER, 0, str(dtype), numel, self._layout(masters))
+        kept = self._kept_in_weights(key)
+        if kept is not None:  # this round started from θ_outer − residual: Δ counts only this round's progress
+            for d, r in zip(deltas, segment_views(kept, deltas)):
+                d.sub_(r)
         stats = None
         if self.cfg.density >= 1.0:
             out = pipeline.reduce_dense(deltas, key, 1.0, 1.0 / world, dtype)
@@ -206,8 +210,19 @@ class LocalStepsHook(HookBase):
             sent = stats.bytes_sent
         self.outer.apply_(segment_views(out, deltas))
         self.outer.restart_(masters)
+        kept = self._kept_in_weights(key)
+        if kept is not None:  # the unsent Δ stays in this rank's weights (error reset, CSER)
+            for m, r in zip(masters, segment_views(kept, masters)):
+                m.sub_(r)
         self._masters_to_model()
         self.reporter.outer(steps, numel, sent, stats, clock.lap())
+
+    def _kept_in_weights(self, key) -> Optional[torch.Tensor]:
+        """The outer residual that this rank's weights hold back (``advanced.outer_residual: weights``), else None."""
+        if (self.cfg.outer_residual.value != "weights" or self.cfg.density >= 1.0 or not self.error_feedback.enabled
+                or self.layout is not None):
+            return None
+        return self.error_feedback.residuals.get(key)
 
     # -- state (engine/state.py) -------------------------------------------------------------------
     def extra_state(self) -> dict:
