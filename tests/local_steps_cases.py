@@ -59,7 +59,8 @@ def weights(engine) -> list:
 
 def record_rounds(engine) -> dict:
     """Capture every round's pseudo-gradient (this rank's) and the averaged one applied (float64 copies)."""
-    hook, log = engine.dragonn, {"delta": [], "applied": [], "anchor0": None, "weights": []}
+    hook, log = engine.dragonn, {"delta": [], "applied": [], "anchor0": None, "weights": [], "anchors": [],
+                                 "masters": [], "kept": []}
     pseudo, apply_, sync = hook.outer.pseudo_gradient, hook.outer.apply_, hook.sync
 
     def pseudo_gradient(masters):
@@ -76,6 +77,10 @@ def record_rounds(engine) -> dict:
     def synced(steps):
         sync(steps)
         log["weights"].append(weights(engine))
+        log["anchors"].append(torch.cat([a.flatten() for a in hook.outer.anchor]))
+        log["masters"].append(torch.cat([m.detach().flatten().clone() for m in hook.masters()]))
+        residual = next(iter(hook.error_feedback.residuals.values()), None)
+        log["kept"].append(None if residual is None else residual.clone())
 
     hook.outer.pseudo_gradient, hook.outer.apply_, hook.sync = pseudo_gradient, apply, synced
     return log
@@ -92,7 +97,16 @@ RUNS = {
     # quantized values (advanced.values): the Δ's rounding stays in the residual (the owners' too)
     "int8_fp32": ({"advanced": {"values": "int8"}}, {}, 11),
     "partitioned_int4_fp32": ({"exchange": "partitioned", "advanced": {"values": "int4"}}, {}, 11),
+    # the unsent Δ kept in each rank's weights (advanced.outer_residual: weights, CSER)
+    "kept_fp32": ({"advanced": {"outer_residual": "weights"}}, {}, 11),
+    "kept_partitioned_int4_fp32": ({"exchange": "partitioned", "advanced": {"outer_residual": "weights",
+                                                                           "values": "int4"}}, {}, 11),
+    "kept_bf16_gas2": ({"density": 0.05, "advanced": {"outer_residual": "weights"}},
+                       {"bf16": True, "gas": 2, "clip": 1.0, "schedule": True}, 11),
 }
+#: runs whose ranks keep their own unsent Δ in their weights: θ_outer is shared, the weights are not
+KEPT = tuple(name for name, (block, _, _) in RUNS.items()
+             if block.get("advanced", {}).get("outer_residual") == "weights")
 
 
 def rounds(rank: int, world: int, out_dir: str) -> None:
@@ -138,8 +152,10 @@ def resume(rank: int, world: int, out_dir: str) -> None:
     init_distributed()
     ckpt = str(Path(out_dir) / "ckpt")
     out = {}
-    for name, kwargs in (("fp32", {}), ("bf16_gas2", {"bf16": True, "gas": 2, "clip": 1.0, "schedule": True})):
-        dragonn = {"outer_lr": 0.7, "density": 0.05}
+    kept = {"advanced": {"outer_residual": "weights"}}
+    for name, kwargs, extra in (("fp32", {}, {}), ("bf16_gas2", {"bf16": True, "gas": 2, "clip": 1.0, "schedule": True}, {}),
+                                ("kept_fp32", {}, kept)):
+        dragonn = {"outer_lr": 0.7, "density": 0.05, **extra}
         cfg = config(dragonn, **kwargs)
         engine = build(cfg)
         gas = engine.gradient_accumulation_steps()

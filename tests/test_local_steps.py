@@ -10,7 +10,7 @@ import torch
 from ds_dragonn.config import DragonnConfig, DragonnConfigError
 from ds_dragonn.exchange.wire import dense_allreduce_bytes
 from ds_dragonn.outer import OuterStep
-from tests.local_steps_cases import RUNS
+from tests.local_steps_cases import KEPT, RUNS
 from tests.multiproc import load_rank_files, run_ranks
 
 
@@ -124,7 +124,7 @@ def rounds(request, tmp_path_factory):
     return load_rank_files(out, "rounds", request.param)
 
 
-@pytest.mark.parametrize("name", list(RUNS))
+@pytest.mark.parametrize("name", [n for n in RUNS if n not in KEPT])
 def test_ranks_end_every_round_bit_identical(rounds, name):
     runs = [r[name] for r in rounds]
     count = len(runs[0]["weights"])
@@ -137,8 +137,24 @@ def test_ranks_end_every_round_bit_identical(rounds, name):
     assert not torch.equal(runs[0]["delta"][0], runs[1]["delta"][0])
 
 
+@pytest.mark.parametrize("name", KEPT)
+def test_kept_weights_are_theta_outer_minus_the_ranks_residual(rounds, name):
+    """``outer_residual: weights``: after every sync θ_outer is bit-identical on every rank, and each rank's fp32
+    master weights are exactly ``θ_outer − its residual``; the residuals, and so the weights, differ."""
+    runs = [r[name] for r in rounds]
+    count = len(runs[0]["anchors"])
+    assert count >= 2
+    for i in range(count):
+        for other in runs[1:]:
+            assert torch.equal(runs[0]["anchors"][i], other["anchors"][i]), (name, i)
+        for run in runs:
+            assert torch.equal(run["masters"][i], run["anchors"][i] - run["kept"][i]), (name, i)
+    assert not torch.equal(runs[0]["kept"][-1], runs[1]["kept"][-1])
+    assert not torch.equal(runs[0]["weights"][-1][0], runs[1]["weights"][-1][0])
+
+
 @pytest.mark.parametrize("name", ["allgather_fp32", "partitioned_fp32", "outer_lr", "no_warmup_h1", "int8_fp32",
-                                  "partitioned_int4_fp32"])
+                                  "partitioned_int4_fp32", *[n for n in KEPT if "bf16" not in n]])
 def test_nothing_lost_over_the_rounds(rounds, name):
     """float64: Σ_ranks residual = Σ_rounds (Σ_ranks Δ_r − P·Δ̄_r) (what was applied × P plus every residual,
     server residuals included, is every pseudo-gradient); θ_outer = θ_0 minus the outer steps of the applied Δ̄
@@ -150,7 +166,9 @@ def test_nothing_lost_over_the_rounds(rounds, name):
     total = len(runs[0]["applied"])
     expected = torch.zeros_like(runs[0]["delta"][0])
     for i in range(total):
-        expected = decay * expected + sum(r["delta"][i] for r in runs) - world * runs[0]["applied"][i]
+        # kept in the weights: a round starts from θ_outer − residual, so its own progress is Δ − that residual
+        own = [r["delta"][i] - (r["kept"][i - 1].double() if name in KEPT and i else 0.0) for r in runs]
+        expected = decay * expected + sum(own) - world * runs[0]["applied"][i]
     held = sum(r["residual"] + r["server"] for r in runs)
     if name.startswith("partitioned"):
         assert any(r["server"].abs().sum() > 0 for r in runs)  # the owners held something back
