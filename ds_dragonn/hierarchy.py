@@ -117,6 +117,17 @@ class NodeAllreduce:
         return Reduced(full, stats._replace(dense_bytes=dense_allreduce_bytes(n, dtype.itemsize, self.backend.world_size),
                                             exchange_ms=stats.exchange_ms + node_ms))
 
+    def residual_of(self, key: Hashable, numel: int, device: torch.device) -> torch.Tensor | None:
+        """The node's residual of bucket ``key``: its L shards' residuals gathered inside the node, (numel,) float32
+        (in the units of the node's sum), or None before the bucket's first compressed reduction. Collective over
+        the node (``device``: where its collectives run)."""
+        per = -(-numel // self.layout.ranks_per_node)
+        shard = self.cross.residual_of(shard_key(key, self.layout, per), per, device)
+        present = self.node.all_gather_ints([int(shard is not None)], device)
+        if not all(p[0] for p in present):  # every rank of the node takes the same branch
+            return None
+        return self._gather(shard, numel)
+
     def reduce_dense(self, tensors: Sequence[torch.Tensor], key: Hashable, prescale: float = 1.0,
                      postscale: float = 1.0, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A dense reduction that also empties the shard's residual (the flat pipeline's ``reduce_dense``, per

@@ -229,6 +229,13 @@ class CompressedAllreduce:
             wire.mul_(postscale)
         return wire
 
+    def residual_of(self, key: Hashable, numel: int, device: torch.device | None = None) -> torch.Tensor | None:
+        """Bucket ``key``'s residual, (numel,) in float32 or wider (what waits to be sent), or None before its first
+        compressed reduction (or with error feedback off). The buffer itself: do not modify it. (``device``: for
+        the node-aware pipeline's signature; no collective here.)"""
+        residual = self.error_feedback.residuals.get(key) if self.error_feedback.enabled else None
+        return residual if residual is not None and residual.numel() == numel else None
+
     def __call__(self, flat: torch.Tensor, key: Hashable, seed: int, prescale: float = 1.0,
                  postscale: float = 1.0) -> ReduceStats:
         """Reduce the (n,) buffer ``flat`` in place (:meth:`reduce` plus a copy back); returns the statistics."""

@@ -153,6 +153,11 @@ REGISTRY: Dict[str, Mode] = {m.name: m for m in (
          "accumulator (OUTER_FEEDBACK_DECAY 0.95, outer lr 1)",
          ds={"dragonn": {**_ON, "sync": "local_steps", "local_steps": 30, "density": 0.01}},
          constants={"OUTER_FEEDBACK_DECAY": 0.95}, default=False),
+    *(Mode(f"kept_h{h}_d{d}", f"DRAGONN local steps every {h}, density {d}, the unsent pseudo-gradient kept in each "
+           f"rank's weights (advanced.outer_residual: weights; error reset, CSER)",
+           ds={"dragonn": {**_ON, "sync": "local_steps", "local_steps": h, "density": d,
+                           "advanced": {"outer_residual": "weights"}}}, default=False)
+      for h, d in ((30, 0.01), (30, 0.001), (15, 0.01))),
     *(Mode(f"diloco_h{h}", f"uncompressed DiLoCo: an outer step every {h} steps, dense allreduce of the "
            f"pseudo-gradient, outer Nesterov lr 0.7 momentum 0.9",
            ds={"dragonn": {**_ON, "sync": "local_steps", "local_steps": h, "density": 1.0, "outer_lr": 0.7}},

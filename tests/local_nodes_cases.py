@@ -17,6 +17,8 @@ RUNS = {
     "fp32_clip": ({**_NODE, "density": 0.1}, {"clip": 1.0}, 8),
     "bf16_gas2_clip": ({**_NODE, "density": 0.1}, {"bf16": True, "gas": 2, "clip": 1.0}, 8),
     "dense_delta": ({**_NODE, "density": 1.0, "outer_lr": 0.7}, {}, 8),
+    # the unsent Δ kept in the node's weights (advanced.outer_residual: weights): the node's shards gathered
+    "kept_fp32": ({**_NODE, "density": 0.1, "advanced": {"outer_residual": "weights"}}, {"clip": 1.0}, 8),
 }
 
 

@@ -196,7 +196,7 @@ class LocalStepsHook(HookBase):
         deltas = self.outer.pseudo_gradient(masters)
         numel = sum(d.numel() for d in deltas)
         key = BucketKey(OUTER, 0, str(dtype), numel, self._layout(masters))
-        kept = self._kept_in_weights(key)
+        kept = self._kept_in_weights(key, numel, masters[0].device)
         if kept is not None:  # this round started from θ_outer − residual: Δ counts only this round's progress
             for d, r in zip(deltas, segment_views(kept, deltas)):
                 d.sub_(r)
@@ -210,19 +210,22 @@ class LocalStepsHook(HookBase):
             sent = stats.bytes_sent
         self.outer.apply_(segment_views(out, deltas))
         self.outer.restart_(masters)
-        kept = self._kept_in_weights(key)
+        kept = self._kept_in_weights(key, numel, masters[0].device)
         if kept is not None:  # the unsent Δ stays in this rank's weights (error reset, CSER)
             for m, r in zip(masters, segment_views(kept, masters)):
                 m.sub_(r)
         self._masters_to_model()
         self.reporter.outer(steps, numel, sent, stats, clock.lap())
 
-    def _kept_in_weights(self, key) -> Optional[torch.Tensor]:
-        """The outer residual that this rank's weights hold back (``advanced.outer_residual: weights``), else None."""
-        if (self.cfg.outer_residual.value != "weights" or self.cfg.density >= 1.0 or not self.error_feedback.enabled
-                or self.layout is not None):
+    def _kept_in_weights(self, key, numel: int, device) -> Optional[torch.Tensor]:
+        """What this rank's (node's) weights hold back of the pseudo-gradient, ``advanced.outer_residual: weights``:
+        the outer residual, (numel,) float32, divided by the L ranks of a node whose sum it holds; else None."""
+        if self.cfg.outer_residual.value != "weights" or self.cfg.density >= 1.0 or not self.error_feedback.enabled:
             return None
-        return self.error_feedback.residuals.get(key)
+        held = self.pipeline(self.group).residual_of(key, numel, device)
+        if held is not None and self.layout is not None:  # the node's L identical Δ were summed into it
+            held = held / self.layout.ranks_per_node
+        return held
 
     # -- state (engine/state.py) -------------------------------------------------------------------
     def extra_state(self) -> dict:
