@@ -161,11 +161,11 @@ class AdvancedConfig(BaseModel):
     sends its own top ``≈ density × 4096`` (SparseLoCo, Sarfi et al. 2025), the same ``k`` in all; per-step
     modes, every ZeRO stage, the partitioned owners and local steps' Δ (compress/chunks.py)."""
 
-    outer_residual: OuterResidual = OuterResidual.anchor
-    """``sync: local_steps`` with ``density`` < 1: where a rank's unsent pseudo-gradient waits. ``anchor``: in the
-    residual only, every rank restarting from ``θ_outer``; ``weights``: also in the rank's own weights, each rank
-    restarting from ``θ_outer − residual`` (error reset, CSER: Xie et al., NeurIPS 2020), so the next round does not
-    redo the progress that is still waiting."""
+    outer_residual: OuterResidual = OuterResidual.weights
+    """``sync: local_steps`` with ``density`` < 1: where a rank's unsent pseudo-gradient waits. ``weights``: in the
+    residual and in the rank's own weights, each rank (node) restarting from ``θ_outer − residual`` (error reset,
+    CSER: Xie et al., NeurIPS 2020), so the next round does not redo the progress still waiting; ``anchor``: in the
+    residual only, every rank restarting from ``θ_outer`` (+6.7 to +8.3 % against +0.2 to +0.5 % on the LM)."""
 
     @model_validator(mode="before")
     @classmethod

@@ -154,8 +154,9 @@ REGISTRY: Dict[str, Mode] = {m.name: m for m in (
          ds={"dragonn": {**_ON, "sync": "local_steps", "local_steps": 30, "density": 0.01}},
          constants={"OUTER_FEEDBACK_DECAY": 0.95}, default=False),
     *(Mode(f"kept_h{h}_d{d}", f"DRAGONN local steps every {h}, density {d}, the unsent pseudo-gradient kept in each "
-           f"rank's weights (advanced.outer_residual: weights; error reset, CSER)",
-           ds={"dragonn": {**_ON, "sync": "local_steps", "local_steps": h, "density": d,
+           f"rank's weights (advanced.outer_residual: weights; error reset, CSER); 30 dense warm-up steps, as the "
+           f"local-steps sweep of docs/results.md",
+           ds={"dragonn": {**_ON, "sync": "local_steps", "local_steps": h, "density": d, "warmup_steps": 30,
                            "advanced": {"outer_residual": "weights"}}}, default=False)
       for h, d in ((30, 0.01), (30, 0.001), (15, 0.01))),
     *(Mode(f"diloco_h{h}", f"uncompressed DiLoCo: an outer step every {h} steps, dense allreduce of the "

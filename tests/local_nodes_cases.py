@@ -14,12 +14,15 @@ L = 2
 _NODE = {"hierarchy": "node"}
 #: name -> (dragonn block, config kwargs, optimizer steps): warm-up 2, rounds of 3 (syncs at steps 5 and 8)
 RUNS = {
-    "fp32_clip": ({**_NODE, "density": 0.1}, {"clip": 1.0}, 8),
+    "fp32_clip": ({**_NODE, "density": 0.1, "advanced": {"outer_residual": "anchor"}}, {"clip": 1.0}, 8),
     "bf16_gas2_clip": ({**_NODE, "density": 0.1}, {"bf16": True, "gas": 2, "clip": 1.0}, 8),
     "dense_delta": ({**_NODE, "density": 1.0, "outer_lr": 0.7}, {}, 8),
-    # the unsent Δ kept in the node's weights (advanced.outer_residual: weights): the node's shards gathered
-    "kept_fp32": ({**_NODE, "density": 0.1, "advanced": {"outer_residual": "weights"}}, {"clip": 1.0}, 8),
+    # the unsent Δ kept in the node's weights (the default outer_residual "weights"): the node's shards gathered
+    "kept_fp32": ({**_NODE, "density": 0.1}, {"clip": 1.0}, 8),
 }
+#: runs whose nodes keep their unsent Δ in their weights (after a sync the nodes differ)
+KEPT = tuple(name for name, (block, _, _) in RUNS.items()
+             if block.get("advanced", {}).get("outer_residual", "weights") == "weights" and block["density"] < 1)
 
 
 def count_spans() -> tuple:
@@ -141,7 +144,8 @@ def _resume(rank: int, out_dir: str) -> dict:
     loaded = {"weights": weights(flat), "rounds": flat.dragonn.outer.rounds, "notes": list(flat.dragonn.notes),
               "layout": flat.dragonn.layout}
     _train(flat, batches[7:8])
-    loaded["after"], loaded["rounds_after"] = weights(flat), flat.dragonn.outer.rounds
+    # θ_outer after the sync (the weights keep each rank's residual)
+    loaded["after"], loaded["rounds_after"] = [a.clone() for a in flat.dragonn.outer.anchor], flat.dragonn.outer.rounds
     return {"saved": saved, "straight": weights(engine), "resumed": weights(fresh), "notes": notes,
             "anchor": [a.clone() for a in engine.dragonn.outer.anchor],
             "anchor_resumed": [a.clone() for a in fresh.dragonn.outer.anchor], "flat": loaded}

@@ -89,24 +89,21 @@ def record_rounds(engine) -> dict:
 #: name -> (dragonn block, config kwargs, optimizer steps)
 RUNS = {
     "allgather_fp32": ({}, {}, 11),
-    "partitioned_fp32": ({"exchange": "partitioned"}, {}, 11),
-    "bf16_gas2_clip_sched": ({"density": 0.01}, {"bf16": True, "gas": 2, "clip": 1.0, "schedule": True}, 11),
-    "outer_lr": ({"outer_lr": 0.7}, {}, 11),
+    # every rank restarting from θ_outer (advanced.outer_residual: anchor); the others keep their unsent Δ in
+    # their weights (the default "weights": error reset, CSER)
+    "partitioned_fp32": ({"exchange": "partitioned", "advanced": {"outer_residual": "anchor"}}, {}, 11),
+    "bf16_gas2_clip_sched": ({"density": 0.01, "advanced": {"outer_residual": "anchor"}}, {"bf16": True, "gas": 2, "clip": 1.0, "schedule": True}, 11),
+    "outer_lr": ({"outer_lr": 0.7, "advanced": {"outer_residual": "anchor"}}, {}, 11),
     "dense_delta": ({"density": 1.0}, {"bf16": True}, 8),
     "no_warmup_h1": ({"warmup_steps": 0, "local_steps": 1}, {}, 4),
     # quantized values (advanced.values): the Δ's rounding stays in the residual (the owners' too)
     "int8_fp32": ({"advanced": {"values": "int8"}}, {}, 11),
     "partitioned_int4_fp32": ({"exchange": "partitioned", "advanced": {"values": "int4"}}, {}, 11),
-    # the unsent Δ kept in each rank's weights (advanced.outer_residual: weights, CSER)
-    "kept_fp32": ({"advanced": {"outer_residual": "weights"}}, {}, 11),
-    "kept_partitioned_int4_fp32": ({"exchange": "partitioned", "advanced": {"outer_residual": "weights",
-                                                                           "values": "int4"}}, {}, 11),
-    "kept_bf16_gas2": ({"density": 0.05, "advanced": {"outer_residual": "weights"}},
-                       {"bf16": True, "gas": 2, "clip": 1.0, "schedule": True}, 11),
+    "kept_bf16_gas2": ({"density": 0.05}, {"bf16": True, "gas": 2, "clip": 1.0, "schedule": True}, 11),
 }
 #: runs whose ranks keep their own unsent Δ in their weights: θ_outer is shared, the weights are not
 KEPT = tuple(name for name, (block, _, _) in RUNS.items()
-             if block.get("advanced", {}).get("outer_residual") == "weights")
+             if block.get("advanced", {}).get("outer_residual", "weights") == "weights" and block.get("density", 0.1) < 1)
 
 
 def rounds(rank: int, world: int, out_dir: str) -> None:
@@ -152,9 +149,9 @@ def resume(rank: int, world: int, out_dir: str) -> None:
     init_distributed()
     ckpt = str(Path(out_dir) / "ckpt")
     out = {}
-    kept = {"advanced": {"outer_residual": "weights"}}
+    anchor = {"advanced": {"outer_residual": "anchor"}}
     for name, kwargs, extra in (("fp32", {}, {}), ("bf16_gas2", {"bf16": True, "gas": 2, "clip": 1.0, "schedule": True}, {}),
-                                ("kept_fp32", {}, kept)):
+                                ("anchor_fp32", {}, anchor)):
         dragonn = {"outer_lr": 0.7, "density": 0.05, **extra}
         cfg = config(dragonn, **kwargs)
         engine = build(cfg)
@@ -205,8 +202,9 @@ def warm_starts(rank: int, world: int, out_dir: str) -> None:
     train(other, batches[10:13])  # 3 local steps of its own first
     other.load_checkpoint(ckpt, tag="mid", load_optimizer_states=False)
     log["weights"].clear()
+    log["anchors"].clear()
     train(other, batches[13:20])
-    out["no_optimizer_states"] = log["weights"]
+    out["no_optimizer_states"] = [[a] for a in log["anchors"]]  # θ_outer (the weights keep each rank's residual)
     # weights set by hand after initialize, no warm-up: the first round starts from them
     engine = build(config({"warmup_steps": 0, "local_steps": 2, "density": 0.1}))
     init = weights(engine)
@@ -262,7 +260,7 @@ def collectives_per_step(rank: int, world: int, out_dir: str) -> None:
     init_distributed()
     out = {}
     for name, kwargs in (("fp32_clip", {"clip": 1.0}), ("bf16_clip", {"bf16": True, "clip": 1.0})):
-        engine = build(config({}, **kwargs))
+        engine = build(config({"advanced": {"outer_residual": "anchor"}}, **kwargs))
         counts, restore = count_collectives()
         per_step = []
         for x, y in micro_batches(rank, 8, next(engine.module.parameters()).dtype):
@@ -296,7 +294,7 @@ def load_other_world(rank: int, world: int, out_dir: str) -> None:
     hook = engine.dragonn
     out = {"loaded": weights(engine), "rounds": hook.outer.rounds, "notes": list(hook.notes)}
     train(engine, micro_batches(100 + rank, 1, torch.float32))
-    out["after"] = weights(engine)
+    out["after"] = [a.clone() for a in hook.outer.anchor]  # θ_outer (the weights keep each rank's residual)
     out["rounds_after"] = hook.outer.rounds
     torch.save(out, Path(out_dir) / f"world{world}_rank{rank}.pt")
     torch.distributed.destroy_process_group()

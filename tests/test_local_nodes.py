@@ -10,7 +10,7 @@ import torch
 
 from ds_dragonn.config import DragonnConfig
 from ds_dragonn.exchange.wire import dense_allreduce_bytes
-from tests.local_nodes_cases import L, RUNS
+from tests.local_nodes_cases import KEPT, L, RUNS
 from tests.multiproc import ranks_fixture
 
 WORLD, WARMUP = 4, 2
@@ -44,7 +44,7 @@ def test_a_nodes_ranks_step_alike_and_the_nodes_apart_until_each_outer_step(rank
     for i in range(len(steps)):
         w = [run["per_step"][i]["weights"] for run in runs]
         assert _same(w[0], w[1]) and _same(w[2], w[3]), (name, i + 1)  # one node, one replica
-        if i < WARMUP or (i in syncs and name != "kept_fp32"):
+        if i < WARMUP or (i in syncs and name not in KEPT):
             assert _same(w[0], w[2]), (name, i + 1)  # the warm-up, and every outer step: all ranks alike
         else:
             assert not _same(w[0], w[2]), (name, i + 1)  # two workers between syncs
@@ -166,8 +166,8 @@ def test_a_resume_mid_round_is_exact(ranks):
 
 def test_a_resume_on_another_layout_restarts_every_rank_from_theta_outer(ranks):
     """Saved node-aware mid-round, loaded flat by the same 4 ranks: a layout change is handled as a world-size
-    change (every rank ← θ_outer, the round count kept, a warning naming it), and the next sync leaves the ranks
-    bit-identical."""
+    change (every rank ← θ_outer, the round count kept, a warning naming it), and the next sync leaves θ_outer
+    bit-identical on every rank."""
     for r in ranks:
         saved, flat = r["resume"]["saved"], r["resume"]["flat"]
         assert flat["layout"] is None and flat["rounds"] == saved["rounds"] == 1 and flat["rounds_after"] == 2

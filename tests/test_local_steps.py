@@ -257,7 +257,7 @@ def test_no_collective_between_syncs(tmp_path):
 def test_a_checkpoint_of_another_world_size_restarts_every_rank_from_theta_outer(tmp_path, world):
     """Saved mid-round by 2 ranks, loaded by 1 or 3: every rank holds the saved θ_outer (not rank 0's
     mid-round local weights), the round count is kept, the warning names what was reset, and the next sync
-    leaves the ranks bit-identical."""
+    leaves θ_outer bit-identical on every rank."""
     run_ranks("tests.local_steps_cases:save_mid_round", world_size=2, out_dir=tmp_path, timeout=300)
     saved = load_rank_files(tmp_path, "saved", 2)
     run_ranks("tests.local_steps_cases:load_other_world", world_size=world, out_dir=tmp_path, timeout=300)
