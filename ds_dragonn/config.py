@@ -386,7 +386,7 @@ def _check_hierarchy(cfg: DragonnConfig) -> None:
 def _check_sync(cfg: DragonnConfig) -> None:
     """Settings of one sync mode set under the other are refused (they would be ignored silently)."""
     if cfg.sync != SyncMode.local_steps:
-        given = cfg.given("local_steps", "outer_lr")
+        given = cfg.given("local_steps", "outer_lr", "outer_residual")
         if given:
             raise ValueError(f"'{given[0]}' applies to 'sync': 'local_steps' only; add \"sync\": \"local_steps\" "
                              f"or remove it")

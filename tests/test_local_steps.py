@@ -68,7 +68,8 @@ def test_pseudo_gradient_restart_and_state():
 @pytest.mark.parametrize("block,key", [({"local_steps": 0}, "local_steps"), ({"sync": "sometimes"}, "sync"),
                                        ({"outer_momentum": 0.9}, "outer_momentum"), ({"outer_lr": 0.0}, "outer_lr"),
                                        ({"outer_feedback_decay": 1.0}, "outer_feedback_decay"),
-                                       ({"local_steps": 3.0}, "local_steps")])
+                                       ({"local_steps": 3.0}, "local_steps"),
+                                       ({"advanced": {"outer_residual": "theta"}}, "advanced.outer_residual")])
 def test_config_names_the_bad_key(block, key):
     with pytest.raises(DragonnConfigError, match=f"dragonn.{key}"):
         DragonnConfig.from_ds_config({"dragonn": {"enabled": True, "sync": "local_steps", **block}})
@@ -77,6 +78,7 @@ def test_config_names_the_bad_key(block, key):
 @pytest.mark.parametrize("block,match", [
     ({"local_steps": 8}, "'local_steps' applies to 'sync': 'local_steps' only"),
     ({"outer_lr": 0.7}, "'outer_lr' applies to 'sync': 'local_steps' only"),
+    ({"advanced": {"outer_residual": "anchor"}}, "'advanced.outer_residual' applies to 'sync': 'local_steps' only"),
     ({"sync": "local_steps", "selection": "per_tensor"}, "'dragonn.selection' belongs under 'advanced'"),
     ({"sync": "local_steps", "outer_feedback_decay": 0.9}, "'dragonn.outer_feedback_decay' was removed")])
 def test_settings_of_the_other_sync_mode_are_refused(block, match):
