@@ -298,3 +298,39 @@ def load_other_world(rank: int, world: int, out_dir: str) -> None:
     out["rounds_after"] = hook.outer.rounds
     torch.save(out, Path(out_dir) / f"world{world}_rank{rank}.pt")
     torch.distributed.destroy_process_group()
+
+
+def switch_residual(rank: int, world: int, out_dir: str) -> None:
+    """Saved mid-round (step 7) with the unsent Δ in the weights, resumed (a) with ``outer_residual: anchor``: every
+    rank restarts from θ_outer (the note names the key), and (b) at density 1.0: the dense round at step 8 flushes the
+    residual once, so θ_outer becomes the mean of the ranks' weights (outer lr 1) and nothing stays behind."""
+    init_distributed()
+    ckpt = str(Path(out_dir) / "ckpt")
+    engine = build(config({"density": 0.1}))
+    batches = micro_batches(rank, 8, torch.float32)
+    train(engine, batches[:7])
+    engine.save_checkpoint(ckpt, tag="mid")
+    saved_anchor = torch.cat([a.flatten() for a in engine.dragonn.outer.anchor])
+    out = {"saved_anchor": saved_anchor}
+    anchor = build(config({"density": 0.1, "advanced": {"outer_residual": "anchor"}}))
+    anchor.load_checkpoint(ckpt, tag="mid")
+    out["anchor"] = {"notes": list(anchor.dragonn.notes),
+                     "loaded": torch.cat([m.detach().flatten().clone() for m in anchor.dragonn.masters()])}
+    train(anchor, batches[7:8])
+    out["anchor"]["after"] = weights(anchor)
+    dense = build(config({"density": 1.0}))
+    dense.load_checkpoint(ckpt, tag="mid")
+    hook, sync = dense.dragonn, dense.dragonn.sync
+    seen = {}
+
+    def recorded(steps):
+        seen["before"] = torch.cat([m.detach().flatten().double() for m in hook.masters()])
+        seen["anchor_before"] = torch.cat([a.flatten().double() for a in hook.outer.anchor])
+        sync(steps)
+    hook.sync = recorded
+    train(dense, batches[7:8])
+    out["dense"] = {**seen, "notes": list(hook.notes),
+                    "anchor": torch.cat([a.flatten().double() for a in hook.outer.anchor]),
+                    "residual": torch.cat([r.double().flatten() for r in hook.error_feedback.residuals.values()])}
+    torch.save(out, Path(out_dir) / f"switch_rank{rank}.pt")
+    torch.distributed.destroy_process_group()

@@ -276,3 +276,20 @@ def test_a_checkpoint_of_another_world_size_restarts_every_rank_from_theta_outer
         assert run["rounds_after"] == 2
     for run in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(run["after"], runs[0]["after"]))
+
+
+def test_a_resume_that_changes_outer_residual_or_goes_dense_loses_nothing_it_kept(tmp_path):
+    """Saved with the unsent Δ in the weights: resumed with ``anchor`` every rank restarts from the saved θ_outer
+    (a note names ``dragonn.outer_residual``) and the next sync leaves the ranks bit-identical; resumed at density
+    1.0 the dense round sends each rank's residual once: θ_outer = the mean of the ranks' weights, residual 0."""
+    run_ranks("tests.local_steps_cases:switch_residual", world_size=2, out_dir=tmp_path, timeout=400)
+    ranks = load_rank_files(tmp_path, "switch", 2)
+    for r in ranks:
+        assert torch.equal(r["anchor"]["loaded"], r["saved_anchor"])
+        assert "dragonn.outer_residual weights (now anchor)" in " ".join(r["anchor"]["notes"])
+    assert all(torch.equal(a, b) for a, b in zip(ranks[0]["anchor"]["after"], ranks[1]["anchor"]["after"]))
+    mean = sum(r["dense"]["before"] for r in ranks) / len(ranks)
+    for r in ranks:
+        assert not torch.equal(r["dense"]["before"], ranks[0]["dense"]["anchor_before"].to(r["dense"]["before"]))
+        torch.testing.assert_close(r["dense"]["anchor"], mean, rtol=1e-6, atol=1e-6)
+        assert float(r["dense"]["residual"].abs().max()) == 0.0

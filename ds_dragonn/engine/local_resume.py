@@ -48,16 +48,17 @@ def load_replica(hook: Any, replica: Any) -> None:
 
 
 def keep_outer(hook: Any, saved: dict, reasons: List[str]) -> Optional[str]:
-    """Where ``saved`` was reset only for another world size, rank or node layout, load its θ_outer and round
-    count into ``hook.outer`` (else leave it empty).
+    """Where ``saved`` was reset only for another world size, rank, node layout or ``outer_residual`` (where the
+    replicas started from), load its θ_outer and round count into ``hook.outer`` (else leave it empty).
 
     Returns:
-        The node-layout change (``"hierarchy 2 nodes x 2 ranks (now flat)"``) for :func:`restart_from_outer`,
-        or None.
+        The node-layout or ``outer_residual`` change (``"hierarchy 2 nodes x 2 ranks (now flat)"``) for
+        :func:`restart_from_outer`, or None.
     """
     outer = saved.get("outer")
-    moved = next((r for r in reasons if r.startswith("hierarchy ")), None)
-    if not all(r.startswith(("world size", "rank ", "hierarchy ")) for r in reasons) or not isinstance(outer, dict):
+    moved = next((r for r in reasons if r.startswith(("hierarchy ", "dragonn.outer_residual "))), None)
+    if (not all(r.startswith(("world size", "rank ", "hierarchy ", "dragonn.outer_residual ")) for r in reasons)
+            or not isinstance(outer, dict)):
         return moved
     try:
         hook.outer.load_state_dict({**outer, "velocity": None}, hook.masters())
@@ -90,7 +91,8 @@ def restart_from_outer(hook: Any, saved_worlds: List[Optional[int]], moved: Opti
         backend.all_reduce_sum_(info)  # x + 0 = x: rank 0's, exactly
     old = "/".join(str(w) for w in sorted(saved))
     since = (f"at world size {world} from a checkpoint of world size {old}" if saved != {world}
-             else f"from a checkpoint of another node layout [{moved}]")
+             else f"from a checkpoint of another node layout [{moved}]" if moved.startswith("hierarchy ")
+            else f"from a checkpoint of another setting [{moved}]")
     if not info[0]:
         state.note(hook, f"[rank {rank}] DRAGONN: local steps resumed {since} saved before the rounds started: they "
                          f"start at the next local step")

@@ -94,6 +94,11 @@ class LocalStepsHook(HookBase):
                    f"pseudo-gradient goes out {sent}; comm_backend={cfg.comm_backend.value}", ranks=[0])
         if self.layout is not None:
             print_dist(describe_nodes(self.layout, cfg.local_steps), ranks=[0])
+        if cfg.given("outer_residual") and (cfg.density >= 1.0 or not cfg.error_feedback):
+            from deepspeed.utils import logger
+            logger.warning("DRAGONN: 'dragonn.advanced.outer_residual' has no effect " + (
+                "at density 1.0 (nothing waits unsent)" if cfg.density >= 1.0 else
+                "without error feedback (nothing unsent is kept)"))
         ignored = cfg.given(*IGNORED_KEYS)
         if ignored:
             from deepspeed.utils import logger
@@ -224,8 +229,9 @@ class LocalStepsHook(HookBase):
 
     def _kept_in_weights(self, key, numel: int, device) -> Optional[torch.Tensor]:
         """What this rank's (node's) weights hold back of the pseudo-gradient, ``advanced.outer_residual: weights``:
-        the outer residual, (numel,) float32, divided by the L ranks of a node whose sum it holds; else None."""
-        if self.cfg.outer_residual.value != "weights" or self.cfg.density >= 1.0 or not self.error_feedback.enabled:
+        the outer residual, (numel,) float32, divided by the L ranks of a node whose sum it holds; else None. (At
+        density 1.0 too: a residual left by compressed rounds before, resumed, is flushed by the dense round.)"""
+        if self.cfg.outer_residual.value != "weights" or not self.error_feedback.enabled:
             return None
         held = self.pipeline(self.group).residual_of(key, numel, device)
         if held is not None and self.layout is not None:  # the node's L identical Δ were summed into it
