@@ -22,9 +22,22 @@ A rank that died on a signal fails the call in every mode: the debug modes only 
 
 ``ranks_fixture("tests.zero_cases:zero_runs", "zero")`` makes the usual module fixture of a test file: the
 function run once on its ranks, every rank's saved record its value (by world size, where it takes several).
+
+Starting ranks costs more than most rank functions (each rank imports torch and DeepSpeed: ~5-10 s for 2 ranks
+on 2 cores, more for 3 or 4), so ``ranks_fixture(..., pool="name")`` lets fixtures share one launch: the first
+one used starts, for its world size, every fixture of that pool that a collected test uses (in any test file;
+none whose tests are deselected), one after the other in the same ranks (:func:`pooled`), each in its own
+folder with its own timeout; ``os.environ``, the module globals of ``ds_dragonn`` and ``tests`` and
+``deepspeed.initialize`` are put back between them. A rank function that failed in the pool, or did not run
+because an earlier one failed, is run again alone: its failure is reported as its own and the others' results
+are kept (a rerun that passes fails the fixture too: the pool must never change a result). The suite's pools:
+"gloo" (the pipeline and exchange cases and the shorter engine runs) and "zero" (the longer ZeRO engine runs),
+two so that no launch takes more than a few minutes of one test's time limit.
 """
 from __future__ import annotations
 
+import importlib
+import json
 import os
 import resource
 import shutil
@@ -63,9 +76,12 @@ def port_was_taken(output: str, port: int) -> bool:
     return ("eaddrinuse" in text or "address already in use" in text) and str(port) in text
 
 
-def run_ranks(target: str, world_size: int, out_dir: Path, timeout: float = 240.0, env: dict | None = None) -> None:
+def run_ranks(target: str, world_size: int, out_dir: Path, timeout: float = 240.0, env: dict | None = None,
+              stages: list | None = None) -> None:
+    """``stages``: [(marker file, timeout), ...] for a launch that runs several things in turn (:func:`pooled`):
+    each stage has its own ``timeout``, from the moment the previous stage's marker file appeared."""
     for attempt in range(1, PORT_ATTEMPTS + 1):
-        failures, port_taken = _run_once(target, world_size, Path(out_dir), timeout, env, free_port())
+        failures, port_taken = _run_once(target, world_size, Path(out_dir), timeout, env, free_port(), stages)
         if not port_taken or attempt == PORT_ATTEMPTS:
             break
     if failures:
@@ -73,7 +89,7 @@ def run_ranks(target: str, world_size: int, out_dir: Path, timeout: float = 240.
 
 
 def _run_once(target: str, world_size: int, out_dir: Path, timeout: float, env: dict | None,
-              port: int) -> tuple[list, bool]:
+              port: int, stages: list | None = None) -> tuple[list, bool]:
     """One launch on ``port``: (failure messages, whether a rank failed because the port was taken)."""
     module, fn = target.split(":")
     procs = []
@@ -91,21 +107,28 @@ def _run_once(target: str, world_size: int, out_dir: Path, timeout: float, env: 
     def log_text(rank: int) -> str:
         return (out_dir / f"rank{rank}.log").read_text(errors="replace")
 
-    deadline, port_taken, hung = time.monotonic() + timeout, False, False
-    while any(p.poll() is None for p, _ in procs):
-        # rank 0 failing on the port leaves the others waiting for a rendezvous that never comes: stop now
-        if any(p.poll() not in (None, 0) and port_was_taken(log_text(r), port) for r, (p, _) in enumerate(procs)):
-            port_taken = True
-            break
-        if time.monotonic() > deadline:
-            hung = True
-            break
-        time.sleep(0.05)
-    for p, log in procs:
-        if p.poll() is None:
-            p.kill()
-        p.wait()
-        log.close()
+    stages = list(stages or [])
+    deadline, port_taken, hung = time.monotonic() + (stages[0][1] if stages else timeout), False, False
+    try:
+        while any(p.poll() is None for p, _ in procs):
+            # rank 0 failing on the port leaves the others waiting for a rendezvous that never comes: stop now
+            if any(p.poll() not in (None, 0) and port_was_taken(log_text(r), port)
+                   for r, (p, _) in enumerate(procs)):
+                port_taken = True
+                break
+            while stages and Path(stages[0][0]).exists():  # a stage done: the next one's own timeout
+                stages.pop(0)
+                deadline = time.monotonic() + (stages[0][1] if stages else timeout)
+            if time.monotonic() > deadline:
+                hung = True
+                break
+            time.sleep(0.05)
+    finally:  # also when pytest interrupts the wait (Ctrl-C, its own timeout): no rank outlives the launch
+        for p, log in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+            log.close()
     failures = []
     for rank, (p, _) in enumerate(procs):
         rc = p.returncode
@@ -156,31 +179,163 @@ def _append_core_backtrace(out_dir: Path, rank: int) -> None:
         log.write(f"\n[run_ranks] native backtrace of every thread, from {cores[-1]}:\n{bt.stdout}{bt.stderr}")
 
 
-def load_rank_files(out_dir: Path, stem: str, world_size: int) -> list:
+class RankRecords(list):
+    """Every rank's record, in rank order; ``out_dir``: the folder the rank function wrote them (and anything
+    else) to."""
+
+    def __init__(self, records, out_dir: Path):
+        super().__init__(records)
+        self.out_dir = Path(out_dir)
+
+
+def load_rank_files(out_dir: Path, stem: str, world_size: int) -> RankRecords:
     """Every rank's ``<out_dir>/<stem>_rank<r>.pt`` (what a rank function saved), in rank order."""
     import torch
-    return [torch.load(Path(out_dir) / f"{stem}_rank{r}.pt", weights_only=False) for r in range(world_size)]
+    return RankRecords([torch.load(Path(out_dir) / f"{stem}_rank{r}.pt", weights_only=False)
+                        for r in range(world_size)], out_dir)
 
 
 def ranks_fixture(target: str, stem: str, world: int = 2, timeout: float = 400.0, env: dict | None = None,
-                  worlds: list | None = None, ids: list | None = None):
+                  worlds: list | None = None, ids: list | None = None, pool: str | None = None):
     """A module-scoped pytest fixture, named by the attribute it is assigned to: ``target`` run once on ``world``
     ranks (:func:`run_ranks`), its value every rank's ``<stem>_rank<r>.pt`` (:func:`load_rank_files`). With
-    ``worlds``, parametrized over those world sizes (``ids``: the test ids), its value (world size, records)."""
+    ``worlds``, parametrized over those world sizes (``ids``: the test ids), its value (world size, records).
+    With ``pool``, launched together with the other fixtures of that pool and world size (the module docstring)."""
     import pytest
 
-    def launch(tmp_path_factory, size: int) -> list:
+    members = {size: _Member(target, stem, size, timeout, dict(env or {}), pool)
+               for size in (worlds if worlds is not None else [world])}
+
+    def launch(tmp_path_factory, request, size: int) -> list:
+        member = members[size]
+        if pool is not None:
+            return _pooled_records(tmp_path_factory, request, member)
         out = tmp_path_factory.mktemp(f"{stem}{size}")
         run_ranks(target, size, out, timeout=timeout, env=env)
         return load_rank_files(out, stem, size)
 
     if worlds is None:
         @pytest.fixture(scope="module")
-        def records(tmp_path_factory):
-            return launch(tmp_path_factory, world)
-        return records
+        def records(tmp_path_factory, request):
+            return launch(tmp_path_factory, request, world)
+        fixture = records
+    else:
+        @pytest.fixture(scope="module", params=worlds, ids=ids)
+        def records_by_world(tmp_path_factory, request):
+            return request.param, launch(tmp_path_factory, request, request.param)
+        fixture = records_by_world
+    for m in members.values():
+        m.fixture = fixture
+        if pool is not None:
+            _POOLS.setdefault((pool, m.world), []).append(m)
+    return fixture
 
-    @pytest.fixture(scope="module", params=worlds, ids=ids)
-    def records_by_world(tmp_path_factory, request):
-        return request.param, launch(tmp_path_factory, request.param)
-    return records_by_world
+
+class _Member:
+    """One rank function of a pool at one world size, and what became of it."""
+
+    def __init__(self, target: str, stem: str, world: int, timeout: float, env: dict, pool: str | None):
+        self.target, self.stem, self.world, self.timeout, self.env, self.pool = target, stem, world, timeout, env, pool
+        self.fixture = None  # the pytest fixture (the module attribute) that returns its records
+        self.out: Path | None = None  # its folder in the pool's launch (None: not in the launch)
+
+    def used_by(self, item) -> bool:
+        """Whether the collected test ``item`` uses this member (its fixture, at this world size)."""
+        module = getattr(item, "module", None)
+        for name in getattr(item, "fixturenames", ()):
+            if module is not None and getattr(module, name, None) is self.fixture:
+                params = getattr(getattr(item, "callspec", None), "params", {})
+                return params.get(name, self.world) == self.world
+        return False
+
+
+#: (pool, world size) -> its members, in the order the test files registered them
+_POOLS: dict = {}
+#: (pool, world size) -> the failure text of its launch ("" when it passed), once launched
+_POOL_LAUNCHES: dict = {}
+POOL_ENV = "DS_DRAGONN_POOL"
+DONE = "pool_done"
+
+
+def _pooled_records(tmp_path_factory, request, member: _Member) -> list:
+    key = (member.pool, member.world)
+    if key not in _POOL_LAUNCHES:
+        items = request.session.items
+        used = [m for m in _POOLS[key] if m is member or any(m.used_by(item) for item in items)]
+        out = tmp_path_factory.mktemp(f"pool_{member.pool}{member.world}")
+        entries = []
+        for i, m in enumerate(used):
+            m.out = out / f"{i}_{m.stem}"
+            entries.append([m.target, str(m.out), m.env])
+        try:
+            run_ranks("tests.multiproc:pooled", member.world, out, timeout=60.0,
+                      env={POOL_ENV: json.dumps(entries)},
+                      stages=[(m.out / DONE, m.timeout) for m in used])
+            _POOL_LAUNCHES[key] = ""
+        except AssertionError as err:
+            _POOL_LAUNCHES[key] = str(err)
+    if member.out is not None and (member.out / DONE).exists():
+        return load_rank_files(member.out, member.stem, member.world)
+    # failed in the pool (its folder is made when it starts), or not run there: alone, as without a pool
+    out = tmp_path_factory.mktemp(f"{member.stem}{member.world}")
+    run_ranks(member.target, member.world, out, timeout=member.timeout, env=member.env)
+    if member.out is not None and member.out.exists():
+        raise AssertionError(f"{member.target} failed in pool {member.pool!r} on {member.world} ranks but "
+                             f"passed alone: the pool changed its result\n{_POOL_LAUNCHES[key]}")
+    return load_rank_files(out, member.stem, member.world)
+
+
+def _module_globals() -> dict:
+    """Every ``ds_dragonn`` and ``tests`` module's namespace and the ``deepspeed`` package's own (its
+    ``initialize``), copied (shallow), all of ``ds_dragonn`` imported first: what a fresh process has before it
+    runs a rank function."""
+    import pkgutil
+    import ds_dragonn
+    for info in pkgutil.walk_packages(ds_dragonn.__path__, "ds_dragonn."):
+        importlib.import_module(info.name)
+    return {name: dict(vars(mod)) for name, mod in list(sys.modules.items())
+            if mod is not None and (name.split(".")[0] in ("ds_dragonn", "tests") or name == "deepspeed")}
+
+
+def _restore_module_globals(saved: dict) -> None:
+    """Put back every global a rank function rebound (a constant, a patched function, a cache); names it added
+    stay (a submodule imported since is such a name)."""
+    for name, namespace in saved.items():
+        now = vars(sys.modules[name]) if name in sys.modules else None
+        if now is None:
+            continue
+        for k, v in namespace.items():
+            if k not in now or now[k] is not v:
+                now[k] = v
+
+
+def pooled(rank: int, world: int, out_dir: str) -> None:
+    """Inside each rank of a pool's launch: every entry of ``$DS_DRAGONN_POOL`` ([target, folder, env], ...) in
+    turn on one process group (their ``destroy_process_group`` deferred to the end), each rank function called
+    as ``fn(rank, world, folder)`` with its env added; after each, ``os.environ`` and the module globals
+    (:func:`_module_globals`) are put back as they were and every rank waits for the others; then rank 0
+    writes the entry's marker file. An entry that raises ends the launch (the other ranks may be in a
+    collective of it)."""
+    import torch.distributed as dist
+    entries = json.loads(os.environ.pop(POOL_ENV))
+    functions = [getattr(importlib.import_module(t.split(":")[0]), t.split(":")[1]) for t, _, _ in entries]
+    environ, namespaces = dict(os.environ), _module_globals()
+    destroy = dist.destroy_process_group
+    dist.destroy_process_group = lambda *args, **kwargs: None
+    try:
+        for fn, (target, folder, env) in zip(functions, entries):
+            print(f"[pool] {target} -> {folder}", flush=True)
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            os.environ.update(env)
+            fn(rank, world, folder)
+            os.environ.clear()
+            os.environ.update(environ)
+            _restore_module_globals(namespaces)
+            if dist.is_initialized():
+                dist.barrier()
+            if rank == 0:
+                (Path(folder) / DONE).touch()
+    finally:
+        dist.destroy_process_group = destroy
+    if dist.is_initialized():
+        destroy()

@@ -10,7 +10,7 @@ from tests.multiproc import ranks_fixture
 
 
 runs = ranks_fixture("tests.agreement_cases:disagree_runs", "disagree", timeout=300, worlds=[2, 3],
-                     ids=["2ranks", "3ranks"])
+                     ids=["2ranks", "3ranks"], pool="gloo")
 
 
 @pytest.mark.parametrize("name", list(DISAGREE))

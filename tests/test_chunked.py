@@ -219,7 +219,7 @@ def test_resume_with_another_selection_keeps_the_residuals_and_says_so():
 
 
 # -- in real engines and exchanges (2 gloo ranks) ----------------------------------------------------------
-engines = ranks_fixture("tests.chunked_cases:engine_runs", "chunked", timeout=600)
+engines = ranks_fixture("tests.chunked_cases:engine_runs", "chunked", timeout=600, pool="gloo")
 
 
 def test_engines_select_chunk_wise_and_ranks_stay_bit_identical(engines):
@@ -239,7 +239,7 @@ def test_resume_is_exact_and_another_selection_is_kept(engines):
         assert any("dragonn.selection chunked (now global)" in n for n in rank["notes"]), rank["notes"]
 
 
-exchanged = ranks_fixture("tests.chunked_cases:exchange_runs", "chunked_exchange", timeout=300)
+exchanged = ranks_fixture("tests.chunked_cases:exchange_runs", "chunked_exchange", timeout=300, pool="gloo")
 
 
 @pytest.mark.parametrize("dtype", ["torch.float32", "torch.bfloat16"])

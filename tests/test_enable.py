@@ -12,7 +12,7 @@ from tests.enable_cases import STEPS
 from tests.multiproc import ranks_fixture
 
 
-runs = ranks_fixture("tests.enable_cases:enabled_runs", "enable")
+runs = ranks_fixture("tests.enable_cases:enabled_runs", "enable", pool="gloo")
 
 
 def test_without_enable_the_block_is_ignored(runs):

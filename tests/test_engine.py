@@ -6,16 +6,9 @@ import torch
 
 from ds_dragonn.engine import check_hook_point
 from tests.engine_cases import ENGINE_RUNS, ENGINE_STEPS
-from tests.multiproc import run_ranks
+from tests.multiproc import ranks_fixture
 
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("engine")
-    run_ranks("tests.engine_cases:engine_runs", 2, out, timeout=400)
-    runs = [torch.load(out / f"engine_rank{r}.pt", weights_only=False) for r in range(2)]
-    runs[0]["_out_dir"] = out
-    return runs
+runs = ranks_fixture("tests.engine_cases:engine_runs", "engine", timeout=400, pool="gloo")
 
 
 def _params_equal(a, b):
@@ -115,10 +108,10 @@ def _csv(out_dir, name):
     return [(int(float(x)), float(v)) for x, v in rows]
 
 
-def test_monitor_events_on_deepspeeds_sample_axis(runs, tmp_path_factory):
+def test_monitor_events_on_deepspeeds_sample_axis(runs):
     """Every reduction reaches DeepSpeed's csv monitor at x = global samples (16 per step here): the
     warm-up and the switch in 'compressed', running totals that only grow, and per-phase times."""
-    out = runs[0]["_out_dir"]
+    out = runs.out_dir
     compressed = _csv(out, "compressed")
     batch = 8 * 2
     assert [x for x, _ in compressed] == [batch * (i + 1) for i in range(ENGINE_STEPS)]

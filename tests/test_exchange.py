@@ -15,18 +15,18 @@ from ds_dragonn.exchange.ownership import HashedOwnership
 from ds_dragonn.exchange.partitioned import owner_seed
 from ds_dragonn.compress import max_pairs
 from tests.exchange_cases import (SCHEME_CASES, SCHEME_STEPS, make_compressor, scheme_case_id, scheme_input)
-from tests.multiproc import run_ranks
+from tests.multiproc import ranks_fixture
 
 F64 = [i for i, c in enumerate(SCHEME_CASES) if c["dtype"] == torch.float64]
 
 
-@pytest.fixture(scope="module", params=[2, 3, 4], ids=["2ranks", "3ranks", "4ranks"])
-def schemes(request, tmp_path_factory):
-    world = request.param
-    out = tmp_path_factory.mktemp(f"schemes{world}")
-    run_ranks("tests.exchange_cases:scheme_cases", world, out, timeout=400)
-    saved = [torch.load(out / f"scheme_rank{r}.pt", weights_only=False) for r in range(world)]
-    request.node.saved = saved
+scheme_runs = ranks_fixture("tests.exchange_cases:scheme_cases", "scheme", timeout=400, worlds=[2, 3, 4],
+                            ids=["2ranks", "3ranks", "4ranks"], pool="gloo")
+
+
+@pytest.fixture(scope="module")
+def schemes(scheme_runs):
+    world, saved = scheme_runs
     return world, [s["results"] for s in saved], saved
 
 

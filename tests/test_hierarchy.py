@@ -10,9 +10,11 @@ from ds_dragonn.comm.topology import NodeLayout, check_layout, launcher_view
 from ds_dragonn.config import DragonnConfig, DragonnConfigError
 from ds_dragonn.exchange import HashedOwnership
 from tests.hierarchy_cases import ENGINE_RUNS, PIPE_CASES, RESUME_RUNS, STEPS, grad
-from tests.multiproc import load_rank_files, ranks_fixture, run_ranks
+from tests.multiproc import ranks_fixture
 
 WORLD, L = 4, 2
+#: the launches this file shares (tests/multiproc.py)
+POOL = "gloo"
 
 
 # -- the layout ---------------------------------------------------------------------------------------------
@@ -61,7 +63,8 @@ def test_config_names_the_bad_value(block, words):
 
 # -- the shard pipeline, 2 nodes x 2 ranks --------------------------------------------------------------------
 # (world size, every rank's record) of the pipeline cases at 2 and 3 nodes of L = 2 ranks
-pipe_runs = ranks_fixture("tests.hierarchy_cases:pipeline_runs", "hpipe", worlds=[4, 6], ids=["2x2", "3x2"])
+pipe_runs = ranks_fixture("tests.hierarchy_cases:pipeline_runs", "hpipe", worlds=[4, 6], ids=["2x2", "3x2"],
+                          pool=POOL)
 
 
 def test_the_launchers_local_size_gives_nodes_of_two(pipe_runs):
@@ -117,7 +120,7 @@ def test_each_rank_sends_a_shard_not_a_bucket(pipe_runs, ci):
 
 
 # -- engines at ZeRO 0, 1 and 2, 2 nodes x 2 ranks -----------------------------------------------------------------------
-engine_runs = ranks_fixture("tests.hierarchy_cases:engine_runs", "hengine", WORLD, timeout=600)
+engine_runs = ranks_fixture("tests.hierarchy_cases:engine_runs", "hengine", WORLD, timeout=600, pool=POOL)
 
 
 @pytest.mark.parametrize("name", [n for n in ENGINE_RUNS if "dense" not in n])
@@ -136,12 +139,14 @@ def test_density_one_engine_is_the_dense_engine(engine_runs, d1, dense):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_a_node_aware_checkpoint_folds_or_resets_on_load(tmp_path):
+fold_runs = ranks_fixture("tests.hierarchy_cases:fold_runs", "hfold", WORLD, timeout=400, pool=POOL)
+
+
+def test_a_node_aware_checkpoint_folds_or_resets_on_load(fold_runs):
     """Saved node-aware with the partitioned exchange: loaded node-aware with allgather, each rank's server
     residuals fold into its shard's worker residual at the positions it owned in its cross-node group (nothing
     lost: the same sum); loaded flat, the residuals (shards of node sums) reset with a warning naming the layout."""
-    run_ranks("tests.hierarchy_cases:fold_runs", WORLD, tmp_path, timeout=400)
-    for rank, r in enumerate(load_rank_files(tmp_path, "hfold", WORLD)):
+    for rank, r in enumerate(fold_runs):
         assert r["before"] != 0.0 and r["server"]
         assert r["allgather"]["after"] == pytest.approx(r["before"], rel=1e-6, abs=1e-9)
         for key, srv in r["server"].items():  # at the positions this rank owns among the N ranks of its index
@@ -154,7 +159,7 @@ def test_a_node_aware_checkpoint_folds_or_resets_on_load(tmp_path):
         assert any("hierarchy 2 nodes x 2 ranks (now flat)" in n for n in r["flat"]["notes"]), r["flat"]["notes"]
 
 
-resume_runs = ranks_fixture("tests.hierarchy_cases:resume_runs", "hresume", WORLD, timeout=600)
+resume_runs = ranks_fixture("tests.hierarchy_cases:resume_runs", "hresume", WORLD, timeout=600, pool=POOL)
 
 
 @pytest.mark.parametrize("name", list(RESUME_RUNS))

@@ -12,7 +12,7 @@ from tests.multiproc import ranks_fixture
 REFRESH_AT = 110  # the default variance_refresh_steps (100) after the 10-step dense warm-up
 
 
-late_runs = ranks_fixture("tests.late_cases:cases", "late", timeout=600)
+late_runs = ranks_fixture("tests.late_cases:cases", "late", timeout=600, pool="zero")
 
 
 def _dense_max(runs, name):

@@ -148,7 +148,7 @@ def test_adam_applies_the_averaged_momentum_with_the_frozen_variance(fraction):
     assert float((p.detach() - p0)[:5].abs().max()) < 0.01 * 6 * 1.5  # Adam's own steps: ~lr each
 
 
-pipe_runs = ranks_fixture("tests.momentum_cases:pipeline_runs", "mompipe", timeout=300)
+pipe_runs = ranks_fixture("tests.momentum_cases:pipeline_runs", "mompipe", timeout=300, pool="gloo")
 
 
 @pytest.mark.parametrize("ci", range(len(PIPE_CASES)), ids=[f"{x}-{n}-{d}" for x, n, d in PIPE_CASES])
@@ -183,7 +183,7 @@ def test_nothing_lost_everything_applied_plus_residuals_is_the_momenta(pipe_runs
         assert float(held.abs().sum()) > 0, "a sparse run must hold something back"
 
 
-engine_runs = ranks_fixture("tests.momentum_cases:engine_runs", "momengine")
+engine_runs = ranks_fixture("tests.momentum_cases:engine_runs", "momengine", pool="gloo")
 
 
 @pytest.mark.parametrize("name", list(ENGINE_RUNS))

@@ -17,7 +17,7 @@ from tests.multiproc import ranks_fixture
 
 
 exchanged = ranks_fixture("tests.pipeline_cases:exchange_cases", "exchange", timeout=240, worlds=[2, 3],
-                          ids=["2ranks", "3ranks"])
+                          ids=["2ranks", "3ranks"], pool="gloo")
 
 
 @pytest.mark.parametrize("ci", range(len(EXCHANGE_CASES)), ids=[case_id(c) for c in EXCHANGE_CASES])

@@ -14,7 +14,7 @@ import torch
 from ds_dragonn.exchange.ownership import HashedOwnership
 from ds_dragonn.exchange.quantize import (GROUP, PLAIN, ValueCodec, dequantize, pack_int4, qmax, quantize,
                                           unpack_int4)
-from tests.multiproc import run_ranks
+from tests.multiproc import ranks_fixture
 from tests.quantize_cases import QUANT_CASES, QUANT_STEPS, quant_case_id, quant_input
 
 COUNTS = [0, 1, 2, 63, 64, 65, 127, 1001]
@@ -88,12 +88,13 @@ def test_block_bytes():
 
 # -- every exchange scheme over gloo ---------------------------------------------------------------------
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
-def quant(request, tmp_path_factory):
-    world = request.param
-    out = tmp_path_factory.mktemp(f"quant{world}")
-    run_ranks("tests.quantize_cases:quant_cases", world, out, timeout=600)
-    saved = [torch.load(out / f"quant_rank{r}.pt", weights_only=False) for r in range(world)]
+quant_runs = ranks_fixture("tests.quantize_cases:quant_cases", "quant", timeout=600, worlds=[2, 3],
+                           ids=["2ranks", "3ranks"], pool="gloo")
+
+
+@pytest.fixture(scope="module")
+def quant(quant_runs):
+    world, saved = quant_runs
     return world, [s["results"] for s in saved], saved
 
 

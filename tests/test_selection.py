@@ -219,7 +219,7 @@ def test_config_validates_the_warmup_keys():
 
 
 # -- in real engines ----------------------------------------------------------------------------------------
-engines = ranks_fixture("tests.selection_cases:selection_runs", "selection")
+engines = ranks_fixture("tests.selection_cases:selection_runs", "selection", pool="gloo")
 
 
 def test_global_selection_starves_the_quiet_tensors(engines):
@@ -246,7 +246,7 @@ def test_defaults_warm_up_dense_then_the_density(engines):
 RUNS_NAMES = ("defaults", "density_warmup", "global", "zero2_global")
 
 
-exchanged = ranks_fixture("tests.selection_cases:exchange_runs", "exchange", 3, timeout=300)
+exchanged = ranks_fixture("tests.selection_cases:exchange_runs", "exchange", 3, timeout=300, pool="gloo")
 
 
 @pytest.mark.parametrize("dtype", ["torch.float32", "torch.bfloat16"])

@@ -127,7 +127,7 @@ def test_loss_scale_reads_deepspeed_optimizers():
     assert loss_scale(e) == 1.0
 
 
-skips = ranks_fixture("tests.step_cases:skip_runs", "skip", timeout=300)
+skips = ranks_fixture("tests.step_cases:skip_runs", "skip", timeout=300, pool="gloo")
 
 
 @pytest.mark.parametrize("name", list(SKIP_RUNS))

@@ -9,7 +9,7 @@ from tests.zero_cases import ZERO_REFUSED, ZERO_RUNS, ZERO_STEPS
 from tests.multiproc import ranks_fixture
 
 
-runs = ranks_fixture("tests.zero_cases:zero_runs", "zero")
+runs = ranks_fixture("tests.zero_cases:zero_runs", "zero", pool="zero")
 
 
 def _equal(a, b):

@@ -11,11 +11,13 @@ import pytest
 import torch
 
 from ds_dragonn.engine.stage3 import check_zero3_hook_point, chunk_lengths, rank_major
-from tests.multiproc import load_rank_files, ranks_fixture, run_ranks
+from tests.multiproc import ranks_fixture
 from tests.zero3_cases import CLIP, RUNS
 
-
-z3 = ranks_fixture("tests.zero3_cases:runs", "z3", timeout=600, worlds=[2, 3], ids=["2ranks", "3ranks"])
+#: the launch the longer 2-rank cases of this file share (tests/multiproc.py: pools); the short runs below and hpZ's
+#: 4 ranks go with the other files' cases of their sizes ("gloo")
+POOL = "zero"
+z3 = ranks_fixture("tests.zero3_cases:runs", "z3", timeout=600, worlds=[2, 3], ids=["2ranks", "3ranks"], pool="gloo")
 
 
 @pytest.mark.parametrize("extra, key", [({"zero_optimization": {"stage": 3, "zenflow": {"topk_ratio": 0.1}}},
@@ -95,9 +97,11 @@ def test_overlap_comm_does_not_change_the_result(z3):
         assert all(torch.equal(a, b) for a, b in zip(r["sparse_overlap"]["params"], r["sparse_no_overlap"]["params"]))
 
 
-def test_resume_is_exact_zero_to_fp32_consolidates_and_bytes_are_a_few_percent_of_dense(tmp_path):
-    run_ranks("tests.zero3_cases:resume_runs", 2, tmp_path, timeout=600)
-    for r in load_rank_files(tmp_path, "z3resume", 2):
+resumed = ranks_fixture("tests.zero3_cases:resume_runs", "z3resume", timeout=600, pool=POOL)
+
+
+def test_resume_is_exact_zero_to_fp32_consolidates_and_bytes_are_a_few_percent_of_dense(resumed):
+    for r in resumed:
         assert r["notes"] == [], r["notes"]
         assert r["mass"] > 0 and r["loaded_mass"] == pytest.approx(r["mass"], rel=1e-12)
         assert all(torch.equal(a, b) for a, b in zip(r["params"], r["resumed"]))
@@ -108,12 +112,14 @@ def test_resume_is_exact_zero_to_fp32_consolidates_and_bytes_are_a_few_percent_o
         assert 0 < sent <= 0.05 * dense, (sent, dense)
 
 
-def test_hpz_runs_with_the_hook_flat_and_node_aware(tmp_path):
+hpz = ranks_fixture("tests.zero3_cases:hpz_runs", "z3hpz", 4, timeout=600, pool="gloo")
+
+
+def test_hpz_runs_with_the_hook_flat_and_node_aware(hpz):
     """ZeRO-3 with hpZ (``zero_hpz_partition_size`` 2: a second parameter partition per node of 2 ranks), 4 ranks
     as 2 nodes of 2: the gradient reduce-scatter goes through the hook, flat and node-aware; density 1.0 equals
     the dense run within float rounding (the ranks' sums in another order), ranks in sync."""
-    run_ranks("tests.zero3_cases:hpz_runs", 4, tmp_path, timeout=600)
-    runs = load_rank_files(tmp_path, "z3hpz", 4)
+    runs = hpz
     for name in ("d1", "sparse", "node", "node_d1"):
         assert runs[0][name]["telemetry"]["compressed_reductions"] > 0
         assert runs[0][name]["layout"] == ("2 nodes x 2 ranks" if name.startswith("node") else "flat")
@@ -125,7 +131,7 @@ def test_hpz_runs_with_the_hook_flat_and_node_aware(tmp_path):
                 torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
-more = ranks_fixture("tests.zero3_cases:more_runs", "z3more", timeout=600)
+more = ranks_fixture("tests.zero3_cases:more_runs", "z3more", timeout=600, pool=POOL)
 
 
 def _equal(a, b):
@@ -180,14 +186,16 @@ def test_nothing_is_lost_with_awkward_sizes(more):
     torch.testing.assert_close((applied + residual) * world, total, rtol=0, atol=1e-12)
 
 
-def test_reduce_scatter_false_as_a_string_is_refused_after_initialize(tmp_path):
-    run_ranks("tests.zero3_cases:refused_runs", 2, tmp_path, timeout=300)
-    for msg in load_rank_files(tmp_path, "z3refused", 2):
+refused = ranks_fixture("tests.zero3_cases:refused_runs", "z3refused", timeout=300, pool=POOL)
+
+
+def test_reduce_scatter_false_as_a_string_is_refused_after_initialize(refused):
+    for msg in refused:
         assert msg is not None and "'zero_optimization.reduce_scatter': false" in msg, msg
 
 
 # -- the momentum mode at ZeRO-3 ---------------------------------------------------------------------------------
-mom = ranks_fixture("tests.zero3_cases:momentum_runs", "z3mom", timeout=600)
+mom = ranks_fixture("tests.zero3_cases:momentum_runs", "z3mom", timeout=600, pool=POOL)
 
 
 def test_momentum_mode_at_density_one_is_the_zero2_momentum_mode(mom):
@@ -243,12 +251,14 @@ def test_momentum_mode_loses_nothing_with_awkward_sizes(mom):
     torch.testing.assert_close(applied + residual, total, rtol=0, atol=1e-12)
 
 
-def test_momentum_mode_resume_is_exact(tmp_path):
+mom_resumed = ranks_fixture("tests.zero3_cases:momentum_resume_runs", "z3mresume", timeout=600, pool=POOL)
+
+
+def test_momentum_mode_resume_is_exact(mom_resumed):
     """Saved after the freeze, resumed by a fresh engine: the residuals, the local momenta and the frozen variance
     (on several fp32 sub-group flats, by position) are restored, and the next steps (a refresh among them) are
     bit-identical."""
-    run_ranks("tests.zero3_cases:momentum_resume_runs", 2, tmp_path, timeout=600)
-    for r in load_rank_files(tmp_path, "z3mresume", 2):
+    for r in mom_resumed:
         assert r["notes"] == [], r["notes"]
         assert r["mass"] > 0 and r["loaded_mass"] == pytest.approx(r["mass"], rel=1e-12)
         assert r["frozen_loaded"] is not None and all(torch.equal(a, b) for a, b in zip(r["frozen_saved"],
