@@ -27,12 +27,15 @@ Starting ranks costs more than most rank functions (each rank imports torch and 
 on 2 cores, more for 3 or 4), so ``ranks_fixture(..., pool="name")`` lets fixtures share one launch: the first
 one used starts, for its world size, every fixture of that pool that a collected test uses (in any test file;
 none whose tests are deselected), one after the other in the same ranks (:func:`pooled`), each in its own
-folder with its own timeout; ``os.environ``, the module globals of ``ds_dragonn`` and ``tests`` and
-``deepspeed.initialize`` are put back between them. A rank function that failed in the pool, or did not run
-because an earlier one failed, is run again alone: its failure is reported as its own and the others' results
-are kept (a rerun that passes fails the fixture too: the pool must never change a result). The suite's pools:
-"gloo" (the pipeline and exchange cases and the shorter engine runs) and "zero" (the longer ZeRO engine runs),
-two so that no launch takes more than a few minutes of one test's time limit.
+folder with its own timeout. Between them what a fresh process has is put back (:func:`_process_state`:
+``os.environ``, the module globals of ``ds_dragonn`` and ``tests``, ``deepspeed.initialize``,
+``torch.nn.functional.linear``, which a ZeRO-3 engine replaces for good, torch's settings, the random states).
+A rank function that failed in the pool, or did not run because an earlier one failed, is run again alone: its
+failure is reported as its own and the others' results are kept (a rerun that passes fails the fixture too:
+the pool must never change a result). The suite's pools: "gloo" (the pipeline and exchange cases and the
+shorter engine runs) and "zero" (the longer ZeRO engine runs), two so that no launch takes more than a few
+minutes of one test's time limit. Rank functions whose results are compared with another launch's (a
+checkpoint saved here and loaded by fresh processes, tests/test_checkpoint.py) stay out of pools.
 """
 from __future__ import annotations
 
@@ -285,41 +288,82 @@ def _pooled_records(tmp_path_factory, request, member: _Member) -> list:
     return load_rank_files(out, member.stem, member.world)
 
 
-def _module_globals() -> dict:
-    """Every ``ds_dragonn`` and ``tests`` module's namespace and the ``deepspeed`` package's own (its
-    ``initialize``), copied (shallow), all of ``ds_dragonn`` imported first: what a fresh process has before it
-    runs a rank function."""
+#: modules whose namespaces a rank function may rebind and a fresh process would not have rebound: DeepSpeed's
+#: ZeRO-3 replaces ``torch.nn.functional.linear`` for the rest of the process ("This will persist unless manually
+#: reset"), which would send later engines' Linear layers through its own autograd function
+_SNAPSHOT_MODULES = ("deepspeed", "torch", "torch.nn.functional")
+#: classes whose attributes DeepSpeed's ``zero.Init`` patches while it is active
+_SNAPSHOT_CLASSES = ("torch.nn.Module", "torch.Tensor")
+
+
+def _process_state() -> dict:
+    """What a rank function may change and a fresh process starts without: every ``ds_dragonn`` and ``tests``
+    module's namespace and those of :data:`_SNAPSHOT_MODULES`, copied (shallow; all of ``ds_dragonn`` imported
+    first), the attributes of :data:`_SNAPSHOT_CLASSES`, ``os.environ``, torch's thread count, default dtype and
+    grad mode, and the random generators' states."""
     import pkgutil
+    import random
+
+    import torch
+
     import ds_dragonn
     for info in pkgutil.walk_packages(ds_dragonn.__path__, "ds_dragonn."):
         importlib.import_module(info.name)
-    return {name: dict(vars(mod)) for name, mod in list(sys.modules.items())
-            if mod is not None and (name.split(".")[0] in ("ds_dragonn", "tests") or name == "deepspeed")}
+    classes = {"torch.nn.Module": torch.nn.Module, "torch.Tensor": torch.Tensor}
+    return {"modules": {name: dict(vars(mod)) for name, mod in list(sys.modules.items())
+                        if mod is not None and (name.split(".")[0] in ("ds_dragonn", "tests")
+                                                or name in _SNAPSHOT_MODULES)},
+            "classes": {name: (classes[name], dict(vars(classes[name]))) for name in _SNAPSHOT_CLASSES},
+            "environ": dict(os.environ), "threads": torch.get_num_threads(), "dtype": torch.get_default_dtype(),
+            "grad": torch.is_grad_enabled(), "torch_rng": torch.get_rng_state(), "random": random.getstate(),
+            "numpy": _numpy_state()}
 
 
-def _restore_module_globals(saved: dict) -> None:
-    """Put back every global a rank function rebound (a constant, a patched function, a cache); names it added
-    stay (a submodule imported since is such a name)."""
-    for name, namespace in saved.items():
+def _numpy_state():
+    numpy = sys.modules.get("numpy")
+    return None if numpy is None else numpy.random.get_state()
+
+
+def _restore_process_state(saved: dict) -> None:
+    """Put back what :func:`_process_state` saved: every global a rank function rebound (a constant, a patched
+    function, a cache; names it added stay: a submodule imported since is such a name), the class attributes,
+    the environment, torch's settings and the random states."""
+    import random
+
+    import torch
+    for name, namespace in saved["modules"].items():
         now = vars(sys.modules[name]) if name in sys.modules else None
         if now is None:
             continue
         for k, v in namespace.items():
             if k not in now or now[k] is not v:
                 now[k] = v
+    for cls, attributes in saved["classes"].values():
+        for k, v in attributes.items():
+            if vars(cls).get(k, v) is not v or k not in vars(cls):
+                setattr(cls, k, v)
+    os.environ.clear()
+    os.environ.update(saved["environ"])
+    torch.set_num_threads(saved["threads"])
+    torch.set_default_dtype(saved["dtype"])
+    torch.set_grad_enabled(saved["grad"])
+    torch.set_rng_state(saved["torch_rng"])
+    random.setstate(saved["random"])
+    if saved["numpy"] is not None:
+        sys.modules["numpy"].random.set_state(saved["numpy"])
 
 
 def pooled(rank: int, world: int, out_dir: str) -> None:
     """Inside each rank of a pool's launch: every entry of ``$DS_DRAGONN_POOL`` ([target, folder, env], ...) in
     turn on one process group (their ``destroy_process_group`` deferred to the end), each rank function called
-    as ``fn(rank, world, folder)`` with its env added; after each, ``os.environ`` and the module globals
-    (:func:`_module_globals`) are put back as they were and every rank waits for the others; then rank 0
+    as ``fn(rank, world, folder)`` with its env added; after each, what a fresh process would have
+    (:func:`_process_state`) is put back and every rank waits for the others; then rank 0
     writes the entry's marker file. An entry that raises ends the launch (the other ranks may be in a
     collective of it)."""
     import torch.distributed as dist
     entries = json.loads(os.environ.pop(POOL_ENV))
     functions = [getattr(importlib.import_module(t.split(":")[0]), t.split(":")[1]) for t, _, _ in entries]
-    environ, namespaces = dict(os.environ), _module_globals()
+    fresh = _process_state()
     destroy = dist.destroy_process_group
     dist.destroy_process_group = lambda *args, **kwargs: None
     try:
@@ -328,9 +372,7 @@ def pooled(rank: int, world: int, out_dir: str) -> None:
             Path(folder).mkdir(parents=True, exist_ok=True)
             os.environ.update(env)
             fn(rank, world, folder)
-            os.environ.clear()
-            os.environ.update(environ)
-            _restore_module_globals(namespaces)
+            _restore_process_state(fresh)
             if dist.is_initialized():
                 dist.barrier()
             if rank == 0:
