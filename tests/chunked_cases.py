@@ -20,7 +20,9 @@ RUNS = {
     "zero1": zero_config(1, CH, reduce_bucket_size=500_000_000),
     "zero2": zero_config(2, CH),
     "zero3": zero_config(3, CH),
-    "local_steps": zero_config(0, {**CH, "sync": "local_steps", "local_steps": 2}),
+    # every rank restarting from θ_outer (outer_residual anchor), so that the ranks end bit-identical
+    "local_steps": zero_config(0, {**CH, "sync": "local_steps", "local_steps": 2,
+                                   "advanced": {"selection": "chunked", "outer_residual": "anchor"}}),
 }
 
 

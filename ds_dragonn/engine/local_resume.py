@@ -103,6 +103,7 @@ def restart_from_outer(hook: Any, saved_worlds: List[Optional[int]], moved: Opti
     for m, w in zip(masters, segment_views(flat, masters)):
         m.copy_(w)
     hook.outer.start(masters)
+    hook.held = False  # the masters are θ_outer itself now
     hook.outer.rounds = int(info[1])
     hook._masters_to_model()
     steps, warmup, h = int(hook.engine.global_steps), hook.cfg.warmup_steps, hook.cfg.local_steps

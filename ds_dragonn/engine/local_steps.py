@@ -75,6 +75,8 @@ class LocalStepsHook(HookBase):
         self._moved: Optional[str] = None  # a loaded state's other node layout (restore_after_reset -> after_load)
         self.optimizer = base_optimizer(engine)
         _check_optimizer(engine, self.optimizer, self.masters)
+        # the masters hold θ_outer − residual (the last round kept its unsent Δ in the weights; saved with the state)
+        self.held = False
 
     def install(self) -> "LocalStepsHook":
         from deepspeed.utils import groups
@@ -206,7 +208,7 @@ class LocalStepsHook(HookBase):
         deltas = self.outer.pseudo_gradient(masters)
         numel = sum(d.numel() for d in deltas)
         key = BucketKey(OUTER, 0, str(dtype), numel, self._layout(masters))
-        kept = self._kept_in_weights(key, numel, masters[0].device)
+        kept = self._kept_in_weights(key, numel, masters[0].device) if self.held else None
         if kept is not None:  # this round started from θ_outer − residual: Δ counts only this round's progress
             for d, r in zip(deltas, segment_views(kept, deltas)):
                 d.sub_(r)
@@ -220,19 +222,22 @@ class LocalStepsHook(HookBase):
             sent = stats.bytes_sent
         self.outer.apply_(segment_views(out, deltas))
         self.outer.restart_(masters)
-        kept = self._kept_in_weights(key, numel, masters[0].device)
+        kept = self._kept_in_weights(key, numel, masters[0].device) if self._holds() else None
         if kept is not None:  # the unsent Δ stays in this rank's weights (error reset, CSER)
             for m, r in zip(masters, segment_views(kept, masters)):
                 m.sub_(r)
+        self.held = kept is not None
         self._masters_to_model()
         self.reporter.outer(steps, numel, sent, stats, clock.lap())
 
+    def _holds(self) -> bool:
+        """Whether a round leaves the unsent Δ in the weights: ``outer_residual: weights`` below density 1.0 (a dense
+        round leaves only the wire's rounding, which stays in the residual so that every rank holds θ_outer)."""
+        return self.cfg.outer_residual.value == "weights" and self.cfg.density < 1.0 and self.error_feedback.enabled
+
     def _kept_in_weights(self, key, numel: int, device) -> Optional[torch.Tensor]:
-        """What this rank's (node's) weights hold back of the pseudo-gradient, ``advanced.outer_residual: weights``:
-        the outer residual, (numel,) float32, divided by the L ranks of a node whose sum it holds; else None. (At
-        density 1.0 too: a residual left by compressed rounds before, resumed, is flushed by the dense round.)"""
-        if self.cfg.outer_residual.value != "weights" or not self.error_feedback.enabled:
-            return None
+        """What this rank's (node's) weights hold back of the pseudo-gradient: the outer residual, (numel,) float32,
+        divided by the L ranks of a node whose sum it holds (None before the first compressed round)."""
         held = self.pipeline(self.group).residual_of(key, numel, device)
         if held is not None and self.layout is not None:  # the node's L identical Δ were summed into it
             held = held / self.layout.ranks_per_node
@@ -241,7 +246,7 @@ class LocalStepsHook(HookBase):
     # -- state (engine/state.py) -------------------------------------------------------------------
     def extra_state(self) -> dict:
         """θ_outer and the outer velocity (``outer``), and this rank's replica (``local_resume.replica_state``)."""
-        return {"outer": self.outer.state_dict(), "replica": replica_state(self)}
+        return {"outer": self.outer.state_dict(), "replica": replica_state(self), "held": self.held}
 
     @torch.no_grad()
     def load_extra_state(self, saved: dict) -> None:
@@ -256,10 +261,12 @@ class LocalStepsHook(HookBase):
         outer = saved.get("outer")
         if outer is not None:  # (none saved, or saved in the warm-up: the next step starts the rounds)
             self.outer.load_state_dict(outer, masters)
+        self.held = bool(saved.get("held", False))
 
     def reset_extra_state(self) -> None:
         """No θ_outer: the next step starts the rounds from rank 0's weights as they are then."""
         self.outer = OuterStep(self.cfg.outer_lr)
+        self.held = False
 
     def restore_after_reset(self, saved: dict, reasons: List[str]) -> None:
         """Saved at another world size or node layout (or by another rank): keep θ_outer and the round count
