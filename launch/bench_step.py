@@ -132,8 +132,10 @@ def main():
                for d in args.dtypes.split(",")]
     tdist.destroy_process_group()
 
+    # CUDA buckets select with the Triton kernel; CPU ones with the C++ table kernel (or the PyTorch reference)
+    kernel = "triton" if args.device == "cuda" else (cpu_table.THREADING or "reference")
     print(f"bucket {records[0]['numel']:,} elements (MLP {'-'.join(map(str, layers))}), density {args.density}, "
-          f"{args.threads} thread(s), median of {args.steps} steps; kernel {cpu_table.THREADING or 'reference'}")
+          f"{args.threads} thread(s), median of {args.steps} steps; kernel {kernel}")
     head = f"{'phase':<28}" + "".join(f"{r['dtype'] + ' ms':>18}" for r in records)
     print(head)
     print("-" * len(head))

@@ -11,7 +11,8 @@
 # default warm-ups), train_lm_local_steps_cuda.{log,json} (local steps), phases_gpu.{log,json} (launch/bench_step.py: per-phase step cost on the GPU),
 # status.txt (one line per step: ok / FAILED rc).
 # Budget: set-up 1-3 min on a fresh machine (torch wheel), tests < 1 min, benchmark ~3-5 min on an H200
-# (--budget-s bounds each method). Set GPU_CHECK_QUICK=1 for the 2^20/2^22/2^24 fp32 benchmark only.
+# (--budget-s bounds each method). Set GPU_CHECK_QUICK=1 for the 2^20/2^22/2^24 fp32 benchmark only,
+# GPU_CHECK_STEP_S to bound each step (default 900 s; rc 124 in status.txt = timed out).
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUTDIR="${1:-${OUT:-$REPO/runs/gpu_check}}"
@@ -22,7 +23,10 @@ STATUS="$OUTDIR/status.txt"
 step() {  # step NAME LOGFILE CMD...: run, record ok/FAILED, never abort the remaining steps
   local name="$1" log="$2"; shift 2
   echo "== $name" >&2
-  "$@" > "$log" 2>&1
+  local cmd=("$@")
+  [[ "${cmd[0]}" == python ]] && cmd[0]="$PY"  # timeout runs programs, not the shell function python
+  # bounded: an NCCL hang in one step must not eat the remaining ones (GPU_CHECK_STEP_S seconds each)
+  timeout -k 10 "${GPU_CHECK_STEP_S:-900}" "${cmd[@]}" > "$log" 2>&1
   local rc=$?
   if [[ $rc -eq 0 ]]; then echo "$name ok" >> "$STATUS"; else echo "$name FAILED rc=$rc (see $log)" >> "$STATUS"; fi
   tail -n 25 "$log" >&2
