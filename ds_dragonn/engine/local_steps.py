@@ -46,6 +46,8 @@ from .checkpoint import install as install_checkpointing
 from .local_norms import install_local_norms
 from .local_nodes import describe as describe_nodes, node_average_, node_gradients, outer_dense_bytes
 from .local_resume import keep_outer, load_replica, replica_state, restart_from_outer
+from .local_weights import (copy_rank0_, holds_in_weights, kept_in_weights, masters_of, masters_to_model,
+                            shapes_digest, subtract_)
 
 
 #: keys of the per-step exchange that an outer step does not use (warned about when given)
@@ -112,28 +114,13 @@ class LocalStepsHook(HookBase):
         """Between syncs: the rounds have started (the dense warm-up is over)."""
         return self.outer.started and int(self.engine.global_steps) >= self.cfg.warmup_steps
 
-    # -- the weights -------------------------------------------------------------------------------
+    # -- the weights (engine/local_weights.py) ------------------------------------------------------
     def masters(self) -> List[torch.Tensor]:
         """The fp32 master weights the optimizer steps on, in its parameter order."""
-        return [p for g in self.optimizer.param_groups for p in g["params"]]
+        return masters_of(self.optimizer)
 
-    @torch.no_grad()
     def _masters_to_model(self) -> None:
-        """Copy the masters into the low-precision weights where they are separate: ``FP16_Optimizer`` (flat
-        fp32 groups) or ``FP16_UnfusedOptimizer`` (one fp32 tensor per weight), in bf16 and fp16."""
-        wrapper = self.engine.optimizer
-        lows = getattr(wrapper, "fp16_groups", None)
-        if lows is None:
-            return  # fp32: the masters are the model's weights
-        flats = getattr(wrapper, "fp32_groups_flat", None)
-        if flats is not None:
-            from torch._utils import _unflatten_dense_tensors
-            highs = [_unflatten_dense_tensors(flat, group) for flat, group in zip(flats, lows)]
-        else:
-            highs = wrapper.fp32_groups
-        for low, high in zip(lows, highs):
-            for p, q in zip(low, high):
-                p.data.copy_(q.data)
+        masters_to_model(self.engine)
 
     # -- the hooks ---------------------------------------------------------------------------------
     def allreduce_gradients(self, *args, **kwargs):
@@ -177,18 +164,11 @@ class LocalStepsHook(HookBase):
 
     @torch.no_grad()
     def _start_rounds(self) -> None:
-        """θ_outer ← rank 0's master weights, on every rank (one dense allreduce of rank 0's weights and zeros), and
-        every rank's weights ← θ_outer: the rounds start from the same weights however the ranks got here (a
-        warm start, weights set by hand on one rank, ``no_sync`` through the warm-up)."""
+        """θ_outer ← rank 0's master weights, on every rank, and every rank's weights ← θ_outer: the rounds start
+        from the same weights however the ranks got here (a warm start, weights set by hand on one rank,
+        ``no_sync`` through the warm-up)."""
         masters = self.masters()
-        backend = self.pipeline(self.group).backend
-        if backend.world_size > 1:
-            flat = torch.cat([m.detach().reshape(-1) for m in masters])
-            if backend.rank != 0:
-                flat.zero_()
-            backend.all_reduce_sum_(flat)  # x + 0 = x: rank 0's weights exactly
-            for m, w in zip(masters, segment_views(flat, masters)):
-                m.copy_(w)
+        if copy_rank0_(masters, self.pipeline(self.group).backend):
             self._masters_to_model()
         self.outer.start(masters)
 
@@ -207,11 +187,10 @@ class LocalStepsHook(HookBase):
         clock = PhaseClock(masters[0].device)
         deltas = self.outer.pseudo_gradient(masters)
         numel = sum(d.numel() for d in deltas)
-        key = BucketKey(OUTER, 0, str(dtype), numel, self._layout(masters))
-        kept = self._kept_in_weights(key, numel, masters[0].device) if self.held else None
-        if kept is not None:  # this round started from θ_outer − residual: Δ counts only this round's progress
-            for d, r in zip(deltas, segment_views(kept, deltas)):
-                d.sub_(r)
+        key = BucketKey(OUTER, 0, str(dtype), numel, shapes_digest(masters))
+        device = masters[0].device
+        # this round started from θ_outer − residual: Δ counts only this round's progress
+        subtract_(deltas, kept_in_weights(pipeline, key, numel, device, self.layout) if self.held else None)
         stats = None
         if self.cfg.density >= 1.0:
             out = pipeline.reduce_dense(deltas, key, 1.0, 1.0 / world, dtype)
@@ -222,26 +201,12 @@ class LocalStepsHook(HookBase):
             sent = stats.bytes_sent
         self.outer.apply_(segment_views(out, deltas))
         self.outer.restart_(masters)
-        kept = self._kept_in_weights(key, numel, masters[0].device) if self._holds() else None
-        if kept is not None:  # the unsent Δ stays in this rank's weights (error reset, CSER)
-            for m, r in zip(masters, segment_views(kept, masters)):
-                m.sub_(r)
+        holds = holds_in_weights(self.cfg, self.error_feedback.enabled)
+        kept = kept_in_weights(pipeline, key, numel, device, self.layout) if holds else None
+        subtract_(masters, kept)  # the unsent Δ stays in this rank's weights (error reset, CSER)
         self.held = kept is not None
         self._masters_to_model()
         self.reporter.outer(steps, numel, sent, stats, clock.lap())
-
-    def _holds(self) -> bool:
-        """Whether a round leaves the unsent Δ in the weights: ``outer_residual: weights`` below density 1.0 (a dense
-        round leaves only the wire's rounding, which stays in the residual so that every rank holds θ_outer)."""
-        return self.cfg.outer_residual.value == "weights" and self.cfg.density < 1.0 and self.error_feedback.enabled
-
-    def _kept_in_weights(self, key, numel: int, device) -> Optional[torch.Tensor]:
-        """What this rank's (node's) weights hold back of the pseudo-gradient: the outer residual, (numel,) float32,
-        divided by the L ranks of a node whose sum it holds (None before the first compressed round)."""
-        held = self.pipeline(self.group).residual_of(key, numel, device)
-        if held is not None and self.layout is not None:  # the node's L identical Δ were summed into it
-            held = held / self.layout.ranks_per_node
-        return held
 
     # -- state (engine/state.py) -------------------------------------------------------------------
     def extra_state(self) -> dict:
@@ -278,11 +243,6 @@ class LocalStepsHook(HookBase):
         (``local_resume.restart_from_outer``)."""
         moved, self._moved = self._moved, None
         restart_from_outer(self, saved_worlds, moved)
-
-    @staticmethod
-    def _layout(masters: List[torch.Tensor]) -> str:
-        import hashlib
-        return hashlib.blake2b(repr([tuple(m.shape) for m in masters]).encode(), digest_size=8).hexdigest()
 
 
 def _check_optimizer(engine: Any, optimizer: Any, masters: Any) -> None:
