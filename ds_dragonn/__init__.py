@@ -314,6 +314,9 @@ def _check_zero(stage: int, zero: dict, ds_config: dict, cfg: Optional[DragonnCo
     """Refuse what the hooks do not cover, before DeepSpeed starts (a clear error instead of a wrong result)."""
     if cfg is not None and cfg.sync == SyncMode.local_steps and stage != 0:
         raise DragonnUnsupportedError(_LOCAL_STEPS_ZERO.format(stage=stage))
+    if cfg is not None and stage != 0 and cfg.given("dense_values"):
+        raise DragonnUnsupportedError(f"'dragonn.advanced.dense_values' applies to ZeRO stage 0 only (at stage "
+                                      f"{stage} the dense steps are DeepSpeed's own reduce-scatter); remove it")
     if stage == 3:
         _check_zero3(zero, ds_config, cfg)
     if stage in (1, 2):

@@ -156,6 +156,13 @@ class AdvancedConfig(BaseModel):
     round to nearest, one float32 absmax scale per 64 values (ZeRO++ qgZ; SparseLoCo); the rounding stays in the
     residual. Per pair with a packed position: bf16 4 bytes, int8 3.06, int4 2.56 (exchange/quantize.py)."""
 
+    dense_values: ValueFormat = ValueFormat.auto
+    """ZeRO stage 0, ``sync: every_step``: how the dense steps' gradients travel (the dense warm-up, the variance
+    refreshes, small buckets, the auto policy's dense choices). ``auto``: DeepSpeed's allreduce in the
+    communication dtype; ``int8`` / ``int4``: a quantized reduce-scatter and allgather (ZeRO++ qgZ), one float32
+    scale per 64 values, the rounding kept in a residual: 0.53x / 0.28x of a bf16 allreduce's bytes
+    (exchange/dense_quantized.py)."""
+
     selection: SelectionMode = SelectionMode.global_
     """``global``: one threshold over each bucket. ``chunked``: every chunk of ``constants.CHUNK_SIZE`` (4096) entries
     sends its own top ``≈ density × 4096`` (SparseLoCo, Sarfi et al. 2025), the same ``k`` in all; per-step
@@ -300,6 +307,7 @@ class DragonnConfig(DeepSpeedConfigModel):
     ranks_per_node = _delegate("ranks_per_node", "``advanced.ranks_per_node``.")
     values = _delegate("values", "``advanced.values``.")
     selection = _delegate("selection", "``advanced.selection``.")
+    dense_values = _delegate("dense_values", "``advanced.dense_values``.")
     outer_residual = _delegate("outer_residual", "``advanced.outer_residual``.")
     sample_ratio = _constant("sample_ratio")
     min_sample = _constant("min_sample")
@@ -391,6 +399,10 @@ def _check_sync(cfg: DragonnConfig) -> None:
             raise ValueError(f"'{given[0]}' applies to 'sync': 'local_steps' only; add \"sync\": \"local_steps\" "
                              f"or remove it")
         return
+    dense = cfg.given("dense_values")
+    if dense:
+        raise ValueError(f"'{dense[0]}' applies to 'sync': 'every_step' only (local steps' dense warm-up is "
+                         f"DeepSpeed's allreduce, and their rounds send the pseudo-gradient at 'density'); remove it")
     refresh = cfg.given(*MOMENTUM_KEYS)
     if refresh:
         raise ValueError(f"'{refresh[0]}' applies to 'sync': 'every_step' with 'compress': 'momentum' only; "

@@ -129,13 +129,15 @@ class NodeAllreduce:
         return self._gather(shard, numel)
 
     def reduce_dense(self, tensors: Sequence[torch.Tensor], key: Hashable, prescale: float = 1.0,
-                     postscale: float = 1.0, dtype: torch.dtype | None = None) -> torch.Tensor:
+                     postscale: float = 1.0, dtype: torch.dtype | None = None, codec=None,
+                     raw: bool = False) -> torch.Tensor:
         """A dense reduction that also empties the shard's residual (the flat pipeline's ``reduce_dense``, per
-        shard): the node's sum, then the shard plus its residual across nodes, gathered inside the node."""
+        shard): the node's sum, then the shard plus its residual across nodes, gathered inside the node.
+        ``codec`` and ``raw`` as there: only the cross-node sum travels quantized (the node's is dense)."""
         tensors = list(tensors)
         dtype = dtype or tensors[0].dtype
         shard, per, n = self._node_shard(tensors, prescale)
-        out = self.cross.reduce_dense([shard], shard_key(key, self.layout, per), 1.0, postscale, dtype)
+        out = self.cross.reduce_dense([shard], shard_key(key, self.layout, per), 1.0, postscale, dtype, codec, raw)
         return self._gather(out, n)
 
 

@@ -30,6 +30,7 @@ from .compress.base import Compressor, Selection
 from . import sparse_ops
 from .decode import SparseDecoder
 from .exchange import AllgatherExchange, Exchange, check_buffer_agreement, to_wire
+from .exchange.dense_quantized import quantized_allreduce
 from .feedback import ErrorFeedback
 from .momentum import LocalMomentum
 
@@ -198,7 +199,8 @@ class CompressedAllreduce:
                 and tensors[0].dtype == dtype and sparse_ops.can_decode_into(tensors))
 
     def reduce_dense(self, tensors: Sequence[torch.Tensor], key: Hashable, prescale: float = 1.0,
-                     postscale: float = 1.0, dtype: torch.dtype | None = None) -> torch.Tensor:
+                     postscale: float = 1.0, dtype: torch.dtype | None = None, codec=None,
+                     raw: bool = False) -> torch.Tensor:
         """Dense allreduce of ``residual + prescale × gradients``, which empties the residual (flush).
 
         Used when a bucket that has been compressed goes dense (the auto policy's choice): what its
@@ -209,15 +211,22 @@ class CompressedAllreduce:
         In the momentum mode every dense reduction after the warm-up runs here: the gradients are folded
         into the local momentum first, and the residual plus that momentum is sent.
 
+        ``codec``: a quantized :class:`~ds_dragonn.exchange.quantize.ValueCodec` (``advanced.dense_values``):
+        the sum travels as int8/int4 codes (``exchange/dense_quantized.py``) and their rounding stays in the
+        residual. ``raw``: reduce the gradients themselves even in the momentum mode (the dense warm-up and
+        the variance refreshes; ``key`` then names a residual of its own, which holds only that rounding).
+
         Returns:
             A new (n,) tensor of ``dtype``: ``postscale × Σ_ranks (residual + prescale × gradients)``.
         """
         tensors = list(tensors)
         dtype = dtype or tensors[0].dtype
-        if self.momentum is not None:
+        if self.momentum is not None and not raw:
             tensors, prescale = self.momentum.update(key, tensors, dtype, prescale)
         compensated = self.error_feedback.compensate_(key, tensors, dtype, prescale)
         self.exchange.flush_into(key, compensated)
+        if codec is not None and codec.quantized:
+            return self._reduce_quantized(key, compensated, postscale, dtype, codec)
         wire = to_wire(compensated, dtype)
         if wire.data_ptr() == compensated.data_ptr():  # same dtype: reduce a copy, the residual stays
             wire = wire.clone()
@@ -228,6 +237,21 @@ class CompressedAllreduce:
         if postscale != 1.0:
             wire.mul_(postscale)
         return wire
+
+    def _reduce_quantized(self, key: Hashable, compensated: torch.Tensor, postscale: float, dtype: torch.dtype,
+                          codec) -> torch.Tensor:
+        """:meth:`reduce_dense`'s quantized sum; both roundings (this rank's and, as an owner, the sum's) stay
+        in the residual."""
+        red = quantized_allreduce(compensated, self.backend, codec)
+        if self.error_feedback.enabled:
+            compensated.sub_(red.sent.to(compensated.dtype))
+            s, e = red.owned
+            compensated[s:e].add_(red.owner_rounding.to(compensated.dtype))
+            self.error_feedback.clear_non_finite(key)
+        out = to_wire(red.out, dtype)
+        if postscale != 1.0:
+            out.mul_(postscale)
+        return out
 
     def residual_of(self, key: Hashable, numel: int, device: torch.device | None = None) -> torch.Tensor | None:
         """Bucket ``key``'s residual, (numel,) in float32 or wider (what waits to be sent), or None before its first

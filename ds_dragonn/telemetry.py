@@ -57,11 +57,13 @@ class Telemetry:
     node_ms_total: float = 0.0  # sync: local_steps, node-aware: their time
 
     def record_dense(self, numel: int, itemsize: int, world_size: int, ms: float = 0.0,
-                     bytes_sent: Optional[int] = None) -> None:
-        """A dense reduction of ``numel`` elements; ``bytes_sent`` defaults to a ring allreduce's."""
+                     bytes_sent: Optional[int] = None, quantized_bytes: Optional[int] = None) -> None:
+        """A dense reduction of ``numel`` elements; ``bytes_sent`` (what the dense collective sends) defaults to
+        a ring allreduce's; ``quantized_bytes``: what it sent instead, its values quantized
+        (``advanced.dense_values``)."""
         b = dense_allreduce_bytes(numel, itemsize, world_size) if bytes_sent is None else int(bytes_sent)
         self.dense_reductions += 1
-        self.bytes_sent += b
+        self.bytes_sent += b if quantized_bytes is None else int(quantized_bytes)
         self.dense_bytes_equivalent += b
         self.dense_ms_total += ms
 

@@ -95,6 +95,10 @@ RUNS = {
     # quantized values on the wire (advanced.values): the defaults at 0.01 with int8 / int4 codes per 64 values
     "int8_0.01": {"density": 0.01, "advanced": {"values": "int8"}},
     "int4_0.01": {"density": 0.01, "advanced": {"values": "int4"}},
+    # the dense steps (warm-up, variance refreshes) quantized too (advanced.dense_values, ZeRO 0)
+    "dq8_0.01": {"density": 0.01, "advanced": {"dense_values": "int8"}},
+    "dq8_int4_0.01": {"density": 0.01, "advanced": {"values": "int4", "dense_values": "int8"}},
+    "dq4_int4_0.01": {"density": 0.01, "advanced": {"values": "int4", "dense_values": "int4"}},
     # chunk-wise selection (advanced.selection): every 4096 entries send their own top-k (SparseLoCo); per step,
     # and for local steps' Δ (H = 30) against the global threshold (local_0.01)
     "chunked_0.01": {"density": 0.01, "advanced": {"selection": "chunked"}},

@@ -179,9 +179,9 @@ class HookBase(FollowsOptimizer, HookState):
         return self._ordinal - 1
 
     def _record_dense(self, key: Hashable, numel: int, itemsize: int, world: int, ms: float, fixed: bool,
-                      dense_bytes: Optional[int] = None) -> None:
+                      dense_bytes: Optional[int] = None, quantized_bytes: Optional[int] = None) -> None:
         self.decision.record_dense(key, ms, fixed)
-        self.reporter.dense(numel, itemsize, world, ms, dense_bytes)
+        self.reporter.dense(numel, itemsize, world, ms, dense_bytes, quantized_bytes)
 
     def _record_compressed(self, key: Hashable, stats: ReduceStats, pipeline: CompressedAllreduce, ordinal: int,
                            step: int, device: torch.device) -> None:

@@ -16,6 +16,7 @@ ALLREDUCE = "allreduce"  # ZeRO stage 0: DeepSpeedEngine.allreduce_bucket
 REDUCE_SCATTER = "zero"  # ZeRO stage 1/2: DeepSpeedZeroOptimizer.average_tensor
 ZERO3 = "zero3"  # ZeRO stage 3: DeepSpeedZeroOptimizer_Stage3.__avg_scatter_grads
 OUTER = "outer"  # sync: local_steps: the pseudo-gradient of the fp32 master weights (engine/local_steps.py)
+DENSE = "dense"  # ZeRO stage 0, advanced.dense_values: the raw gradient's quantized dense steps (their rounding)
 
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
 
@@ -24,8 +25,9 @@ class BucketKey(NamedTuple):
     """A bucket's key (a tuple: hashable, picklable, ``repr``-stable across processes).
 
     Attributes:
-        hook: :data:`ALLREDUCE` (ZeRO stage 0), :data:`REDUCE_SCATTER` (ZeRO stage 1/2), :data:`ZERO3` or :data:`OUTER`
-            (the pseudo-gradient of ``sync: local_steps``).
+        hook: :data:`ALLREDUCE` (ZeRO stage 0), :data:`REDUCE_SCATTER` (ZeRO stage 1/2), :data:`ZERO3`, :data:`OUTER`
+            (the pseudo-gradient of ``sync: local_steps``) or :data:`DENSE` (the rounding of stage 0's quantized
+            dense steps of the raw gradient, ``advanced.dense_values``).
         ordinal: the bucket's position within its reduction round (0-based).
         dtype: the communication dtype, as ``str(torch.dtype)`` (e.g. ``"torch.bfloat16"``).
         numel: the bucket's length in elements.
@@ -51,7 +53,7 @@ class BucketKey(NamedTuple):
             return None
         if len(key) == 4 and not isinstance(key[0], str):
             key = (ALLREDUCE,) + tuple(key)
-        if (len(key) == 5 and key[0] in (ALLREDUCE, REDUCE_SCATTER, ZERO3, OUTER) and isinstance(key[1], int)
+        if (len(key) == 5 and key[0] in (ALLREDUCE, REDUCE_SCATTER, ZERO3, OUTER, DENSE) and isinstance(key[1], int)
                 and isinstance(key[2], str) and isinstance(key[3], int) and isinstance(key[4], str)):
             return cls(*key)
         return None
@@ -62,4 +64,4 @@ def bucket_seed(seed: int, step: int, ordinal: int) -> int:
     return (seed * 1_000_003 + step * 7919 + ordinal) & 0xFFFF_FFFF_FFFF
 
 
-__all__ = ["ALLREDUCE", "BucketKey", "OUTER", "REDUCE_SCATTER", "ZERO3", "bucket_seed"]
+__all__ = ["ALLREDUCE", "BucketKey", "DENSE", "OUTER", "REDUCE_SCATTER", "ZERO3", "bucket_seed"]

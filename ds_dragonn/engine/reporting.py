@@ -55,9 +55,11 @@ class Reporter:
             print_dist(f"DRAGONN: compressing from step {step + 1}; schedule: {self.schedule.describe()}",
                        ranks=[0])
 
-    def dense(self, numel: int, itemsize: int, world: int, ms: float, dense_bytes: Optional[int] = None) -> None:
-        """A dense reduction of ``numel`` elements of ``itemsize`` bytes took ``ms``."""
-        self.telemetry.record_dense(numel, itemsize, world, ms, dense_bytes)
+    def dense(self, numel: int, itemsize: int, world: int, ms: float, dense_bytes: Optional[int] = None,
+              quantized_bytes: Optional[int] = None) -> None:
+        """A dense reduction of ``numel`` elements of ``itemsize`` bytes took ``ms`` (``quantized_bytes``: sent
+        quantized, ``advanced.dense_values``)."""
+        self.telemetry.record_dense(numel, itemsize, world, ms, dense_bytes, quantized_bytes)
         self._monitor(None, ms)
 
     def compressed(self, stats: ReduceStats, step: int) -> None:

@@ -18,9 +18,11 @@ import hashlib
 import inspect
 from typing import Any, NamedTuple, Optional
 
+from ..exchange.dense_quantized import quantized_allreduce_bytes
+from ..exchange.quantize import value_codec
 from ..pipeline import PhaseClock
 from .base import HookBase
-from .bucket import ALLREDUCE, BucketKey, bucket_seed
+from .bucket import ALLREDUCE, DENSE, BucketKey, bucket_seed
 from .checkpoint import install as install_checkpointing
 
 
@@ -49,6 +51,8 @@ class Stage0Hook(HookBase):
     def __init__(self, engine: Any, cfg):
         super().__init__(engine, cfg)
         self._dense_allreduce_bucket = engine.allreduce_bucket  # DeepSpeed's bound method
+        codec = value_codec(cfg.dense_values)
+        self.dense_codec = codec if codec.quantized else None  # advanced.dense_values
 
     def install(self) -> "Stage0Hook":
         # build the transport for the engine's data-parallel group now, so a wrong launch (e.g. an MPI
@@ -96,20 +100,22 @@ class Stage0Hook(HookBase):
         if self._refreshes(step):  # momentum mode: the raw gradient, densely, refreshes Adam's variance
             clock = PhaseClock(bucket[0].device)
             self._hold_momentum(key, bucket, comm_dtype, reduction_scales(engine, dp_world_size).prescale, pipeline)
-            out = self._dense_allreduce_bucket(bucket, dp_group, dp_world_size)
-            self._record_dense(key, numel, comm_dtype.itemsize, world, clock.lap(), True)
+            out = self._raw_dense(key, bucket, dp_group, dp_world_size, comm_dtype, pipeline)
+            self._record_dense(key, numel, comm_dtype.itemsize, world, clock.lap(), True,
+                               quantized_bytes=self._quantized_bytes(numel, world))
             return out
         dense, fixed = self.decision.choose(key, numel, step, pipeline, comm_dtype)
         if dense:
             clock = PhaseClock(bucket[0].device)
             scales = reduction_scales(engine, dp_world_size)
             if key in self.pending or self._carries_momentum(step):  # the residual (and momentum) go out now
-                out = pipeline.reduce_dense(bucket, key, *scales, comm_dtype)
+                out = pipeline.reduce_dense(bucket, key, *scales, comm_dtype, self.dense_codec)
                 self._flushed(key)
             else:
                 self._track_momentum(pipeline, key, bucket, comm_dtype, scales.prescale)
-                out = self._dense_allreduce_bucket(bucket, dp_group, dp_world_size)
-            self._record_dense(key, numel, comm_dtype.itemsize, world, clock.lap(), fixed)
+                out = self._raw_dense(key, bucket, dp_group, dp_world_size, comm_dtype, pipeline)
+            self._record_dense(key, numel, comm_dtype.itemsize, world, clock.lap(), fixed,
+                               quantized_bytes=self._quantized_bytes(numel, world))
             return out
 
         self._carries_momentum(step)
@@ -124,6 +130,24 @@ class Stage0Hook(HookBase):
                                      scales.postscale, comm_dtype, into_inputs=into)
         self._record_compressed(key, stats, pipeline, ordinal, step, bucket[0].device)
         return out
+
+    def _raw_dense(self, key: BucketKey, bucket, dp_group, dp_world_size, dtype, pipeline):
+        """The raw gradients, densely: DeepSpeed's allreduce, or quantized (``advanced.dense_values``) with their
+        rounding kept in a residual: the bucket's own in the gradient mode (where it is gradient too, and goes
+        out with the next reduction), one of its own (:data:`DENSE`) in the momentum mode (where the bucket's
+        holds momentum, which these steps do not send)."""
+        if self.dense_codec is None:
+            return self._dense_allreduce_bucket(bucket, dp_group, dp_world_size)
+        rkey = key._replace(hook=DENSE) if self.momentum is not None else key
+        out = pipeline.reduce_dense(bucket, rkey, *reduction_scales(self.engine, dp_world_size), dtype,
+                                    self.dense_codec, raw=True)
+        if rkey == key:
+            self._flushed(key)
+        return out
+
+    def _quantized_bytes(self, numel: int, world: int) -> Optional[int]:
+        """Bytes of a quantized dense step (None: DeepSpeed's allreduce, counted by its ring model)."""
+        return None if self.dense_codec is None else quantized_allreduce_bytes(numel, world, self.dense_codec)
 
     def _layout(self, bucket) -> str:
         """Digest of the bucket's layout: its parameters' names (matched by gradient storage), or the
