@@ -78,6 +78,12 @@ def dq_cases(rank: int, world: int, out_dir: str) -> None:
                          "telemetry": None if hook is None else hook.telemetry.summary(),
                          "refreshed": 0 if hook is None or hook.variance_freeze is None
                          else hook.variance_freeze.refreshed}
+    # a 4-element model: the quantized step's scales and alignment would cost more, so DeepSpeed's allreduce
+    engine, hook = train_mlp(DQ_ENGINE_RUNS["warmup_int8"], rank, (1, 1, 1), 3)
+    engines["tiny_int8"] = {"params": [p.detach().float().clone() for p in engine.module.parameters()],
+                            "telemetry": hook.telemetry.summary(), "refreshed": 0}
+    engine, _ = train_mlp(DQ_ENGINE_RUNS["dense"], rank, (1, 1, 1), 3)
+    engines["tiny_dense"] = {"params": [p.detach().float().clone() for p in engine.module.parameters()]}
     torch.save({"results": results, "nan_out": nan_out.clone(), "nan_residual": ef.residuals["n"].clone(),
                 "engines": engines}, Path(out_dir) / f"dq_rank{rank}.pt")
     torch.distributed.destroy_process_group()

@@ -144,6 +144,13 @@ def test_quantized_warmup_then_compressed_steps(dq_runs, name):
         assert runs[0]["refreshed"] >= 1, "a variance refresh went through the quantized path"
 
 
+def test_a_bucket_too_small_to_pay_goes_through_deepspeeds_allreduce(dq_runs):
+    tiny, dense = _engines(dq_runs, "tiny_int8"), _engines(dq_runs, "tiny_dense")
+    assert all(torch.equal(a, b) for a, b in zip(tiny[0]["params"], dense[0]["params"]))
+    tel = tiny[0]["telemetry"]
+    assert tel["dense_reductions"] == 3 and tel["bytes_sent"] == tel["dense_bytes_equivalent"]
+
+
 @pytest.mark.parametrize("dragonn,match", [
     ({"sync": "local_steps", "advanced": {"dense_values": "int8"}}, "dense_values"),
     ({"advanced": {"dense_values": "int2"}}, "dense_values"),

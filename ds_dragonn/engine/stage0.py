@@ -19,6 +19,7 @@ import inspect
 from typing import Any, NamedTuple, Optional
 
 from ..exchange.dense_quantized import quantized_allreduce_bytes
+from ..exchange.wire import dense_allreduce_bytes
 from ..exchange.quantize import value_codec
 from ..pipeline import PhaseClock
 from .base import HookBase
@@ -97,25 +98,25 @@ class Stage0Hook(HookBase):
         if dp_world_size is None:
             dp_world_size = world
         key = BucketKey(ALLREDUCE, ordinal, str(comm_dtype), numel, self._layout(bucket))
+        quantized = self._quantized_bytes(numel, world, comm_dtype.itemsize)  # None: DeepSpeed's allreduce
+        codec = self.dense_codec if quantized is not None else None
         if self._refreshes(step):  # momentum mode: the raw gradient, densely, refreshes Adam's variance
             clock = PhaseClock(bucket[0].device)
             self._hold_momentum(key, bucket, comm_dtype, reduction_scales(engine, dp_world_size).prescale, pipeline)
-            out = self._raw_dense(key, bucket, dp_group, dp_world_size, comm_dtype, pipeline)
-            self._record_dense(key, numel, comm_dtype.itemsize, world, clock.lap(), True,
-                               quantized_bytes=self._quantized_bytes(numel, world))
+            out = self._raw_dense(key, bucket, dp_group, dp_world_size, comm_dtype, pipeline, codec)
+            self._record_dense(key, numel, comm_dtype.itemsize, world, clock.lap(), True, quantized_bytes=quantized)
             return out
-        dense, fixed = self.decision.choose(key, numel, step, pipeline, comm_dtype)
+        dense, fixed = self.decision.choose(key, numel, step, pipeline, comm_dtype, quantized)
         if dense:
             clock = PhaseClock(bucket[0].device)
             scales = reduction_scales(engine, dp_world_size)
             if key in self.pending or self._carries_momentum(step):  # the residual (and momentum) go out now
-                out = pipeline.reduce_dense(bucket, key, *scales, comm_dtype, self.dense_codec)
+                out = pipeline.reduce_dense(bucket, key, *scales, comm_dtype, codec)
                 self._flushed(key)
             else:
                 self._track_momentum(pipeline, key, bucket, comm_dtype, scales.prescale)
-                out = self._raw_dense(key, bucket, dp_group, dp_world_size, comm_dtype, pipeline)
-            self._record_dense(key, numel, comm_dtype.itemsize, world, clock.lap(), fixed,
-                               quantized_bytes=self._quantized_bytes(numel, world))
+                out = self._raw_dense(key, bucket, dp_group, dp_world_size, comm_dtype, pipeline, codec)
+            self._record_dense(key, numel, comm_dtype.itemsize, world, clock.lap(), fixed, quantized_bytes=quantized)
             return out
 
         self._carries_momentum(step)
@@ -131,23 +132,26 @@ class Stage0Hook(HookBase):
         self._record_compressed(key, stats, pipeline, ordinal, step, bucket[0].device)
         return out
 
-    def _raw_dense(self, key: BucketKey, bucket, dp_group, dp_world_size, dtype, pipeline):
-        """The raw gradients, densely: DeepSpeed's allreduce, or quantized (``advanced.dense_values``) with their
-        rounding kept in a residual: the bucket's own in the gradient mode (where it is gradient too, and goes
-        out with the next reduction), one of its own (:data:`DENSE`) in the momentum mode (where the bucket's
-        holds momentum, which these steps do not send)."""
-        if self.dense_codec is None:
+    def _raw_dense(self, key: BucketKey, bucket, dp_group, dp_world_size, dtype, pipeline, codec):
+        """The raw gradients, densely: DeepSpeed's allreduce (``codec`` None), or quantized (``advanced.dense_values``)
+        with their rounding kept in a residual: the bucket's own in the gradient mode (where it is gradient too,
+        and goes out with the next reduction), one of its own (:data:`DENSE`) in the momentum mode (where the
+        bucket's holds momentum, which these steps do not send)."""
+        if codec is None:
             return self._dense_allreduce_bucket(bucket, dp_group, dp_world_size)
         rkey = key._replace(hook=DENSE) if self.momentum is not None else key
-        out = pipeline.reduce_dense(bucket, rkey, *reduction_scales(self.engine, dp_world_size), dtype,
-                                    self.dense_codec, raw=True)
+        out = pipeline.reduce_dense(bucket, rkey, *reduction_scales(self.engine, dp_world_size), dtype, codec, raw=True)
         if rkey == key:
             self._flushed(key)
         return out
 
-    def _quantized_bytes(self, numel: int, world: int) -> Optional[int]:
-        """Bytes of a quantized dense step (None: DeepSpeed's allreduce, counted by its ring model)."""
-        return None if self.dense_codec is None else quantized_allreduce_bytes(numel, world, self.dense_codec)
+    def _quantized_bytes(self, numel: int, world: int, itemsize: int) -> Optional[int]:
+        """Bytes of this bucket's dense step quantized (``advanced.dense_values``), or None where it goes through
+        DeepSpeed's allreduce: no codec, or a bucket so small that the codes' scales and alignment cost more."""
+        if self.dense_codec is None:
+            return None
+        sent = quantized_allreduce_bytes(numel, world, self.dense_codec)
+        return sent if sent < dense_allreduce_bytes(numel, itemsize, world) else None
 
     def _layout(self, bucket) -> str:
         """Digest of the bucket's layout: its parameters' names (matched by gradient storage), or the

@@ -37,7 +37,7 @@ from deepspeed.utils import logger
 
 from ..exchange.ownership import HashedOwnership
 from ..feedback import residual_dtype
-from .bucket import BucketKey
+from .bucket import DENSE, BucketKey
 
 #: Version of the state file layout (refused when newer than this code).
 FORMAT = 1
@@ -46,7 +46,7 @@ FORMAT = 1
 #: units whatever these say); the difference is logged.
 _KEPT_FIELDS = ("density", "compressor", "kernel", "warmup_steps", "policy", "min_compress_numel",
                 "density_warmup_steps", "density_warmup_start", "variance_refresh_steps", "local_steps", "outer_lr",
-                "values", "selection")
+                "values", "selection", "dense_values")
 
 #: the modes whose residuals hold different things (``compress`` as resolved at start-up)
 _MODES = ("gradient", "momentum")
@@ -239,6 +239,14 @@ def load_state_dict(hook: Any, state: dict, source: str = "the state") -> None:
     device = getattr(hook.engine, "device", None)
     ef = dict(state["error_feedback"])
     ef["residuals"] = {_key(k): v for k, v in ef.get("residuals", {}).items()}
+    if getattr(hook, "dense_codec", False) is None:  # stage 0, its dense steps DeepSpeed's allreduce now
+        rounding = [k for k in ef["residuals"] if isinstance(k, BucketKey) and k.hook == DENSE]
+        for k in rounding:
+            ef["residuals"].pop(k)
+        if rounding:
+            note(hook, f"[rank {rank}] DRAGONN: {source} holds the rounding of quantized dense steps "
+                       f"('advanced.dense_values'), whose steps now go through DeepSpeed's allreduce: dropped "
+                       f"({len(rounding)} buffer(s), at most half a quantization step per value)")
     hook.error_feedback.load_state_dict(ef, device)
     if hook.variance_freeze is not None:  # the frozen variance the saved run divided by (else: recorded anew)
         hook.variance_freeze.load_state_dict(state.get("variance"))
