@@ -19,6 +19,7 @@ import torch
 from ..feedback import segment_views
 from ..outer import OuterStep
 from . import state
+from .local_weights import from_rank0_
 
 
 def replica_state(hook: Any) -> dict:
@@ -84,11 +85,7 @@ def restart_from_outer(hook: Any, saved_worlds: List[Optional[int]], moved: Opti
     info = torch.tensor([float(hook.outer.started), float(hook.outer.rounds)], dtype=torch.float64)
     flat = (torch.cat([a.reshape(-1) for a in hook.outer.anchor]) if hook.outer.started
             else torch.cat([m.detach().float().reshape(-1) for m in masters]))
-    if world > 1:
-        if rank != 0:
-            info.zero_()
-            flat.zero_()
-        backend.all_reduce_sum_(info)  # x + 0 = x: rank 0's, exactly
+    from_rank0_(info, backend)
     old = "/".join(str(w) for w in sorted(saved))
     since = (f"at world size {world} from a checkpoint of world size {old}" if saved != {world}
              else f"from a checkpoint of another node layout [{moved}]" if moved.startswith("hierarchy ")
@@ -97,8 +94,7 @@ def restart_from_outer(hook: Any, saved_worlds: List[Optional[int]], moved: Opti
         state.note(hook, f"[rank {rank}] DRAGONN: local steps resumed {since} saved before the rounds started: they "
                          f"start at the next local step")
         return
-    if world > 1:
-        backend.all_reduce_sum_(flat)
+    from_rank0_(flat, backend)
     hook.outer = OuterStep(hook.cfg.outer_lr)
     for m, w in zip(masters, segment_views(flat, masters)):
         m.copy_(w)

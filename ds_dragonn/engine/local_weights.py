@@ -41,15 +41,23 @@ def masters_to_model(engine: Any) -> None:
 
 
 @torch.no_grad()
+def from_rank0_(tensor: torch.Tensor, backend: Any) -> None:
+    """``tensor`` ← rank 0's, bit-exactly, on every rank: one allreduce of rank 0's values and the other ranks' zeros
+    (x + 0 = x); nothing at world size 1. Collective."""
+    if backend.world_size > 1:
+        if backend.rank != 0:
+            tensor.zero_()
+        backend.all_reduce_sum_(tensor)
+
+
+@torch.no_grad()
 def copy_rank0_(masters: List[torch.Tensor], backend: Any) -> bool:
-    """Every rank's ``masters`` ← rank 0's, bit-exactly: one allreduce of rank 0's weights and the other ranks'
-    zeros (x + 0 = x). Returns whether anything was exchanged (False at world size 1)."""
+    """Every rank's ``masters`` ← rank 0's (:func:`from_rank0_`). Returns whether anything was exchanged (False at
+    world size 1)."""
     if backend.world_size <= 1:
         return False
     flat = torch.cat([m.detach().reshape(-1) for m in masters])
-    if backend.rank != 0:
-        flat.zero_()
-    backend.all_reduce_sum_(flat)
+    from_rank0_(flat, backend)
     for m, w in zip(masters, segment_views(flat, masters)):
         m.copy_(w)
     return True
@@ -85,5 +93,5 @@ def shapes_digest(masters: List[torch.Tensor]) -> str:
     return hashlib.blake2b(repr([tuple(m.shape) for m in masters]).encode(), digest_size=8).hexdigest()
 
 
-__all__ = ["copy_rank0_", "holds_in_weights", "kept_in_weights", "masters_of", "masters_to_model", "shapes_digest",
+__all__ = ["copy_rank0_", "from_rank0_", "holds_in_weights", "kept_in_weights", "masters_of", "masters_to_model", "shapes_digest",
            "subtract_"]
