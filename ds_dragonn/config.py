@@ -168,6 +168,12 @@ class AdvancedConfig(BaseModel):
     sends its own top ``≈ density × 4096`` (SparseLoCo, Sarfi et al. 2025), the same ``k`` in all; per-step
     modes, every ZeRO stage, the partitioned owners and local steps' Δ (compress/chunks.py)."""
 
+    max_age: int = Field(0, ge=0, strict=True)
+    """Age bound: every entry of a bucket is sent at least once every ``max_age`` compressed steps (local steps:
+    rounds), whatever its magnitude: each step also sends one of ``max_age`` contiguous blocks of the bucket whole,
+    in turn; the allgather exchange sends that block's values without positions (compress/age_bound.py). Costs
+    ``1 / max_age`` of the bucket's values per step. 0: no bound."""
+
     outer_residual: OuterResidual = OuterResidual.weights
     """``sync: local_steps`` with ``density`` < 1: where a rank's unsent pseudo-gradient waits. ``weights``: in the
     residual and in the rank's own weights, each rank (node) restarting from ``θ_outer − residual`` (error reset,
@@ -184,6 +190,13 @@ class AdvancedConfig(BaseModel):
     def _check_refresh(cls, v: int) -> int:
         if v == 1:
             raise ValueError("1 would refresh at every step and send no momentum; use 0 (never) or at least 2")
+        return v
+
+    @field_validator("max_age")
+    @classmethod
+    def _check_max_age(cls, v: int) -> int:
+        if v == 1:
+            raise ValueError("1 would send every entry at every step (density 1); use 0 (no bound) or at least 2")
         return v
 
 
@@ -309,6 +322,7 @@ class DragonnConfig(DeepSpeedConfigModel):
     selection = _delegate("selection", "``advanced.selection``.")
     dense_values = _delegate("dense_values", "``advanced.dense_values``.")
     outer_residual = _delegate("outer_residual", "``advanced.outer_residual``.")
+    max_age = _delegate("max_age", "``advanced.max_age``.")
     sample_ratio = _constant("sample_ratio")
     min_sample = _constant("min_sample")
     table_factor = _constant("table_factor")

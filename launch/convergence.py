@@ -99,6 +99,13 @@ RUNS = {
     "dq8_0.01": {"density": 0.01, "advanced": {"dense_values": "int8"}},
     "dq8_int4_0.01": {"density": 0.01, "advanced": {"values": "int4", "dense_values": "int8"}},
     "dq4_int4_0.01": {"density": 0.01, "advanced": {"values": "int4", "dense_values": "int4"}},
+    # the age bound (advanced.max_age): every entry sent at least every N steps, one block of n / N per step whole
+    "age30_0.001": {"density": 0.001, "advanced": {"max_age": 30}},
+    "age100_0.001": {"density": 0.001, "advanced": {"max_age": 100}},
+    "age300_0.001": {"density": 0.001, "advanced": {"max_age": 300}},
+    "age100_0.01": {"density": 0.01, "advanced": {"max_age": 100}},
+    "dq4_int4_0.001": {"density": 0.001, "advanced": {"values": "int4", "dense_values": "int4"}},
+    "dq4_int4_age100_0.001": {"density": 0.001, "advanced": {"values": "int4", "dense_values": "int4", "max_age": 100}},
     # chunk-wise selection (advanced.selection): every 4096 entries send their own top-k (SparseLoCo); per step,
     # and for local steps' Δ (H = 30) against the global threshold (local_0.01)
     "chunked_0.01": {"density": 0.01, "advanced": {"selection": "chunked"}},
