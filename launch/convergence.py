@@ -105,6 +105,10 @@ RUNS = {
     "age300_0.001": {"density": 0.001, "advanced": {"max_age": 300}},
     "age100_0.01": {"density": 0.01, "advanced": {"max_age": 100}},
     "dq4_int4_0.001": {"density": 0.001, "advanced": {"values": "int4", "dense_values": "int4"}},
+    "dq4_int4_dw1000_0.001": {"density": 0.001, "density_warmup_steps": 1000,
+                              "advanced": {"values": "int4", "dense_values": "int4"}},
+    "dq4_int4_dw1000_0.01": {"density": 0.01, "density_warmup_steps": 1000,
+                             "advanced": {"values": "int4", "dense_values": "int4"}},
     "dq4_int4_age100_0.001": {"density": 0.001, "advanced": {"values": "int4", "dense_values": "int4", "max_age": 100}},
     # chunk-wise selection (advanced.selection): every 4096 entries send their own top-k (SparseLoCo); per step,
     # and for local steps' Δ (H = 30) against the global threshold (local_0.01)

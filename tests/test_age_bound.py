@@ -17,13 +17,28 @@ from tests.multiproc import ranks_fixture
 @pytest.mark.parametrize("n", [0, 1, 2, 7, 100, 1001])
 @pytest.mark.parametrize("max_age", [2, 3, 7, 100, 1500])
 def test_blocks_tile_the_bucket_once_per_cycle(n, max_age):
-    seen = torch.zeros(n, dtype=torch.int64)
-    for step in range(max_age):
-        lo, hi = age_block(n, max_age, step)
-        assert 0 <= lo <= hi <= n and hi - lo <= block_capacity(n, max_age)
-        assert age_block(n, max_age, step + 3 * max_age) == (lo, hi)  # the cycle repeats
-        seen[lo:hi] += 1
-    assert bool((seen == 1).all())  # every entry exactly once per cycle: none waits longer than max_age
+    last = torch.full((n,), -1, dtype=torch.int64)
+    for cycle in range(4):
+        seen = torch.zeros(n, dtype=torch.int64)
+        for step in range(cycle * max_age, (cycle + 1) * max_age):
+            lo, hi = age_block(n, max_age, step)
+            assert 0 <= lo <= hi <= n and hi - lo <= block_capacity(n, max_age)
+            seen[lo:hi] += 1
+            if cycle:  # no entry waits longer than max_age + 1 steps for its block
+                assert bool((step - last[lo:hi] <= max_age + 1).all())
+            last[lo:hi] = step
+        assert bool((seen == 1).all())  # every entry exactly once per cycle
+
+
+def test_a_periodic_dense_step_skips_a_different_block_each_time():
+    """Variance refreshes every 100 steps with max_age 100 (or 50): the skipped block rotates, so every block is
+    still sent (with plain ``step mod max_age`` one block would never be)."""
+    for max_age, period in ((100, 100), (50, 100), (300, 100)):
+        sent = set()
+        for step in range(20 * max_age):
+            if step % period != 7:
+                sent.add(age_block(60_000, max_age, step))  # 60000: no empty blocks
+        assert len(sent) == max_age
 
 
 def test_no_bound_and_bad_arguments():

@@ -4,13 +4,15 @@ At density 0.001 an entry whose accumulated residual stays below the threshold w
 for its turn, and then arrives as one burst (issue 38 item 4; DGC's answer at that density is a density warm-up
 and momentum correction, not a bound). The bound here costs no memory and no extra pass: the bucket is cut into
 ``max_age`` contiguous blocks of ``ceil(n / max_age)`` entries, and step ``s`` also sends block
-``s mod max_age`` whole, whatever its magnitudes. Every rank sends the same block, so the block rides as the
+``(s − ⌊s / max_age⌋) mod max_age`` whole, whatever its magnitudes: each cycle of ``max_age`` steps sends every
+block once, in an order shifted by one per cycle, so that a periodic dense step (a variance refresh every 100 steps
+with ``max_age`` 100) skips a different block each time instead of always the same one. Every rank sends the same block, so the block rides as the
 selection's ``whole`` tail (:class:`~ds_dragonn.compress.base.Selection`): the allgather exchange sends its
 values without positions (``exchange/allgather.py``); the other exchanges send it as ordinary pairs. What the
 block sends leaves the residual like any selected entry (error feedback, nothing lost).
 
-A step that goes dense (the warm-ups, a variance refresh) sends everything, and skips its block, so an entry
-waits at most ``max_age`` compressed steps plus the dense steps between.
+An entry waits at most ``max_age + 1`` steps between sends of its block. A step that goes dense (the warm-ups, a
+variance refresh) skips its block: in the momentum mode a refresh sends the raw gradient, not the residual.
 """
 from __future__ import annotations
 
@@ -20,8 +22,8 @@ from .base import Selection
 
 
 def age_block(numel: int, max_age: int, step: int) -> tuple:
-    """The block ``[lo, hi)`` that step ``step`` sends whole: block ``step mod max_age`` of ``ceil(numel / max_age)``
-    entries (the last blocks may be short or empty). ``(0, 0)`` when ``max_age`` is 0 (no bound) or the buffer is
+    """The block ``[lo, hi)`` that step ``step`` sends whole: block ``(step − ⌊step / max_age⌋) mod max_age`` of
+    ``ceil(numel / max_age)`` entries (the last blocks may be short or empty). ``(0, 0)`` when ``max_age`` is 0 (no bound) or the buffer is
     empty.
 
     Raises:
@@ -32,7 +34,7 @@ def age_block(numel: int, max_age: int, step: int) -> tuple:
     if max_age == 0 or numel == 0:
         return 0, 0
     size = -(-numel // max_age)
-    lo = min(numel, (step % max_age) * size)
+    lo = min(numel, ((step - step // max_age) % max_age) * size)
     return lo, min(numel, lo + size)
 
 
