@@ -26,6 +26,10 @@ dw300_0.01            the defaults with a 300-step density warm-up (``density_wa
                       dw300_0.001 the same
 dw500_0.001           density 0.001 with a 500-step density warm-up (the fall from 0.25 at 0.01's pace per
                       decade); dw1000_0.001 with a 1000-step one
+age30_0.001           density 0.001 with the age bound ``advanced.max_age`` 30; age100_0.001, age300_0.001
+                      with 100 / 300; age100_0.01 at 0.01
+dq4_int4_0.001        density 0.001, int4 values and int4 dense steps; dq4_int4_age100_0.001 with max_age 100
+dq4_int4_dw1000_*     the same with a 1000-step density warm-up, at 0.001 and 0.01
 legacy_0.01           gradient mode with the earlier defaults: no warm-ups
 no_ef_0.01            gradient mode without error feedback
 topk_0.01             exact top-k at 0.01 (gradient mode)
