@@ -29,7 +29,8 @@ dw500_0.001           density 0.001 with a 500-step density warm-up (the fall fr
 age30_0.001           density 0.001 with the age bound ``advanced.max_age`` 30; age100_0.001, age300_0.001
                       with 100 / 300; age100_0.01 at 0.01
 dq4_int4_0.001        density 0.001, int4 values and int4 dense steps; dq4_int4_age100_0.001 with max_age 100
-dq4_int4_dw1000_*     the same with a 1000-step density warm-up, at 0.001 and 0.01
+dq4_int4_dw1000_*     the same with a 1000-step density warm-up, at 0.001 and 0.01; dq4_int4_age300_0.001,
+                      dq4_int4_dw1000_age300_0.001 with max_age 300; age30_0.01: max_age 30 at 0.01
 legacy_0.01           gradient mode with the earlier defaults: no warm-ups
 no_ef_0.01            gradient mode without error feedback
 topk_0.01             exact top-k at 0.01 (gradient mode)
@@ -113,6 +114,10 @@ RUNS = {
                               "advanced": {"values": "int4", "dense_values": "int4"}},
     "dq4_int4_dw1000_0.01": {"density": 0.01, "density_warmup_steps": 1000,
                              "advanced": {"values": "int4", "dense_values": "int4"}},
+    "dq4_int4_age300_0.001": {"density": 0.001, "advanced": {"values": "int4", "dense_values": "int4", "max_age": 300}},
+    "dq4_int4_dw1000_age300_0.001": {"density": 0.001, "density_warmup_steps": 1000,
+                                     "advanced": {"values": "int4", "dense_values": "int4", "max_age": 300}},
+    "age30_0.01": {"density": 0.01, "advanced": {"max_age": 30}},
     "dq4_int4_age100_0.001": {"density": 0.001, "advanced": {"values": "int4", "dense_values": "int4", "max_age": 100}},
     # chunk-wise selection (advanced.selection): every 4096 entries send their own top-k (SparseLoCo); per step,
     # and for local steps' Δ (H = 30) against the global threshold (local_0.01)
