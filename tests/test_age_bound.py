@@ -151,3 +151,19 @@ def test_engines_keep_ranks_bit_identical_with_the_bound(engines):
 def test_resume_is_exact_with_the_bound(engines):
     for rank in engines:
         assert all(torch.equal(p, q) for p, q in zip(rank["straight"], rank["resumed"]))
+
+
+@pytest.mark.parametrize("max_age, costly", [(0, False), (1000, False), (2, True)])
+def test_the_byte_check_counts_the_block(max_age, costly):
+    """The dense-or-compressed byte check adds the block as pairs: at max_age 2 (half the bucket each step) the
+    pairs cost more than the dense allreduce, so policy auto keeps the bucket dense."""
+    from types import SimpleNamespace
+    from ds_dragonn.engine.decision import BucketDecision
+    from ds_dragonn.exchange import AllgatherExchange
+    cfg = DragonnConfig(enabled=True, density=0.001, warmup_steps=0, density_warmup_steps=0,
+                        advanced={"max_age": max_age})
+    backend = SimpleNamespace(world_size=2)
+    pipeline = SimpleNamespace(backend=backend, exchange=AllgatherExchange(backend))
+    choice = BucketDecision(cfg).choose("b", 100_000, 5, pipeline, torch.bfloat16)
+    assert choice.fixed is costly  # fixed: dense for the bytes, whatever the timings (else the policy probes)
+    assert not costly or choice.dense

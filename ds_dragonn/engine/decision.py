@@ -11,6 +11,7 @@ import torch
 from deepspeed.utils.logging import print_dist
 
 from ..compress import max_pairs, target_k
+from ..compress.age_bound import block_capacity
 from ..compress.base import Compressor
 from ..config import DragonnConfig, Policy
 from ..pipeline import CompressedAllreduce
@@ -69,6 +70,7 @@ class BucketDecision:
         if hit is None:
             world = pipeline.backend.world_size
             pairs = max_pairs(target_k(numel, self.cfg.density))  # the target density: its warm-up is transient
+            pairs += block_capacity(numel, self.cfg.max_age)  # the age bound's block, counted as pairs (an upper bound)
             most = pipeline.exchange.max_bytes(numel, pairs, dtype, world)
             dense = pipeline.exchange.dense_bytes(numel, dtype.itemsize, world) if dense_bytes is None else dense_bytes
             hit = self._costly[key] = most > dense
