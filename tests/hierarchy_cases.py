@@ -86,8 +86,12 @@ ENGINE_RUNS = {
                  "gradient_clipping": 0.0},
     "bf16_partitioned": zero_config(0, {**_H, "compress": "gradient", "exchange": "partitioned"}, bf16=True),
     # the dense warm-up and refreshes quantized across nodes (advanced.dense_values)
-    "momentum_dense_int8": {**zero_config(0, {**_H, "compress": "momentum", "advanced": {
+    # (named without "dense": test_engines_train_node_aware_in_sync skips the dense baselines by name)
+    "momentum_dq_int8": {**zero_config(0, {**_H, "compress": "momentum", "advanced": {
         "variance_refresh_steps": 3, "dense_values": "int8"}}), "gradient_clipping": 0.0},
+    # the age bound's block over each node's shard (advanced.max_age)
+    "momentum_age": {**zero_config(0, {**_H, "compress": "momentum", "advanced": {
+        "variance_refresh_steps": 3, "max_age": 3}}), "gradient_clipping": 0.0},
     "dense_d1": {**zero_config(0, {**_H, "density": 1.0, "compress": "gradient"}), "gradient_clipping": 0.0},
     "dense": {**zero_config(0, None), "gradient_clipping": 0.0},
     # ZeRO 1/2: the node's result, each owner its slices
