@@ -169,7 +169,7 @@ class AdvancedConfig(BaseModel):
     modes, every ZeRO stage, the partitioned owners and local steps' Δ (compress/chunks.py)."""
 
     max_age: int = Field(0, ge=0, strict=True)
-    """Age bound: every entry of a bucket is sent at least once every ``max_age`` compressed steps (local steps:
+    """Age bound: every entry of a bucket is sent at least once every ``max_age + 1`` compressed steps (local steps:
     rounds), whatever its magnitude: each step also sends one of ``max_age`` contiguous blocks of the bucket whole,
     in turn; the allgather exchange sends that block's values without positions (compress/age_bound.py). Costs
     ``1 / max_age`` of the bucket's values per step. 0: no bound."""
@@ -185,19 +185,19 @@ class AdvancedConfig(BaseModel):
     def _refuse_removed(cls, data: Any) -> Any:
         return _refuse_removed_keys(data, "advanced.")
 
-    @field_validator("variance_refresh_steps")
+    @field_validator("variance_refresh_steps", "max_age")
     @classmethod
-    def _check_refresh(cls, v: int) -> int:
+    def _zero_or_at_least_two(cls, v: int, info: ValidationInfo) -> int:
         if v == 1:
-            raise ValueError("1 would refresh at every step and send no momentum; use 0 (never) or at least 2")
+            raise ValueError(_WHY_NOT_ONE[info.field_name])
         return v
 
-    @field_validator("max_age")
-    @classmethod
-    def _check_max_age(cls, v: int) -> int:
-        if v == 1:
-            raise ValueError("1 would send every entry at every step (density 1); use 0 (no bound) or at least 2")
-        return v
+
+#: Why 1 is refused for the keys that take 0 (off) or at least 2.
+_WHY_NOT_ONE = {
+    "variance_refresh_steps": "1 would refresh at every step and send no momentum; use 0 (never) or at least 2",
+    "max_age": "1 would send every entry at every step (density 1); use 0 (no bound) or at least 2",
+}
 
 
 ADVANCED_KEYS = tuple(AdvancedConfig.model_fields)

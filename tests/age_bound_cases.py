@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from tests.chunked_cases import _batches, _build, _params, _train
+from tests.chunked_cases import _batches, _build, _params, _train, save_and_resume
 from tests.engines import engine_config, init_distributed, zero_config
 
 N = 1001  # not divisible by MAX_AGE nor by the world size
@@ -72,13 +72,6 @@ def engine_runs(rank: int, world: int, out_dir: str) -> None:
         out[name] = {"telemetry": engine.dragonn.telemetry.summary(), "params": _params(engine),
                      "max_age": engine.dragonn.cfg.max_age}
         if name == "zero0":
-            ckpt = str(Path(out_dir) / "ckpt")
-            engine.save_checkpoint(ckpt, tag="k")
-            _train(engine, batches[STEPS:])
-            out["straight"] = _params(engine)
-            resumed = _build(cfg)
-            resumed.load_checkpoint(ckpt, tag="k")
-            _train(resumed, batches[STEPS:])
-            out["resumed"] = _params(resumed)
+            save_and_resume(engine, cfg, batches[STEPS:], out_dir, out)
     torch.save(out, Path(out_dir) / f"age_rank{rank}.pt")
     torch.distributed.destroy_process_group()

@@ -59,15 +59,8 @@ def engine_runs(rank: int, world: int, out_dir: str) -> None:
         _train(engine, batches[:STEPS])
         hook = engine.dragonn
         out[name] = {"telemetry": hook.telemetry.summary(), "chunk": hook.compressor.chunk, "params": _params(engine)}
-        if name == "zero0":  # exact resume: save at STEPS, train on; a fresh engine loads and trains the same batches
-            ckpt = str(Path(out_dir) / "ckpt")
-            engine.save_checkpoint(ckpt, tag="k")
-            _train(engine, batches[STEPS:])
-            out["straight"] = _params(engine)
-            resumed = _build(cfg)
-            resumed.load_checkpoint(ckpt, tag="k")
-            _train(resumed, batches[STEPS:])
-            out["resumed"] = _params(resumed)
+        if name == "zero0":
+            ckpt = save_and_resume(engine, cfg, batches[STEPS:], out_dir, out)
             other = _build(engine_config({**CH, "advanced": {"selection": "global"}}))  # another selection: kept
             other.load_checkpoint(ckpt, tag="k")
             out["notes"] = list(other.dragonn.notes)
@@ -76,6 +69,20 @@ def engine_runs(rank: int, world: int, out_dir: str) -> None:
                 torch.equal(a, b) for a, b in zip(saved, loaded))
     torch.save(out, Path(out_dir) / f"chunked_rank{rank}.pt")
     torch.distributed.destroy_process_group()
+
+
+def save_and_resume(engine, cfg: dict, rest: list, out_dir: str, out: dict) -> str:
+    """Exact resume: save ``engine``, train it on ``rest`` (``out["straight"]``); a fresh engine of ``cfg`` loads the
+    checkpoint and trains the same batches (``out["resumed"]``). Returns the checkpoint folder (tag ``"k"``)."""
+    ckpt = str(Path(out_dir) / "ckpt")
+    engine.save_checkpoint(ckpt, tag="k")
+    _train(engine, rest)
+    out["straight"] = _params(engine)
+    resumed = _build(cfg)
+    resumed.load_checkpoint(ckpt, tag="k")
+    _train(resumed, rest)
+    out["resumed"] = _params(resumed)
+    return ckpt
 
 
 def _loaded(cfg: dict, ckpt: str):
