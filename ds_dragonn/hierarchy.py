@@ -95,7 +95,7 @@ class NodeAllreduce:
 
     def reduce(self, tensors, key: Hashable, seed: int, prescale: float = 1.0, postscale: float = 1.0,
                dtype: torch.dtype | None = None, into_inputs: bool = False, segments=None,
-               ownership=None, step: int | None = None) -> Reduced:
+               ownership=None, age_step: int | None = None) -> Reduced:
         """:meth:`CompressedAllreduce.reduce <ds_dragonn.pipeline.CompressedAllreduce.reduce>` of the bucket
         ``tensors`` through the node (module docstring); ``out`` is a new (n,) tensor of ``dtype``, and the
         statistics count the shard's selection and the cross-node bytes (``dense_bytes``: a flat ring
@@ -111,7 +111,7 @@ class NodeAllreduce:
         shard, per, n = self._node_shard(tensors, prescale)
         node_ms = clock.lap()
         out, stats = self.cross.reduce([shard], shard_key(key, self.layout, per), seed, 1.0, postscale, dtype,
-                                      step=step)
+                                      age_step=age_step)
         clock.lap()
         full = self._gather(out, n)
         node_ms += clock.lap()  # the node's collectives count as exchange time, with the cross-node exchange

@@ -105,8 +105,8 @@ class CompressedAllreduce:
         exchange: the exchange scheme over ``backend`` (default :class:`~ds_dragonn.exchange.AllgatherExchange`).
         momentum: compress each rank's local momentum instead of its gradient (``compress: momentum``):
             every reduction first folds the gradients into it (:class:`~ds_dragonn.momentum.LocalMomentum`).
-        max_age: the age bound in steps (``advanced.max_age``; 0: none): each reduction given a ``step`` also
-            sends that step's block of the bucket whole (``compress/age_bound.py``).
+        max_age: the age bound in steps (``advanced.max_age``; 0: none): each reduction given an ``age_step``
+            also sends that step's block of the bucket whole (``compress/age_bound.py``).
     """
 
     def __init__(self, compressor: Compressor, backend: CommBackend, error_feedback: ErrorFeedback,
@@ -122,7 +122,7 @@ class CompressedAllreduce:
 
     def reduce(self, tensors: Union[torch.Tensor, Sequence[torch.Tensor]], key: Hashable, seed: int,
                prescale: float = 1.0, postscale: float = 1.0, dtype: torch.dtype | None = None,
-               into_inputs: bool = False, segments=None, ownership=None, step: int | None = None) -> Reduced:
+               into_inputs: bool = False, segments=None, ownership=None, age_step: int | None = None) -> Reduced:
         """Reduce the bucket ``tensors`` (their concatenation) across ranks.
 
         Args:
@@ -140,8 +140,9 @@ class CompressedAllreduce:
                 :class:`~ds_dragonn.compress.segments.Segments` (per-tensor selection).
             ownership: the bucket's owner map for the ``reduce_scatter`` exchange (ZeRO's partitions:
                 :class:`~ds_dragonn.exchange.reduce_scatter.RangeOwnership`); other schemes ignore it.
-            step: the optimizer step (local steps: the round), equal on every rank: with ``max_age`` it picks the
-                block sent whole (None: no block).
+            age_step: the age bound's clock, equal on every rank: the index of this compressed step
+                (``DensitySchedule.compressed_index``; local steps: the round). With ``max_age`` it picks the block
+                sent whole (None: no block).
         Returns:
             :class:`Reduced`; ``out`` is a persistent (n,) buffer of ``dtype`` holding
             ``postscale × Σ_ranks decoded pairs``, valid until this key's next reduction (None with
@@ -166,8 +167,8 @@ class CompressedAllreduce:
         compensated = self.error_feedback.compensate_(key, tensors, dtype, prescale, zero_inputs=into_inputs)
         compensate_ms = clock.lap()
         sel = self.compressor.compress(compensated, seed, segments)
-        if self.max_age and step is not None:
-            sel = with_age_block(sel, compensated, self.max_age, step)
+        if self.max_age and age_step is not None:
+            sel = with_age_block(sel, compensated, self.max_age, age_step)
         wire_values = to_wire(sel.values, dtype)
         select_ms = clock.lap()
 

@@ -76,6 +76,14 @@ class DensitySchedule:
         r = self.refresh_steps
         return r > 0 and step >= self.warmup_steps and (step - self.warmup_steps) % r == r - 1
 
+    def compressed_index(self, step: int) -> int:
+        """The index of ``step`` among the steps after the dense warm-up that are not variance refreshes (0 at the
+        first): the age bound's clock (``compress/age_bound.py``). A refresh sends the raw gradient and leaves the
+        residual unsent, so it must not use up a block; every other dense step flushes the residual whole.
+        Steps before the end of the warm-up give 0."""
+        j = max(0, step - self.warmup_steps)
+        return j - (j // self.refresh_steps if self.refresh_steps else 0)
+
     def warming(self, step: int) -> bool:
         """True while the density is above its target (compressed steps of the density warm-up)."""
         return self.warmup_steps <= step < self.warmup_steps + self.steps

@@ -52,7 +52,7 @@ def exchange_runs(rank: int, world: int, out_dir: str) -> None:
                     sent = []
                     for step in range(MAX_AGE + 1):
                         grad = x.clone() if step == 0 else torch.zeros_like(x)
-                        res, stats = pipe.reduce([grad], "b", seed=5 + step, dtype=dtype, step=step)
+                        res, stats = pipe.reduce([grad], "b", seed=5 + step, dtype=dtype, age_step=step)
                         total += res.double()
                         sent.append(stats.bytes_sent)
                     out[(exchange, str(dtype), values, bound)] = {

@@ -11,6 +11,7 @@ from ds_dragonn.compress import TopKCompressor
 from ds_dragonn.compress.age_bound import age_block, block_capacity, with_age_block
 from ds_dragonn.compress.base import Selection
 from ds_dragonn.config import DragonnConfig, DragonnConfigError
+from ds_dragonn.schedule import DensitySchedule
 from tests.multiproc import ranks_fixture
 
 
@@ -24,29 +25,48 @@ def test_blocks_tile_the_bucket_once_per_cycle(n, max_age):
             lo, hi = age_block(n, max_age, step)
             assert 0 <= lo <= hi <= n and hi - lo <= block_capacity(n, max_age)
             seen[lo:hi] += 1
-            if cycle:  # no entry waits longer than max_age + 1 steps for its block
-                assert bool((step - last[lo:hi] <= max_age + 1).all())
+            if cycle:  # no entry waits longer than max_age compressed steps for its block
+                assert bool((step - last[lo:hi] <= max_age).all())
             last[lo:hi] = step
         assert bool((seen == 1).all())  # every entry exactly once per cycle
 
 
-def test_a_periodic_dense_step_skips_a_different_block_each_time():
-    """Variance refreshes every 100 steps with max_age 100 (or 50): the skipped block rotates, so every block is
-    still sent (with plain ``step mod max_age`` one block would never be)."""
-    for max_age, period in ((100, 100), (50, 100), (300, 100)):
-        sent = set()
-        for step in range(20 * max_age):
-            if step % period != 7:
-                sent.add(age_block(60_000, max_age, step))  # 60000: no empty blocks
-        assert len(sent) == max_age
+@pytest.mark.parametrize("max_age,period", [(100, 100), (100, 101), (100, 51), (50, 100), (300, 100), (7, 2),
+                                            (2, 3), (100, 0)])
+def test_variance_refreshes_never_starve_a_block(max_age, period):
+    """The clock is the schedule's compressed-step index, so a variance refresh (dense, the residual unsent) uses up
+    no block whatever its period: every block is sent at least once every ``max_age`` compressed steps, i.e. within
+    ``max_age`` plus the refreshes in between. (With the optimizer step as the clock and ``(s − ⌊s/N⌋) mod N``, a
+    refresh every 101 steps left one block of ``max_age`` 100 unsent for ~10,000 steps.)"""
+    schedule = DensitySchedule(0.001, warmup_steps=13, refresh_steps=period)
+    n, last, worst = 60_000, {}, 0  # 60000: no empty blocks at these max_age
+    refreshes_per_window = -(-max_age // (period - 1)) if period else 0
+    for step in range(schedule.warmup_steps, schedule.warmup_steps + 30 * max_age + 500):
+        if schedule.refresh(step):
+            continue
+        block = age_block(n, max_age, schedule.compressed_index(step))
+        if block in last:
+            worst = max(worst, step - last[block])
+        last[block] = step
+    assert len(last) == max_age
+    assert max_age <= worst <= max_age + refreshes_per_window
+
+
+def test_the_compressed_index_skips_the_warm_up_and_the_refreshes():
+    schedule = DensitySchedule(0.01, warmup_steps=5, refresh_steps=4)  # refreshes at steps 8, 12, 16, ...
+    assert [schedule.compressed_index(s) for s in range(0, 14)] == [0, 0, 0, 0, 0, 0, 1, 2, 3, 3, 4, 5, 6, 6]
+    assert [s for s in range(14) if schedule.refresh(s)] == [8, 12]
+    assert DensitySchedule(0.01, warmup_steps=2).compressed_index(10) == 8  # no refreshes: steps since the warm-up
 
 
 def test_no_bound_and_bad_arguments():
     assert age_block(100, 0, 5) == (0, 0) and block_capacity(100, 0) == 0
     with pytest.raises(ValueError, match="max_age"):
         age_block(100, -1, 0)
-    with pytest.raises(ValueError, match="step"):
+    with pytest.raises(ValueError, match="index=-1"):
         age_block(100, 3, -1)
+    with pytest.raises(ValueError, match="numel=-5"):
+        age_block(-5, 3, 1)
 
 
 @pytest.mark.parametrize("n, max_age, step", [(1, 2, 0), (1, 2, 1), (10, 3, 2), (1001, 7, 0), (1001, 7, 6),

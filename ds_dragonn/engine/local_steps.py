@@ -198,7 +198,7 @@ class LocalStepsHook(HookBase):
         else:
             self.compressor.density = self.cfg.density
             out, stats = pipeline.reduce(deltas, key, bucket_seed(self.cfg.seed, steps, 0), 1.0, 1.0 / world, dtype,
-                                         step=(steps - self.cfg.warmup_steps) // self.cfg.local_steps)
+                                         age_step=(steps - self.cfg.warmup_steps) // self.cfg.local_steps)
             sent = stats.bytes_sent
         self.outer.apply_(segment_views(out, deltas))
         self.outer.restart_(masters)
