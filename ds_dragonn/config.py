@@ -169,9 +169,9 @@ class AdvancedConfig(BaseModel):
     modes, every ZeRO stage, the partitioned owners and local steps' Δ (compress/chunks.py)."""
 
     max_age: int = Field(0, ge=0, strict=True)
-    """Age bound: every entry of a bucket is sent at least once every ``max_age + 1`` compressed steps (local steps:
-    rounds), whatever its magnitude: each step also sends one of ``max_age`` contiguous blocks of the bucket whole,
-    in turn; the allgather exchange sends that block's values without positions (compress/age_bound.py). Costs
+    """Age bound: every entry of a bucket is sent at least once every ``max_age`` compressed steps (local steps:
+    rounds; variance refreshes in between do not count), whatever its magnitude: each compressed step also sends
+    one of ``max_age`` contiguous blocks of the bucket whole, in turn; the allgather exchange sends that block's values without positions (compress/age_bound.py). Costs
     ``1 / max_age`` of the bucket's values per step. 0: no bound."""
 
     outer_residual: OuterResidual = OuterResidual.weights

@@ -104,7 +104,7 @@ RUNS = {
     "dq8_0.01": {"density": 0.01, "advanced": {"dense_values": "int8"}},
     "dq8_int4_0.01": {"density": 0.01, "advanced": {"values": "int4", "dense_values": "int8"}},
     "dq4_int4_0.01": {"density": 0.01, "advanced": {"values": "int4", "dense_values": "int4"}},
-    # the age bound (advanced.max_age): every entry sent at least every N steps, one block of n / N per step whole
+    # the age bound (advanced.max_age): every entry sent at least every N compressed steps, one block of n / N per step whole
     "age30_0.001": {"density": 0.001, "advanced": {"max_age": 30}},
     "age100_0.001": {"density": 0.001, "advanced": {"max_age": 100}},
     "age300_0.001": {"density": 0.001, "advanced": {"max_age": 300}},

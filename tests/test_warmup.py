@@ -156,6 +156,20 @@ def test_the_online_rule_takes_the_first_rise_only():
     assert _run_tracker(flat_start).end == 2 * 41
 
 
+def test_a_step_skipped_on_overflow_is_not_a_peak():
+    """fp16: DeepSpeed does not step the scheduler on a skipped step, so the next step's learning rate is flat.
+    Without ``skipped`` the tracker read steps 2-3 of a 500-step linear warm-up as its peak and ended at 30."""
+    f = lambda applied: 1e-3 * min(1.0, applied / 500)  # noqa: E731
+    for skips in ((), (2, 3), (2, 3, 250, 251, 252)):
+        tracker, applied = LrWarmupTracker(), 0
+        for t in range(1200):
+            skipped = sum(1 for s in skips if s < t)
+            tracker.observe(t, f(applied), skipped)
+            tracker.observe(t, f(applied) * 7, skipped)  # a second reduction of the same step: ignored
+            applied += t not in skips
+        assert tracker.end == 2 * (500 + len(skips))  # the last rise: the step whose `applied` reaches 500
+
+
 def test_a_multiplicative_schedule_is_not_read_as_a_lambda_one():
     sched = torch.optim.lr_scheduler.MultiplicativeLR(_optimizer(), lambda t: 1.1 if t <= 40 else 1.0)
     assert lr_warmup_steps(sched) is None  # its lambdas are step-to-step factors: followed online instead

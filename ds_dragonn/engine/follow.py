@@ -53,7 +53,8 @@ class FollowsOptimizer:
         tracker = self.warmup_tracker
         if tracker is not None and tracker.end is None:
             lr = optimizer_lr(self.engine) if hasattr(self.engine, "optimizer") else None
-            if tracker.observe(int(self.engine.global_steps), lr) is not None:
+            skipped = int(getattr(self.engine, "skipped_steps", 0) or 0)
+            if tracker.observe(int(self.engine.global_steps), lr, skipped) is not None:
                 self._end_warmup(tracker.end, log=True)
         if self.momentum is None:
             return

@@ -112,14 +112,19 @@ class LrWarmupTracker:
         self.peaked = False  # the learning rate has stopped rising (from step 2 on: a flat start is not a peak)
         self.prev_lr: Optional[float] = None
         self.last_step: Optional[int] = None
+        self.skipped = 0  # DeepSpeed's skipped_steps at the last observation
 
-    def observe(self, step: int, lr: Optional[float]) -> Optional[int]:
+    def observe(self, step: int, lr: Optional[float], skipped: int = 0) -> Optional[int]:
         """Record ``lr`` (None: unknown) of optimizer step ``step`` (``engine.global_steps`` at its first
-        reduction; later reductions of the same step are ignored); returns :attr:`end` (None: still dense)."""
+        reduction; later reductions of the same step are ignored); returns :attr:`end` (None: still dense).
+        ``skipped``: DeepSpeed's count of steps skipped on overflow (``engine.skipped_steps``). DeepSpeed does
+        not step the scheduler on a skipped step (0.19.8 ``runtime/engine.py`` ``_take_model_step``), so the
+        learning rate after one is flat without having peaked: that step is not read as a peak."""
         if self.end is not None or step == self.last_step:
             return self.end
         self.last_step = step
-        if not self.peaked:
+        after_skip, self.skipped = skipped > self.skipped, max(self.skipped, int(skipped))
+        if not self.peaked and not after_skip:
             if lr is not None and self.prev_lr is not None and lr > self.prev_lr:
                 self.last_rise = step
             elif step >= 2:
@@ -132,7 +137,7 @@ class LrWarmupTracker:
 
     def state_dict(self) -> dict:
         return {"end": self.end, "last_rise": self.last_rise, "peaked": self.peaked, "prev_lr": self.prev_lr,
-                "last_step": self.last_step}
+                "last_step": self.last_step, "skipped": self.skipped}
 
     def load_state_dict(self, state: Optional[dict]) -> None:
         """Restore :meth:`state_dict` (None or malformed: start afresh; a state saved without the tracker)."""
@@ -144,4 +149,6 @@ class LrWarmupTracker:
         self.last_rise = rise if isinstance(rise, int) and not isinstance(rise, bool) and rise >= 0 else 0
         self.prev_lr = float(lr) if isinstance(lr, (int, float)) and not isinstance(lr, bool) else None
         self.last_step = last if isinstance(last, int) and not isinstance(last, bool) else None
+        skipped = state.get("skipped")
+        self.skipped = skipped if isinstance(skipped, int) and not isinstance(skipped, bool) and skipped >= 0 else 0
         self.peaked = state.get("peaked") is True or self.end is not None
