@@ -1,0 +1,8 @@
+#!/bin/bash
+cd . && . launch/setup_env.sh >/dev/null 2>&1
+exec nice -n 5 python launch/bench_ttq.py quality --out runs/ttq_small --steps 2000 --eval-every 50 \
+  --n-layer 2 --d-model 64 --n-head 2 --ctx 32 --eval-windows 64 \
+  --modes ds_fp32,dragonn,local_h30_d0.01,diloco_h30,ds_bf16 \
+  --mode 'diloco_sgd_h30={"dragonn": {"enabled": true, "sync": "local_steps", "local_steps": 30, "density": 1.0}}' \
+  --mode 'd0001_int4_dw1000_age300={"dragonn": {"enabled": true, "density": 0.001, "density_warmup_steps": 1000, "advanced": {"values": "int4", "dense_values": "int4", "max_age": 300}}}' \
+  --mode 'd001_int4={"dragonn": {"enabled": true, "density": 0.01, "advanced": {"values": "int4", "dense_values": "int4"}}}'
