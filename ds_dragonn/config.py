@@ -171,8 +171,9 @@ class AdvancedConfig(BaseModel):
     max_age: int = Field(0, ge=0, strict=True)
     """Age bound: every entry of a bucket is sent at least once every ``max_age`` compressed steps (local steps:
     rounds; variance refreshes in between do not count), whatever its magnitude: each compressed step also sends
-    one of ``max_age`` contiguous blocks of the bucket whole, in turn; the allgather exchange sends that block's values without positions (compress/age_bound.py). Costs
-    ``1 / max_age`` of the bucket's values per step. 0: no bound."""
+    one of ``max_age`` contiguous blocks of the bucket whole, in turn; the allgather exchange sends that block's
+    values without positions (compress/age_bound.py). Costs ``1 / max_age`` of the bucket's values per step.
+    0: no bound."""
 
     outer_residual: OuterResidual = OuterResidual.weights
     """``sync: local_steps`` with ``density`` < 1: where a rank's unsent pseudo-gradient waits. ``weights``: in the

@@ -1,4 +1,5 @@
-"""The age bound (``advanced.max_age``): every entry of a bucket is sent at least once every ``max_age`` compressed steps.
+"""The age bound (``advanced.max_age``): every entry of a bucket is sent at least once every ``max_age``
+compressed steps.
 
 At density 0.001 an entry whose accumulated residual stays below the threshold waits ~1/density = 1000 steps
 for its turn, and then arrives as one burst (issue 38 item 4; DGC's answer at that density is a density warm-up
