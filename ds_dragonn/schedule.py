@@ -84,6 +84,11 @@ class DensitySchedule:
         j = max(0, step - self.warmup_steps)
         return j - (j // self.refresh_steps if self.refresh_steps else 0)
 
+    def ticks(self, step: int) -> bool:
+        """Whether ``step`` uses up an index of the age bound's clock (:meth:`compressed_index`): a step after
+        the dense warm-up that is not a variance refresh."""
+        return step >= self.warmup_steps and not self.refresh(step)
+
     def warming(self, step: int) -> bool:
         """True while the density is above its target (compressed steps of the density warm-up)."""
         return self.warmup_steps <= step < self.warmup_steps + self.steps

@@ -45,6 +45,7 @@ def skip_runs(rank: int, world: int, out_dir: str) -> None:
             engine.backward(loss)
             engine.step()
             steps.append({"residuals": _residuals(engine.dragonn), "skipped": int(engine.skipped_steps),
+                          "age_clock": engine.dragonn.age_clock(int(engine.global_steps)),  # the next step's
                           "params": [p.detach().float().clone() for p in engine.module.parameters()]})
         out[name] = {"steps": steps, "transactional": engine.dragonn.transactional,
                      "restored": engine.dragonn.steps.restored_steps}

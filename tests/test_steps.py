@@ -101,6 +101,44 @@ def test_step_guard_ends_each_step_once_and_follows_the_loss_scale():
     assert store.calls == [("end", True), ("rescale", 2.0)]
 
 
+def test_step_guard_counts_the_skipped_steps_of_the_age_clock():
+    """A skipped step that used up an index of the age clock is counted (its block was rolled back), a skipped
+    warm-up or refresh step is not; applied steps never are."""
+    from ds_dragonn.schedule import DensitySchedule
+    schedule = DensitySchedule(0.01, warmup_steps=3, refresh_steps=4)  # refreshes at 6, 10, ...
+    state = {"skipped": 0}
+    guard = StepGuard(lambda: [], lambda: state["skipped"], lambda: 1.0, ticks=schedule.ticks)
+    counted = []
+    for step in range(12):
+        guard.begin(step)
+        if step in (1, 4, 6, 7):  # skipped: a warm-up step, two compressed steps, a refresh
+            state["skipped"] += 1
+        guard.begin(step)  # a second bucket of the same step
+        guard.end()
+        counted.append(guard.skipped_ticks)
+    assert [schedule.ticks(s) for s in range(12)] == [False] * 3 + [True] * 3 + [False] + [True] * 3 + [False, True]
+    assert counted == [0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 2, 2] and guard.restored_steps == 4
+
+
+def test_the_age_clock_survives_a_checkpoint():
+    from ds_dragonn.config import DragonnConfig
+    from ds_dragonn.engine.base import HookBase
+    from tests.fakes import fake_engine
+    engine = fake_engine(global_steps=9)
+    cfg = DragonnConfig(enabled=True, warmup_steps=2)
+    src = HookBase(engine, cfg)
+    src.steps.skipped_ticks = 3
+    assert src.age_clock(9) == 9 - 2 - 3
+    dst = HookBase(engine, cfg)
+    dst.load_state_dict(src.state_dict())
+    assert dst.age_clock(9) == src.age_clock(9) == 4
+    for bad in (-1, True, 2.5, "3"):  # not a count: the clock counts no skipped step
+        state = src.state_dict()
+        state["age_skipped"] = bad
+        dst.load_state_dict(state)
+        assert dst.steps.skipped_ticks == 0
+
+
 def test_residuals_follow_a_changed_loss_scale_exactly():
     """Residuals are kept in the units of the gradients they meet: rescaled by S_new/S_old (exact)."""
     ef = ErrorFeedback(True, transactional=True)
@@ -145,6 +183,10 @@ def test_skipped_step_leaves_every_residual_as_before(skips, name):
         assert all(bool(torch.isfinite(v).all()) for v in after["residuals"].values())
         assert all(bool(torch.isfinite(p).all()) for p in run["steps"][-1]["params"])
         assert not all(torch.equal(a, b) for a, b in zip(bad["params"], after["params"]))
+    # the age bound's clock: the skipped step's index goes to the next step, whose block was not sent
+    clocks = [skips[r][name]["steps"][s]["age_clock"] for r in range(2) for s in range(SKIP_STEPS)]
+    expected = [s + 1 - (s >= BAD_STEP) for s in range(SKIP_STEPS)]
+    assert clocks == expected * 2
     for step in range(SKIP_STEPS):  # ranks identical throughout
         assert all(torch.equal(a, b) for a, b in zip(skips[0][name]["steps"][step]["params"],
                                                      skips[1][name]["steps"][step]["params"]))

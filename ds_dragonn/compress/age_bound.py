@@ -15,8 +15,9 @@ refresh sends the raw gradient and leaves the residual unsent, so if it used up 
 aliases with the block order would skip the same block again and again (with the optimizer step as the clock and
 ``max_age`` equal to the refresh period, one block would never be sent). Every other dense step (the policy's)
 flushes the whole residual. So an entry waits at most ``max_age`` compressed steps, plus the refreshes between
-them. Local steps count rounds. One exception: an fp16 step that DeepSpeed skips on overflow still advances the
-clock, and its residual update is rolled back (engine/steps.py), so its block waits one more cycle.
+them. Local steps count rounds. A step that DeepSpeed skips on overflow (fp16, bf16 with ``check_grad_overflow``)
+is rolled back with its residuals (engine/steps.py) and gives its index back: the hook's clock is the compressed
+index less those steps (``HookBase.age_clock``, checkpointed), so the next step sends the block it did not.
 """
 from __future__ import annotations
 

@@ -68,7 +68,8 @@ class HookBase(FollowsOptimizer, HookState):
         self.compressor = build_compressor(cfg)
         self.transactional = may_skip_steps(engine)  # fp16, bf16 + check_grad_overflow: steps may be skipped
         self.error_feedback = ErrorFeedback(cfg.error_feedback, transactional=self.transactional)
-        self.steps = StepGuard(self._stores, lambda: getattr(engine, "skipped_steps", 0), lambda: loss_scale(engine))
+        self.steps = StepGuard(self._stores, lambda: getattr(engine, "skipped_steps", 0), lambda: loss_scale(engine),
+                               ticks=lambda step: self.decision.schedule.ticks(step))
         self.decision = BucketDecision(cfg)
         self.reporter = Reporter(engine, cfg, self.decision.schedule)
         self._pipelines: Dict[int, CompressedAllreduce] = {}
@@ -136,6 +137,12 @@ class HookBase(FollowsOptimizer, HookState):
         self.steps.abandon()
         self._flushing.clear()
         self._round, self._ordinal = None, 0
+
+    def age_clock(self, step: int) -> int:
+        """The age bound's clock at ``step`` (``compress/age_bound.py``): its compressed index
+        (``DensitySchedule.compressed_index``) less the compressed steps DeepSpeed skipped on overflow, whose
+        blocks were rolled back with their residuals and go out at the next step instead."""
+        return self.schedule.compressed_index(step) - self.steps.skipped_ticks
 
     def settle(self) -> None:
         """End the last step's residual transaction if DeepSpeed has finished that step."""

@@ -129,7 +129,7 @@ class Stage0Hook(HookBase):
         into = into_bucket and pipeline.can_reduce_into(bucket, comm_dtype)
         out, stats = pipeline.reduce(bucket, key, bucket_seed(self.cfg.seed, step, ordinal), scales.prescale,
                                      scales.postscale, comm_dtype, into_inputs=into,
-                                     age_step=self.decision.schedule.compressed_index(step))
+                                     age_step=self.age_clock(step))
         self._record_compressed(key, stats, pipeline, ordinal, step, bucket[0].device)
         return out
 

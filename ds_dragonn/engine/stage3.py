@@ -147,7 +147,7 @@ class Stage3Hook(ZeroPartitionHook):
             ranges = [(r * per, per, r) for r in range(world)]
             out, stats = pipeline.reduce([flat], key, bucket_seed(self.cfg.seed, step, ordinal), 1.0 / world, 1.0,
                                          dt, ownership=RangeOwnership(flat.numel(), ranges, world),
-                                         age_step=self.decision.schedule.compressed_index(step))
+                                         age_step=self.age_clock(step))
             self._record_compressed(key, stats, pipeline, ordinal, step, flat.device)
         mine, parts, offset = out[rank * per:(rank + 1) * per], [], 0
         for p, c in zip(params, chunks):

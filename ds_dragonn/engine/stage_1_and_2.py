@@ -130,7 +130,7 @@ class Stage12Hook(ZeroPartitionHook):
         self.decision.set_density(self.compressor, step)
         out, stats = pipeline.reduce(tensor, key, bucket_seed(self.cfg.seed, step, ordinal), 1.0, 1.0, dt,
                                      ownership=RangeOwnership(numel, ranges, world),
-                                     age_step=self.decision.schedule.compressed_index(step))
+                                     age_step=self.age_clock(step))
         self._write_owned(tensor, out, mine)
         self._record_compressed(key, stats, pipeline, ordinal, step, tensor.device)
 

@@ -195,6 +195,7 @@ def state_dict(hook: Any) -> dict:
             "exchange": [p.exchange.state_dict() for p in hook.pipelines],
             "pending": [tuple(k) if isinstance(k, tuple) else k for k in hook.pending],
             "telemetry": asdict(hook.telemetry), "loss_scale_units": hook.steps.units,
+            "age_skipped": hook.steps.skipped_ticks,
             "momentum": hook.momentum.state_dict() if hook.momentum is not None else None,
             "variance": hook.variance_freeze.state_dict() if hook.variance_freeze is not None else None,
             "warmup": hook.warmup_tracker.state_dict() if hook.warmup_tracker is not None else None,
@@ -224,6 +225,9 @@ def load_state_dict(hook: Any, state: dict, source: str = "the state") -> None:
     rank, world = hook.where()
     validate(state, f"[rank {rank}] DRAGONN: {source}")
     hook.load_warmup_state(state.get("warmup"))  # where the dense warm-up ended: the steps', not the residuals'
+    skipped = state.get("age_skipped")  # the age clock's skipped steps: the steps', not the residuals'
+    valid = isinstance(skipped, int) and not isinstance(skipped, bool) and skipped >= 0
+    hook.steps.skipped_ticks = skipped if valid else 0
     saved = state.get("description") or {"rank": state.get("rank"), "world_size": state.get("world_size")}
     if "description" in state:
         reset, fold, kept = compare(saved, describe(hook))

@@ -46,15 +46,18 @@ class StepGuard:
             ``end_step(applied: bool)`` and ``rescale_(factor: float)``.
         skipped_steps: returns DeepSpeed's count of skipped steps (``engine.skipped_steps``).
         scale: returns the current loss scale (:func:`loss_scale`).
+        ticks: whether a step uses up an index of the age bound's clock (``DensitySchedule.ticks``); a skipped
+            one is counted in ``skipped_ticks``, so the next step sends the block the skipped one did not.
     """
 
     def __init__(self, stores: Callable[[], Iterable[Any]], skipped_steps: Callable[[], int],
-                 scale: Callable[[], float]):
-        self._stores, self._skipped, self._scale = stores, skipped_steps, scale
+                 scale: Callable[[], float], ticks: Callable[[int], bool] = lambda step: False):
+        self._stores, self._skipped, self._scale, self._ticks = stores, skipped_steps, scale, ticks
         self._step: Optional[int] = None  # the global step whose transaction is open
         self._skipped_at_open = 0
         self.units: Optional[float] = None  # the loss scale the residuals are in (None: not known yet)
         self.restored_steps = 0  # skipped steps whose residual changes were discarded
+        self.skipped_ticks = 0  # skipped steps that had used up an index of the age clock (checkpointed)
 
     def begin(self, step: int) -> None:
         """Call before every reduction of global step ``step``: ends the previous step's transaction if the
@@ -80,6 +83,7 @@ class StepGuard:
             store.end_step(applied)
         if not applied:
             self.restored_steps += 1
+            self.skipped_ticks += int(bool(self._ticks(self._step)))
             print_dist(f"DRAGONN: step {self._step + 1} was skipped (overflow): residuals restored to their "
                        f"state before it", ranks=[0])
         self._step = None
