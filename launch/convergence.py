@@ -139,6 +139,9 @@ RUNS = {
                            "advanced": {"outer_residual": "weights"}},
     "diloco_w0": {"sync": "local_steps", "density": 1.0, "hierarchy": "flat", "warmup_steps": 0},
     "diloco_h15": {"sync": "local_steps", "local_steps": 15, "density": 1.0, "hierarchy": "flat"},
+    # where local steps lose steps: H = 1 averages the weights after every step (only Adam's state stays local)
+    "diloco_h1": {"sync": "local_steps", "local_steps": 1, "density": 1.0, "hierarchy": "flat"},
+    "diloco_h4": {"sync": "local_steps", "local_steps": 4, "density": 1.0, "hierarchy": "flat"},
     "local_chunked_0.01": {"sync": "local_steps", "density": 0.01, "hierarchy": "flat",
                            "advanced": {"selection": "chunked"}},
 }
