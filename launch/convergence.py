@@ -145,6 +145,7 @@ RUNS = {
     # ... each rank's Adam normalizes its own half-batch gradient: an outer lr of sqrt(workers) undoes the averaging
     "diloco_h1_olr1.4": {"sync": "local_steps", "local_steps": 1, "density": 1.0, "hierarchy": "flat", "outer_lr": 1.4},
     "diloco_olr1.4": {"sync": "local_steps", "density": 1.0, "hierarchy": "flat", "outer_lr": 1.4},
+    "diloco_olr2": {"sync": "local_steps", "density": 1.0, "hierarchy": "flat", "outer_lr": 2.0},
     "local_kept_olr1.4_0.01": {"sync": "local_steps", "density": 0.01, "hierarchy": "flat", "outer_lr": 1.4,
                                "advanced": {"outer_residual": "weights"}},
     "local_chunked_0.01": {"sync": "local_steps", "density": 0.01, "hierarchy": "flat",
