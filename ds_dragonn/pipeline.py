@@ -140,9 +140,9 @@ class CompressedAllreduce:
                 :class:`~ds_dragonn.compress.segments.Segments` (per-tensor selection).
             ownership: the bucket's owner map for the ``reduce_scatter`` exchange (ZeRO's partitions:
                 :class:`~ds_dragonn.exchange.reduce_scatter.RangeOwnership`); other schemes ignore it.
-            age_step: the age bound's clock, equal on every rank: the index of this compressed step
-                (``DensitySchedule.compressed_index``; local steps: the round). With ``max_age`` it picks the block
-                sent whole (None: no block).
+            age_step: the age bound's clock, equal on every rank: the index of this compressed step, less the
+                steps skipped on overflow (``HookBase.age_clock``; local steps: the round). With ``max_age`` it picks
+                the block sent whole (None: no block).
         Returns:
             :class:`Reduced`; ``out`` is a persistent (n,) buffer of ``dtype`` holding
             ``postscale × Σ_ranks decoded pairs``, valid until this key's next reduction (None with

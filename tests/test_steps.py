@@ -137,6 +137,16 @@ def test_the_age_clock_survives_a_checkpoint():
         state["age_skipped"] = bad
         dst.load_state_dict(state)
         assert dst.steps.skipped_ticks == 0
+    # a state that does not apply here (another world size) starts the residuals empty, and the clock with them:
+    # the same 0 on every rank, whether its file was reset or missing
+    other = src.state_dict()
+    other["world_size"] = other["description"]["world_size"] = 2
+    dst.load_state_dict(other)
+    assert dst.steps.skipped_ticks == 0 and dst.age_clock(9) == 7
+    # a resume with a longer warm-up counts fewer compressed steps than were skipped: never below 0
+    longer = HookBase(engine, DragonnConfig(enabled=True, warmup_steps=8))
+    longer.load_state_dict(src.state_dict())
+    assert longer.steps.skipped_ticks == 3 and longer.age_clock(9) == 0 and longer.age_clock(13) == 2
 
 
 def test_residuals_follow_a_changed_loss_scale_exactly():

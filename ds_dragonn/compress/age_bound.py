@@ -17,7 +17,8 @@ aliases with the block order would skip the same block again and again (with the
 flushes the whole residual. So an entry waits at most ``max_age`` compressed steps, plus the refreshes between
 them. Local steps count rounds. A step that DeepSpeed skips on overflow (fp16, bf16 with ``check_grad_overflow``)
 is rolled back with its residuals (engine/steps.py) and gives its index back: the hook's clock is the compressed
-index less those steps (``HookBase.age_clock``, checkpointed), so the next step sends the block it did not.
+index less those steps (``HookBase.age_clock``, checkpointed with the residuals, 0 when they start empty), so
+the next compressed step sends the block it did not.
 """
 from __future__ import annotations
 

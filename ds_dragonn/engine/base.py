@@ -141,8 +141,9 @@ class HookBase(FollowsOptimizer, HookState):
     def age_clock(self, step: int) -> int:
         """The age bound's clock at ``step`` (``compress/age_bound.py``): its compressed index
         (``DensitySchedule.compressed_index``) less the compressed steps DeepSpeed skipped on overflow, whose
-        blocks were rolled back with their residuals and go out at the next step instead."""
-        return self.schedule.compressed_index(step) - self.steps.skipped_ticks
+        blocks were rolled back with their residuals and go out at the next compressed step instead. Never below
+        0: a resume that shortened the warm-up or the refresh period may have counted more than it now has."""
+        return max(0, self.schedule.compressed_index(step) - self.steps.skipped_ticks)
 
     def settle(self) -> None:
         """End the last step's residual transaction if DeepSpeed has finished that step."""

@@ -213,6 +213,7 @@ def reset_state(hook: Any, why: str) -> None:
         pipe.exchange.reset()
     hook.pending.clear()
     hook.forget_round()
+    hook.steps.skipped_ticks = 0  # the age clock: with empty residuals any block order is exact, and 0 agrees
     hook.reset_extra_state()
 
 
@@ -225,9 +226,6 @@ def load_state_dict(hook: Any, state: dict, source: str = "the state") -> None:
     rank, world = hook.where()
     validate(state, f"[rank {rank}] DRAGONN: {source}")
     hook.load_warmup_state(state.get("warmup"))  # where the dense warm-up ended: the steps', not the residuals'
-    skipped = state.get("age_skipped")  # the age clock's skipped steps: the steps', not the residuals'
-    valid = isinstance(skipped, int) and not isinstance(skipped, bool) and skipped >= 0
-    hook.steps.skipped_ticks = skipped if valid else 0
     saved = state.get("description") or {"rank": state.get("rank"), "world_size": state.get("world_size")}
     if "description" in state:
         reset, fold, kept = compare(saved, describe(hook))
@@ -240,6 +238,9 @@ def load_state_dict(hook: Any, state: dict, source: str = "the state") -> None:
         hook.restore_after_reset(state, reset)
         return
     hook.forget_round()
+    skipped = state.get("age_skipped")  # the age clock's skipped steps, with the residuals they belong to
+    valid = isinstance(skipped, int) and not isinstance(skipped, bool) and skipped >= 0
+    hook.steps.skipped_ticks = skipped if valid else 0
     device = getattr(hook.engine, "device", None)
     ef = dict(state["error_feedback"])
     ef["residuals"] = {_key(k): v for k, v in ef.get("residuals", {}).items()}
