@@ -186,6 +186,12 @@ def _check_buffers(bad: Any, what: str, buffers: dict) -> None:
             raise bad(f"{what} {key} holds NaN or Inf")
 
 
+def saved_count(value: Any, default: Any = 0) -> Any:
+    """``value`` where a state file holds a count there (an int >= 0, not a bool), else ``default``: a malformed or
+    missing entry starts afresh instead of failing the load."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else default
+
+
 def state_dict(hook: Any) -> dict:
     """This rank's DRAGONN state (module docstring): what ``engine.save_checkpoint`` writes per rank."""
     hook.settle()
@@ -238,9 +244,7 @@ def load_state_dict(hook: Any, state: dict, source: str = "the state") -> None:
         hook.restore_after_reset(state, reset)
         return
     hook.forget_round()
-    skipped = state.get("age_skipped")  # the age clock's skipped steps, with the residuals they belong to
-    valid = isinstance(skipped, int) and not isinstance(skipped, bool) and skipped >= 0
-    hook.steps.skipped_ticks = skipped if valid else 0
+    hook.steps.skipped_ticks = saved_count(state.get("age_skipped"))  # the age clock's, with the residuals it follows
     device = getattr(hook.engine, "device", None)
     ef = dict(state["error_feedback"])
     ef["residuals"] = {_key(k): v for k, v in ef.get("residuals", {}).items()}
@@ -333,4 +337,4 @@ def _exchange_state(state: dict) -> dict:
 
 
 __all__ = ["FORMAT", "compare", "describe", "fold_server_residuals", "load_state_dict", "reset_state",
-           "state_dict", "validate"]
+           "saved_count", "state_dict", "validate"]

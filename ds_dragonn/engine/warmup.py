@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..config import DragonnConfig
+from .state import saved_count
 
 #: ``auto`` is never shorter than this (the momentum mode's variance needs some dense steps to estimate).
 AUTO_MIN_STEPS = 30
@@ -145,10 +146,9 @@ class LrWarmupTracker:
         if not isinstance(state, dict):
             return
         end, rise, lr, last = (state.get(k) for k in ("end", "last_rise", "prev_lr", "last_step"))
-        self.end = end if isinstance(end, int) and not isinstance(end, bool) and end >= 0 else None
-        self.last_rise = rise if isinstance(rise, int) and not isinstance(rise, bool) and rise >= 0 else 0
+        self.end = saved_count(end, None)
+        self.last_rise = saved_count(rise)
         self.prev_lr = float(lr) if isinstance(lr, (int, float)) and not isinstance(lr, bool) else None
         self.last_step = last if isinstance(last, int) and not isinstance(last, bool) else None
-        skipped = state.get("skipped")
-        self.skipped = skipped if isinstance(skipped, int) and not isinstance(skipped, bool) and skipped >= 0 else 0
+        self.skipped = saved_count(state.get("skipped"))
         self.peaked = state.get("peaked") is True or self.end is not None
