@@ -299,8 +299,10 @@ class DragonnConfig(DeepSpeedConfigModel):
     local_steps: int = Field(30, ge=1, le=1_000_000, strict=True)
     """``sync: local_steps``: optimizer steps per round (H), i.e. between two outer steps."""
 
-    outer_lr: float = Field(1.0, gt=0.0, le=10.0, strict=True)
-    """``sync: local_steps``: the outer SGD's learning rate on the averaged pseudo-gradient (SparseLoCo: 1.0)."""
+    outer_lr: Union[Literal["auto"], float] = "auto"
+    """``sync: local_steps``: the outer SGD's learning rate on the averaged pseudo-gradient, 0 < lr <= 10.
+    ``"auto"``: the square root of the workers (ranks; under ``hierarchy: node`` the nodes), which undoes the
+    shrinking of averaged per-worker Adam steps (docs/results.md; SparseLoCo and DiLoCo use 1.0 and 0.7)."""
 
     advanced: AdvancedConfig = Field(default_factory=AdvancedConfig)
     """Benchmark and research settings (:class:`AdvancedConfig`)."""
@@ -349,6 +351,16 @@ class DragonnConfig(DeepSpeedConfigModel):
         if v != "auto" and (not isinstance(v, int) or isinstance(v, bool) or v < 0):  # one message, not the union's two
             raise ValueError(f"must be an integer >= 0 {_STEPS_OR_AUTO[info.field_name]}")
         return v
+
+    @field_validator("outer_lr", mode="before")
+    @classmethod
+    def _check_outer_lr(cls, v: Any) -> Any:
+        if v == "auto":
+            return v
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0.0 < v <= 10.0:  # NaN fails too
+            raise ValueError(f"must be a finite number with 0 < lr <= 10, or \"auto\" (the square root of the "
+                             f"workers), got {v!r}")
+        return float(v)
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "DragonnConfig":

@@ -147,17 +147,18 @@ REGISTRY: Dict[str, Mode] = {m.name: m for m in (
     # sync: local_steps (DiLoCo / SparseLoCo): registered, run with --modes (the local-steps sweep)
     *(Mode(f"local_h{h}_d{d}", f"DRAGONN local steps: an outer step every {h} steps, pseudo-gradient at density {d} "
            f"(error feedback, outer lr 1, no outer momentum: SparseLoCo's outer step)",
-           ds={"dragonn": {**_ON, "sync": "local_steps", "local_steps": h, "density": d}}, default=False)
+           ds={"dragonn": {**_ON, "sync": "local_steps", "local_steps": h, "density": d, "outer_lr": 1.0}},
+           default=False)
       for h, d in ((8, 0.01), (30, 0.01), (100, 0.01), (30, 0.1))),
     Mode("local_h30_d0.01_decay", "DRAGONN local steps every 30, density 0.01, SparseLoCo's decaying error-feedback "
          "accumulator (OUTER_FEEDBACK_DECAY 0.95, outer lr 1)",
-         ds={"dragonn": {**_ON, "sync": "local_steps", "local_steps": 30, "density": 0.01}},
+         ds={"dragonn": {**_ON, "sync": "local_steps", "local_steps": 30, "density": 0.01, "outer_lr": 1.0}},
          constants={"OUTER_FEEDBACK_DECAY": 0.95}, default=False),
     *(Mode(f"kept_h{h}_d{d}", f"DRAGONN local steps every {h}, density {d}, the unsent pseudo-gradient kept in each "
            f"rank's weights (advanced.outer_residual: weights; error reset, CSER); 30 dense warm-up steps, as the "
            f"local-steps sweep of docs/results.md",
            ds={"dragonn": {**_ON, "sync": "local_steps", "local_steps": h, "density": d, "warmup_steps": 30,
-                           "advanced": {"outer_residual": "weights"}}}, default=False)
+                           "outer_lr": 1.0, "advanced": {"outer_residual": "weights"}}}, default=False)
       for h, d in ((30, 0.01), (30, 0.001), (15, 0.01))),
     *(Mode(f"diloco_h{h}", f"uncompressed DiLoCo: an outer step every {h} steps, dense allreduce of the "
            f"pseudo-gradient, outer Nesterov lr 0.7 momentum 0.9",

@@ -148,9 +148,26 @@ RUNS = {
     "diloco_olr2": {"sync": "local_steps", "density": 1.0, "hierarchy": "flat", "outer_lr": 2.0},
     "local_kept_olr1.4_0.01": {"sync": "local_steps", "density": 0.01, "hierarchy": "flat", "outer_lr": 1.4,
                                "advanced": {"outer_residual": "weights"}},
+    "local_kept_olr1.4_0.05": {"sync": "local_steps", "density": 0.05, "hierarchy": "flat", "outer_lr": 1.4,
+                               "advanced": {"outer_residual": "weights"}},
+    "local_kept_olr1.4_0.1": {"sync": "local_steps", "density": 0.1, "hierarchy": "flat", "outer_lr": 1.4,
+                              "advanced": {"outer_residual": "weights"}},
+    "local_kept_olr1.4_0.3": {"sync": "local_steps", "density": 0.3, "hierarchy": "flat", "outer_lr": 1.4,
+                              "advanced": {"outer_residual": "weights"}},
+    "local_kept_0.1": {"sync": "local_steps", "density": 0.1, "hierarchy": "flat",
+                       "advanced": {"outer_residual": "weights"}},
+    "local_kept_int4_olr1.4_0.1": {"sync": "local_steps", "density": 0.1, "hierarchy": "flat", "outer_lr": 1.4,
+                                   "advanced": {"outer_residual": "weights", "values": "int4"}},
+    "local_kept_olr2_0.1": {"sync": "local_steps", "density": 0.1, "hierarchy": "flat", "outer_lr": 2.0,
+                            "advanced": {"outer_residual": "weights"}},
     "local_chunked_0.01": {"sync": "local_steps", "density": 0.01, "hierarchy": "flat",
                            "advanced": {"selection": "chunked"}},
 }
+# the local-steps runs measured before "outer_lr" defaulted to "auto" (the square root of the workers) keep the
+# outer lr 1.0 they were measured with
+for _over in RUNS.values():
+    if _over and _over.get("sync") == "local_steps":
+        _over.setdefault("outer_lr", 1.0)
 #: runs that change DeepSpeed's own keys or the script's arguments too: run name -> (DeepSpeed keys merged into the
 #: task's config, "dragonn" overrides or None for dense, extra script arguments); for several nodes: the dense
 #: allreduce node by node (launch/bench/hier_dense.py), ZeRO 3 (hpZ: the parameter all-gathers inside the node)

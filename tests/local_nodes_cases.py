@@ -84,6 +84,7 @@ def _rounds(rank: int) -> dict:
                      "anchor": torch.cat([a.flatten().double() for a in hook.outer.anchor]),
                      "residuals": [r.double().clone() for r in hook.error_feedback.residuals.values()],
                      "telemetry": hook.telemetry.summary(), "steps": int(engine.global_steps),
+                     "outer_lr": hook.outer.lr,
                      "numel": sum(p.numel() for p in engine.module.parameters()),
                      "itemsize": engine.communication_data_type.itemsize}
     return out
@@ -108,7 +109,8 @@ def _sgd(rank: int) -> dict:
     """Plain SGD, density 1.0, one local step per round, outer lr 1, node-aware; and the dense engine."""
     sgd = {"type": "SGD", "params": {"lr": 0.1}}
     out = {}
-    for name, dragonn in (("dense", None), ("node", {**_NODE, "density": 1.0, "local_steps": 1, "warmup_steps": 0})):
+    node = {**_NODE, "density": 1.0, "local_steps": 1, "warmup_steps": 0, "outer_lr": 1.0}
+    for name, dragonn in (("dense", None), ("node", node)):
         engine = build(config(dragonn, optimizer=sgd))
         for x, y in micro_batches(rank, 6, torch.float32):
             engine.backward(torch.nn.functional.cross_entropy(engine(x), y))

@@ -125,6 +125,7 @@ def rounds(rank: int, world: int, out_dir: str) -> None:
                      "residual": residuals[0] if residuals else None,
                      "server": server,
                      "telemetry": hook.telemetry.summary(), "steps": int(engine.global_steps),
+                     "outer_lr": hook.outer.lr,
                      "numel": sum(p.numel() for p in engine.module.parameters()),
                      "itemsize": engine.communication_data_type.itemsize}
     torch.save(out, Path(out_dir) / f"rounds_rank{rank}.pt")
@@ -136,7 +137,8 @@ def sgd_equivalence(rank: int, world: int, out_dir: str) -> None:
     init_distributed()
     sgd = {"type": "SGD", "params": {"lr": 0.1}}
     out = {}
-    for name, dragonn in (("dense", None), ("local", {"density": 1.0, "local_steps": 1, "warmup_steps": 0})):
+    local = {"density": 1.0, "local_steps": 1, "warmup_steps": 0, "outer_lr": 1.0}
+    for name, dragonn in (("dense", None), ("local", local)):
         engine = build(config(dragonn, optimizer=sgd))
         train(engine, micro_batches(rank, 6, torch.float32))
         out[name] = weights(engine)
@@ -318,7 +320,7 @@ def switch_residual(rank: int, world: int, out_dir: str) -> None:
                      "loaded": torch.cat([m.detach().flatten().clone() for m in anchor.dragonn.masters()])}
     train(anchor, batches[7:8])
     out["anchor"]["after"] = weights(anchor)
-    dense = build(config({"density": 1.0}))
+    dense = build(config({"density": 1.0, "outer_lr": 1.0}))  # lr 1: θ_outer becomes the ranks' mean
     dense.load_checkpoint(ckpt, tag="mid")
     hook, sync = dense.dragonn, dense.dragonn.sync
     seen = {}

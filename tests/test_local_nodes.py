@@ -5,6 +5,8 @@ nodes drift apart, and no collective crosses nodes; every outer step leaves all 
 link; one SGD step per round is dense training; a resume is exact, and a resume flat restarts from θ_outer."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -48,6 +50,13 @@ def test_a_nodes_ranks_step_alike_and_the_nodes_apart_until_each_outer_step(rank
             assert _same(w[0], w[2]), (name, i + 1)  # the warm-up, and every outer step: all ranks alike
         else:
             assert not _same(w[0], w[2]), (name, i + 1)  # two workers between syncs
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_outer_lr_auto_counts_the_nodes_as_the_workers(ranks, name):
+    """2 nodes x 2 ranks: "auto" is √2 (each node one worker), not √4 (the ranks)."""
+    given = RUNS[name][0].get("outer_lr", "auto")
+    assert all(r["rounds"][name]["outer_lr"] == (math.sqrt(2) if given == "auto" else given) for r in ranks)
 
 
 @pytest.mark.parametrize("name", list(RUNS))

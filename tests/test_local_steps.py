@@ -4,6 +4,8 @@ lost, telemetry against dense data-parallel training), the dense engine's trajec
 resume mid-round, and the refusals."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -164,7 +166,8 @@ def test_nothing_lost_over_the_rounds(rounds, name):
     world = len(rounds)
     runs = [r[name] for r in rounds]
     block = RUNS[name][0]
-    decay, lr, mu = 1.0, block.get("outer_lr", 1.0), 0.0
+    lr = block.get("outer_lr", "auto")
+    decay, lr, mu = 1.0, math.sqrt(world) if lr == "auto" else lr, 0.0  # "auto": √(workers), every rank one
     total = len(runs[0]["applied"])
     expected = torch.zeros_like(runs[0]["delta"][0])
     for i in range(total):
@@ -181,6 +184,14 @@ def test_nothing_lost_over_the_rounds(rounds, name):
         anchor -= lr * (applied + mu * velocity if mu else applied)
     torch.testing.assert_close(torch.cat([a.flatten().double() for a in runs[0]["anchor"]]), anchor,
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_outer_lr_auto_is_the_square_root_of_the_workers(rounds, name):
+    """``outer_lr`` "auto" (the default): √(ranks) on the flat layout, every rank one worker; a number as given."""
+    given = RUNS[name][0].get("outer_lr", "auto")
+    for r in rounds:
+        assert r[name]["outer_lr"] == (math.sqrt(len(rounds)) if given == "auto" else given)
 
 
 @pytest.mark.parametrize("name", list(RUNS))

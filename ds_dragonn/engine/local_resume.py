@@ -95,7 +95,7 @@ def restart_from_outer(hook: Any, saved_worlds: List[Optional[int]], moved: Opti
                          f"start at the next local step")
         return
     from_rank0_(flat, backend)
-    hook.outer = OuterStep(hook.cfg.outer_lr)
+    hook.outer = OuterStep(hook.outer_lr)
     for m, w in zip(masters, segment_views(flat, masters)):
         m.copy_(w)
     hook.outer.start(masters)

@@ -31,6 +31,7 @@ exact mid-round.
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any, List, Optional
 
 import torch
@@ -70,7 +71,8 @@ class LocalStepsHook(HookBase):
         # the outer step runs after DeepSpeed has applied or skipped the step: nothing to undo
         self.transactional = False
         self.error_feedback = ErrorFeedback(cfg.error_feedback, transactional=False)
-        self.outer = OuterStep(cfg.outer_lr)  # plain outer SGD (an outer momentum measured worse, docs/results.md)
+        # plain outer SGD (an outer momentum measured worse, docs/results.md); its lr is resolved at install
+        self.outer = OuterStep()
         self._dense_allreduce_gradients = engine.allreduce_gradients
         self._engine_step = engine.step
         self.group = None
@@ -84,6 +86,7 @@ class LocalStepsHook(HookBase):
         from deepspeed.utils import groups
         self.group = groups._get_sequence_data_parallel_group()
         self.pipeline(self.group)  # the transport now: a wrong launch fails at initialize
+        self.outer = OuterStep(self.outer_lr)  # "auto" needs the workers: the pipeline has set the node layout
         self.engine.allreduce_gradients = self.allreduce_gradients
         self.engine.step = self.step
         install_local_norms(self.engine, self._local)
@@ -94,7 +97,7 @@ class LocalStepsHook(HookBase):
                 f"at density {cfg.density} (compressor={self.compressor.name} kernel={cfg.kernel.value} "
                 f"exchange={cfg.exchange.value} error_feedback={cfg.error_feedback})")
         print_dist(f"DRAGONN enabled ({self.hook_name}): {cfg.warmup_steps} dense warm-up steps, then an outer "
-                   f"step every {cfg.local_steps} optimizer steps (outer_lr={cfg.outer_lr}); the "
+                   f"step every {cfg.local_steps} optimizer steps (outer_lr={self._outer_lr_words()}); the "
                    f"pseudo-gradient goes out {sent}; comm_backend={cfg.comm_backend.value}", ranks=[0])
         if self.layout is not None:
             print_dist(describe_nodes(self.layout, cfg.local_steps), ranks=[0])
@@ -109,6 +112,22 @@ class LocalStepsHook(HookBase):
             logger.warning("DRAGONN: under 'sync': 'local_steps' these keys have no effect (they shape the per-step "
                            "exchange): " + ", ".join(f"'dragonn.{k}'" for k in ignored))
         return self
+
+    @property
+    def outer_lr(self) -> float:
+        """``outer_lr`` resolved: ``"auto"`` is √(workers), the workers being the nodes when node-aware (after
+        :meth:`install`), else the data-parallel ranks."""
+        if self.cfg.outer_lr != "auto":
+            return float(self.cfg.outer_lr)
+        return math.sqrt(self._workers())
+
+    def _workers(self) -> int:
+        return self.layout.nodes if self.layout is not None else int(self.where()[1])
+
+    def _outer_lr_words(self) -> str:
+        if self.cfg.outer_lr != "auto":
+            return f"{self.outer_lr:g}"
+        return f"auto: {self.outer_lr:.4g}, the square root of {self._workers()} workers"
 
     def _local(self) -> bool:
         """Between syncs: the rounds have started (the dense warm-up is over)."""
@@ -231,7 +250,7 @@ class LocalStepsHook(HookBase):
 
     def reset_extra_state(self) -> None:
         """No θ_outer: the next step starts the rounds from rank 0's weights as they are then."""
-        self.outer = OuterStep(self.cfg.outer_lr)
+        self.outer = OuterStep(self.outer_lr)
         self.held = False
 
     def restore_after_reset(self, saved: dict, reasons: List[str]) -> None:
