@@ -160,6 +160,12 @@ RUNS = {
                                    "advanced": {"outer_residual": "weights", "values": "int4"}},
     "local_kept_olr2_0.1": {"sync": "local_steps", "density": 0.1, "hierarchy": "flat", "outer_lr": 2.0,
                             "advanced": {"outer_residual": "weights"}},
+    "local_kept_olr2.8_0.1": {"sync": "local_steps", "density": 0.1, "hierarchy": "flat", "outer_lr": 2.8,
+                              "advanced": {"outer_residual": "weights"}},
+    "local_kept_olr2_0.01": {"sync": "local_steps", "density": 0.01, "hierarchy": "flat", "outer_lr": 2.0,
+                             "advanced": {"outer_residual": "weights"}},
+    "local_kept_olr2.8_0.01": {"sync": "local_steps", "density": 0.01, "hierarchy": "flat", "outer_lr": 2.8,
+                               "advanced": {"outer_residual": "weights"}},
     "local_chunked_0.01": {"sync": "local_steps", "density": 0.01, "hierarchy": "flat",
                            "advanced": {"selection": "chunked"}},
 }
