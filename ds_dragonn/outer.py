@@ -15,7 +15,8 @@ residual (``ds_dragonn.pipeline``), which runs between :meth:`OuterStep.pseudo_g
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+import math
+from typing import List, Optional, Sequence, Union
 
 import torch
 
@@ -123,4 +124,22 @@ class OuterStep:
             raise ValueError(f"saved {what} holds NaN or Inf")
 
 
-__all__ = ["OuterStep"]
+def outer_lr_for(setting: Union[str, float], workers: int) -> float:
+    """The outer learning rate of an ``outer_lr`` setting: a number as given; ``"auto"``: √(workers).
+
+    Averaging W workers' Adam steps, each normalized by its own noisier second moment, shrinks the consensus step
+    where noise dominates; √W undid most of it on the LM at every learning rate measured (docs/results.md, "Where
+    local steps lose steps").
+
+    Raises:
+        ValueError: ``workers`` < 1, or a setting that is neither ``"auto"`` nor a number > 0.
+    """
+    if workers < 1:
+        raise ValueError(f"outer_lr 'auto' needs at least one worker, got {workers}")
+    lr = math.sqrt(workers) if setting == "auto" else setting
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0.0:
+        raise ValueError(f"outer_lr must be a number > 0 or \"auto\", got {setting!r}")
+    return float(lr)
+
+
+__all__ = ["OuterStep", "outer_lr_for"]

@@ -11,7 +11,7 @@ import torch
 
 from ds_dragonn.config import DragonnConfig, DragonnConfigError
 from ds_dragonn.exchange.wire import dense_allreduce_bytes
-from ds_dragonn.outer import OuterStep
+from ds_dragonn.outer import OuterStep, outer_lr_for
 from tests.local_steps_cases import KEPT, RUNS
 from tests.multiproc import load_rank_files, run_ranks
 
@@ -65,6 +65,18 @@ def test_pseudo_gradient_restart_and_state():
     for lr, mom in ((0.0, 0.0), (1.0, 1.0), (1.0, -0.1)):
         with pytest.raises(ValueError):
             OuterStep(lr, mom)
+
+
+@pytest.mark.parametrize("setting, workers, lr", [("auto", 1, 1.0), ("auto", 2, 2 ** 0.5), ("auto", 4, 2.0),
+                                                   ("auto", 3, 3 ** 0.5), (0.7, 4, 0.7), (2, 2, 2.0)])
+def test_outer_lr_for_resolves_auto_to_the_square_root_of_the_workers(setting, workers, lr):
+    assert outer_lr_for(setting, workers) == pytest.approx(lr, rel=1e-15)
+
+
+@pytest.mark.parametrize("setting, workers", [("auto", 0), ("Auto", 2), (None, 2), (True, 2), (0.0, 2), (-1.0, 2)])
+def test_outer_lr_for_refuses_what_is_not_a_positive_lr(setting, workers):
+    with pytest.raises(ValueError, match="outer_lr"):
+        outer_lr_for(setting, workers)
 
 
 @pytest.mark.parametrize("block,key", [({"local_steps": 0}, "local_steps"), ({"sync": "sometimes"}, "sync"),

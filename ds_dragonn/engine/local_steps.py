@@ -31,14 +31,13 @@ exact mid-round.
 from __future__ import annotations
 
 import inspect
-import math
 from typing import Any, List, Optional
 
 import torch
 from deepspeed.utils.logging import print_dist
 
 from ..feedback import ErrorFeedback, segment_views
-from ..outer import OuterStep
+from ..outer import OuterStep, outer_lr_for
 from ..pipeline import PhaseClock
 from .adam import base_optimizer
 from .base import HookBase
@@ -95,9 +94,11 @@ class LocalStepsHook(HookBase):
         cfg = self.cfg
         sent = ("in a dense allreduce" if cfg.density >= 1.0 else
                 f"at density {cfg.density} (compressor={self.compressor.name} kernel={cfg.kernel.value} "
-                f"exchange={cfg.exchange.value} error_feedback={cfg.error_feedback})")
+                f"exchange={cfg.exchange.value} values={getattr(cfg.values, 'value', cfg.values)} "
+                f"error_feedback={cfg.error_feedback})")
+        lr = f"{self.outer_lr:.4g}" + (" (auto: the square root of the workers)" if cfg.outer_lr == "auto" else "")
         print_dist(f"DRAGONN enabled ({self.hook_name}): {cfg.warmup_steps} dense warm-up steps, then an outer "
-                   f"step every {cfg.local_steps} optimizer steps (outer_lr={self._outer_lr_words()}); the "
+                   f"step every {cfg.local_steps} optimizer steps (outer_lr={lr}); the "
                    f"pseudo-gradient goes out {sent}; comm_backend={cfg.comm_backend.value}", ranks=[0])
         if self.layout is not None:
             print_dist(describe_nodes(self.layout, cfg.local_steps), ranks=[0])
@@ -115,19 +116,9 @@ class LocalStepsHook(HookBase):
 
     @property
     def outer_lr(self) -> float:
-        """``outer_lr`` resolved: ``"auto"`` is √(workers), the workers being the nodes when node-aware (after
+        """``outer_lr`` resolved (``outer.outer_lr_for``); the workers are the nodes when node-aware (known after
         :meth:`install`), else the data-parallel ranks."""
-        if self.cfg.outer_lr != "auto":
-            return float(self.cfg.outer_lr)
-        return math.sqrt(self._workers())
-
-    def _workers(self) -> int:
-        return self.layout.nodes if self.layout is not None else int(self.where()[1])
-
-    def _outer_lr_words(self) -> str:
-        if self.cfg.outer_lr != "auto":
-            return f"{self.outer_lr:g}"
-        return f"auto: {self.outer_lr:.4g}, the square root of {self._workers()} workers"
+        return outer_lr_for(self.cfg.outer_lr, self.layout.nodes if self.layout is not None else self.where()[1])
 
     def _local(self) -> bool:
         """Between syncs: the rounds have started (the dense warm-up is over)."""

@@ -39,6 +39,7 @@ class Reporter:
                    f"kernel={getattr(cfg.kernel, 'value', cfg.kernel)} "
                    f"min_compress_numel={cfg.min_compress_numel} "
                    f"schedule: {self.schedule.describe()}; "
+                   f"values={getattr(cfg.values, 'value', cfg.values)} "
                    f"error_feedback={cfg.error_feedback} comm_backend={cfg.comm_backend.value} "
                    f"exchange={exchange} policy={cfg.policy.value}{probe}", ranks=[0])
 
