@@ -358,8 +358,8 @@ class DragonnConfig(DeepSpeedConfigModel):
         if v == "auto":
             return v
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0.0 < v <= 10.0:  # NaN fails too
-            raise ValueError(f"must be a finite number with 0 < lr <= 10, or \"auto\" (the square root of the "
-                             f"workers), got {v!r}")
+            raise ValueError("must be a finite number with 0 < lr <= 10, or \"auto\" (the square root of the "
+                             "workers)")
         return float(v)
 
     @model_validator(mode="after")

@@ -65,7 +65,8 @@ from bench.common import free_port, pyplot, remove_shm, save_figure, write_json
 
 REPO = Path(__file__).resolve().parent.parent
 
-#: run name -> "dragonn" overrides (None: dense)
+#: run name -> "dragonn" overrides (None: dense); the local-steps runs measured before "outer_lr" defaulted to
+#: "auto" (the square root of the workers) pin the 1.0 they were measured with
 RUNS = {
     "dense": None,
     "dragonn_0.01": {"density": 0.01},
@@ -95,8 +96,8 @@ RUNS = {
     "flat_0.01": {"density": 0.01, "hierarchy": "flat"},
     "node_0.01": {"density": 0.01, "hierarchy": "node"},
     # local steps (uncompressed DiLoCo, H = 30): every rank a worker, or each node one (dense inside the node)
-    "diloco_flat": {"sync": "local_steps", "density": 1.0, "hierarchy": "flat"},
-    "diloco_node": {"sync": "local_steps", "density": 1.0, "hierarchy": "node"},
+    "diloco_flat": {"sync": "local_steps", "outer_lr": 1.0, "density": 1.0, "hierarchy": "flat"},
+    "diloco_node": {"sync": "local_steps", "outer_lr": 1.0, "density": 1.0, "hierarchy": "node"},
     # quantized values on the wire (advanced.values): the defaults at 0.01 with int8 / int4 codes per 64 values
     "int8_0.01": {"density": 0.01, "advanced": {"values": "int8"}},
     "int4_0.01": {"density": 0.01, "advanced": {"values": "int4"}},
@@ -123,25 +124,27 @@ RUNS = {
     # and for local steps' Δ (H = 30) against the global threshold (local_0.01)
     "chunked_0.01": {"density": 0.01, "advanced": {"selection": "chunked"}},
     "chunked_0.001": {"density": 0.001, "advanced": {"selection": "chunked"}},
-    "local_0.01": {"sync": "local_steps", "density": 0.01, "hierarchy": "flat"},
+    "local_0.01": {"sync": "local_steps", "outer_lr": 1.0, "density": 0.01, "hierarchy": "flat"},
     # local steps' Δ with the unsent part kept in each rank's weights (advanced.outer_residual: weights, CSER)
-    "local_kept_0.01": {"sync": "local_steps", "density": 0.01, "hierarchy": "flat",
+    "local_kept_0.01": {"sync": "local_steps", "outer_lr": 1.0, "density": 0.01, "hierarchy": "flat",
                         "advanced": {"outer_residual": "weights"}},
-    "local_kept_0.001": {"sync": "local_steps", "density": 0.001, "hierarchy": "flat",
+    "local_kept_0.001": {"sync": "local_steps", "outer_lr": 1.0, "density": 0.001, "hierarchy": "flat",
                          "advanced": {"outer_residual": "weights"}},
-    "local_kept_int4_0.01": {"sync": "local_steps", "density": 0.01, "hierarchy": "flat",
+    "local_kept_int4_0.01": {"sync": "local_steps", "outer_lr": 1.0, "density": 0.01, "hierarchy": "flat",
                              "advanced": {"outer_residual": "weights", "values": "int4"}},
-    "local_kept_sparseloco_0.01": {"sync": "local_steps", "density": 0.01, "hierarchy": "flat",
+    "local_kept_sparseloco_0.01": {"sync": "local_steps", "outer_lr": 1.0, "density": 0.01, "hierarchy": "flat",
                                    "advanced": {"outer_residual": "weights", "values": "int4", "selection": "chunked"}},
-    "local_kept_h15_0.01": {"sync": "local_steps", "local_steps": 15, "density": 0.01, "hierarchy": "flat",
+    "local_kept_h15_0.01": {"sync": "local_steps", "outer_lr": 1.0, "local_steps": 15, "density": 0.01,
+                            "hierarchy": "flat",
                             "advanced": {"outer_residual": "weights"}},
-    "local_kept_w0_0.01": {"sync": "local_steps", "density": 0.01, "hierarchy": "flat", "warmup_steps": 0,
+    "local_kept_w0_0.01": {"sync": "local_steps", "outer_lr": 1.0, "density": 0.01, "hierarchy": "flat",
+                           "warmup_steps": 0,
                            "advanced": {"outer_residual": "weights"}},
-    "diloco_w0": {"sync": "local_steps", "density": 1.0, "hierarchy": "flat", "warmup_steps": 0},
-    "diloco_h15": {"sync": "local_steps", "local_steps": 15, "density": 1.0, "hierarchy": "flat"},
+    "diloco_w0": {"sync": "local_steps", "outer_lr": 1.0, "density": 1.0, "hierarchy": "flat", "warmup_steps": 0},
+    "diloco_h15": {"sync": "local_steps", "outer_lr": 1.0, "local_steps": 15, "density": 1.0, "hierarchy": "flat"},
     # where local steps lose steps: H = 1 averages the weights after every step (only Adam's state stays local)
-    "diloco_h1": {"sync": "local_steps", "local_steps": 1, "density": 1.0, "hierarchy": "flat"},
-    "diloco_h4": {"sync": "local_steps", "local_steps": 4, "density": 1.0, "hierarchy": "flat"},
+    "diloco_h1": {"sync": "local_steps", "outer_lr": 1.0, "local_steps": 1, "density": 1.0, "hierarchy": "flat"},
+    "diloco_h4": {"sync": "local_steps", "outer_lr": 1.0, "local_steps": 4, "density": 1.0, "hierarchy": "flat"},
     # ... each rank's Adam normalizes its own half-batch gradient: an outer lr of sqrt(workers) undoes the averaging
     "diloco_h1_olr1.4": {"sync": "local_steps", "local_steps": 1, "density": 1.0, "hierarchy": "flat", "outer_lr": 1.4},
     "diloco_olr1.4": {"sync": "local_steps", "density": 1.0, "hierarchy": "flat", "outer_lr": 1.4},
@@ -154,7 +157,7 @@ RUNS = {
                               "advanced": {"outer_residual": "weights"}},
     "local_kept_olr1.4_0.3": {"sync": "local_steps", "density": 0.3, "hierarchy": "flat", "outer_lr": 1.4,
                               "advanced": {"outer_residual": "weights"}},
-    "local_kept_0.1": {"sync": "local_steps", "density": 0.1, "hierarchy": "flat",
+    "local_kept_0.1": {"sync": "local_steps", "outer_lr": 1.0, "density": 0.1, "hierarchy": "flat",
                        "advanced": {"outer_residual": "weights"}},
     "local_kept_int4_olr1.4_0.1": {"sync": "local_steps", "density": 0.1, "hierarchy": "flat", "outer_lr": 1.4,
                                    "advanced": {"outer_residual": "weights", "values": "int4"}},
@@ -166,14 +169,9 @@ RUNS = {
                              "advanced": {"outer_residual": "weights"}},
     "local_kept_olr2.8_0.01": {"sync": "local_steps", "density": 0.01, "hierarchy": "flat", "outer_lr": 2.8,
                                "advanced": {"outer_residual": "weights"}},
-    "local_chunked_0.01": {"sync": "local_steps", "density": 0.01, "hierarchy": "flat",
+    "local_chunked_0.01": {"sync": "local_steps", "outer_lr": 1.0, "density": 0.01, "hierarchy": "flat",
                            "advanced": {"selection": "chunked"}},
 }
-# the local-steps runs measured before "outer_lr" defaulted to "auto" (the square root of the workers) keep the
-# outer lr 1.0 they were measured with
-for _over in RUNS.values():
-    if _over and _over.get("sync") == "local_steps":
-        _over.setdefault("outer_lr", 1.0)
 #: runs that change DeepSpeed's own keys or the script's arguments too: run name -> (DeepSpeed keys merged into the
 #: task's config, "dragonn" overrides or None for dense, extra script arguments); for several nodes: the dense
 #: allreduce node by node (launch/bench/hier_dense.py), ZeRO 3 (hpZ: the parameter all-gathers inside the node)

@@ -296,6 +296,7 @@ def test_a_checkpoint_of_another_world_size_restarts_every_rank_from_theta_outer
         text = " ".join(run["notes"])
         assert "θ_outer" in text and f"world size {world}" in text and "residuals" in text, text
         assert "next outer step comes at step 8" in text, text
+        assert f"outer_lr auto: {math.sqrt(world):.4g}" in text, text  # this run's √(workers), not the saved run's
         assert run["rounds_after"] == 2
     for run in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(run["after"], runs[0]["after"]))

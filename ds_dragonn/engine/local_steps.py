@@ -70,8 +70,7 @@ class LocalStepsHook(HookBase):
         # the outer step runs after DeepSpeed has applied or skipped the step: nothing to undo
         self.transactional = False
         self.error_feedback = ErrorFeedback(cfg.error_feedback, transactional=False)
-        # plain outer SGD (an outer momentum measured worse, docs/results.md); its lr is resolved at install
-        self.outer = OuterStep()
+        self.outer = OuterStep()  # plain outer SGD (outer momentum measured worse); its lr is resolved at install
         self._dense_allreduce_gradients = engine.allreduce_gradients
         self._engine_step = engine.step
         self.group = None
@@ -96,7 +95,7 @@ class LocalStepsHook(HookBase):
                 f"at density {cfg.density} (compressor={self.compressor.name} kernel={cfg.kernel.value} "
                 f"exchange={cfg.exchange.value} values={getattr(cfg.values, 'value', cfg.values)} "
                 f"error_feedback={cfg.error_feedback})")
-        lr = f"{self.outer_lr:.4g}" + (" (auto: the square root of the workers)" if cfg.outer_lr == "auto" else "")
+        lr = f"{self.outer_lr:.4g}" + (f", auto: √{self.workers} workers" if cfg.outer_lr == "auto" else "")
         print_dist(f"DRAGONN enabled ({self.hook_name}): {cfg.warmup_steps} dense warm-up steps, then an outer "
                    f"step every {cfg.local_steps} optimizer steps (outer_lr={lr}); the "
                    f"pseudo-gradient goes out {sent}; comm_backend={cfg.comm_backend.value}", ranks=[0])
@@ -115,10 +114,14 @@ class LocalStepsHook(HookBase):
         return self
 
     @property
+    def workers(self) -> int:
+        """DiLoCo's workers: the nodes when node-aware (known after :meth:`install`), else the data-parallel ranks."""
+        return self.layout.nodes if self.layout is not None else self.where()[1]
+
+    @property
     def outer_lr(self) -> float:
-        """``outer_lr`` resolved (``outer.outer_lr_for``); the workers are the nodes when node-aware (known after
-        :meth:`install`), else the data-parallel ranks."""
-        return outer_lr_for(self.cfg.outer_lr, self.layout.nodes if self.layout is not None else self.where()[1])
+        """``outer_lr`` resolved for :attr:`workers` (``outer.outer_lr_for``)."""
+        return outer_lr_for(self.cfg.outer_lr, self.workers)
 
     def _local(self) -> bool:
         """Between syncs: the rounds have started (the dense warm-up is over)."""
