@@ -149,29 +149,18 @@ RUNS = {
     "diloco_h1_olr1.4": {"sync": "local_steps", "local_steps": 1, "density": 1.0, "hierarchy": "flat", "outer_lr": 1.4},
     "diloco_olr1.4": {"sync": "local_steps", "density": 1.0, "hierarchy": "flat", "outer_lr": 1.4},
     "diloco_olr2": {"sync": "local_steps", "density": 1.0, "hierarchy": "flat", "outer_lr": 2.0},
-    "local_kept_olr1.4_0.01": {"sync": "local_steps", "density": 0.01, "hierarchy": "flat", "outer_lr": 1.4,
-                               "advanced": {"outer_residual": "weights"}},
-    "local_kept_olr1.4_0.05": {"sync": "local_steps", "density": 0.05, "hierarchy": "flat", "outer_lr": 1.4,
-                               "advanced": {"outer_residual": "weights"}},
-    "local_kept_olr1.4_0.1": {"sync": "local_steps", "density": 0.1, "hierarchy": "flat", "outer_lr": 1.4,
-                              "advanced": {"outer_residual": "weights"}},
-    "local_kept_olr1.4_0.3": {"sync": "local_steps", "density": 0.3, "hierarchy": "flat", "outer_lr": 1.4,
-                              "advanced": {"outer_residual": "weights"}},
     "local_kept_0.1": {"sync": "local_steps", "outer_lr": 1.0, "density": 0.1, "hierarchy": "flat",
                        "advanced": {"outer_residual": "weights"}},
     "local_kept_int4_olr1.4_0.1": {"sync": "local_steps", "density": 0.1, "hierarchy": "flat", "outer_lr": 1.4,
                                    "advanced": {"outer_residual": "weights", "values": "int4"}},
-    "local_kept_olr2_0.1": {"sync": "local_steps", "density": 0.1, "hierarchy": "flat", "outer_lr": 2.0,
-                            "advanced": {"outer_residual": "weights"}},
-    "local_kept_olr2.8_0.1": {"sync": "local_steps", "density": 0.1, "hierarchy": "flat", "outer_lr": 2.8,
-                              "advanced": {"outer_residual": "weights"}},
-    "local_kept_olr2_0.01": {"sync": "local_steps", "density": 0.01, "hierarchy": "flat", "outer_lr": 2.0,
-                             "advanced": {"outer_residual": "weights"}},
-    "local_kept_olr2.8_0.01": {"sync": "local_steps", "density": 0.01, "hierarchy": "flat", "outer_lr": 2.8,
-                               "advanced": {"outer_residual": "weights"}},
     "local_chunked_0.01": {"sync": "local_steps", "outer_lr": 1.0, "density": 0.01, "hierarchy": "flat",
                            "advanced": {"selection": "chunked"}},
 }
+# the Δ kept in the weights at outer lr α and density d (docs/results.md, "A compressed Δ at density 0.1 ...")
+RUNS.update({f"local_kept_olr{a}_{d}": {"sync": "local_steps", "density": float(d), "hierarchy": "flat",
+                                        "outer_lr": float(a), "advanced": {"outer_residual": "weights"}}
+             for a, d in (("1.4", "0.01"), ("1.4", "0.05"), ("1.4", "0.1"), ("1.4", "0.3"), ("2", "0.01"),
+                          ("2", "0.1"), ("2.8", "0.01"), ("2.8", "0.1"))})
 #: runs that change DeepSpeed's own keys or the script's arguments too: run name -> (DeepSpeed keys merged into the
 #: task's config, "dragonn" overrides or None for dense, extra script arguments); for several nodes: the dense
 #: allreduce node by node (launch/bench/hier_dense.py), ZeRO 3 (hpZ: the parameter all-gathers inside the node)
