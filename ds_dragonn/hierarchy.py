@@ -94,7 +94,7 @@ class NodeAllreduce:
         return shard_key(key, self.layout, per), [shard], 1.0
 
     def reduce(self, tensors, key: Hashable, seed: int, prescale: float = 1.0, postscale: float = 1.0,
-               dtype: torch.dtype | None = None, into_inputs: bool = False, segments=None,
+               dtype: torch.dtype | None = None, into_inputs: bool = False,
                ownership=None, age_step: int | None = None) -> Reduced:
         """:meth:`CompressedAllreduce.reduce <ds_dragonn.pipeline.CompressedAllreduce.reduce>` of the bucket
         ``tensors`` through the node (module docstring); ``out`` is a new (n,) tensor of ``dtype``, and the

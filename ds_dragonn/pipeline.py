@@ -122,7 +122,7 @@ class CompressedAllreduce:
 
     def reduce(self, tensors: Union[torch.Tensor, Sequence[torch.Tensor]], key: Hashable, seed: int,
                prescale: float = 1.0, postscale: float = 1.0, dtype: torch.dtype | None = None,
-               into_inputs: bool = False, segments=None, ownership=None, age_step: int | None = None) -> Reduced:
+               into_inputs: bool = False, ownership=None, age_step: int | None = None) -> Reduced:
         """Reduce the bucket ``tensors`` (their concatenation) across ranks.
 
         Args:
@@ -136,8 +136,6 @@ class CompressedAllreduce:
             into_inputs: write the result into ``tensors`` themselves (zeroed during compensation, the
                 pairs decoded into them): no decode buffer and no copy back. Needs
                 :meth:`can_reduce_into` true.
-            segments: None (one selection over the bucket) or the bucket's
-                :class:`~ds_dragonn.compress.segments.Segments` (per-tensor selection).
             ownership: the bucket's owner map for the ``reduce_scatter`` exchange (ZeRO's partitions:
                 :class:`~ds_dragonn.exchange.reduce_scatter.RangeOwnership`); other schemes ignore it.
             age_step: the age bound's clock, equal on every rank: the index of this compressed step, less the
@@ -166,7 +164,7 @@ class CompressedAllreduce:
             tensors, prescale = self.momentum.update(key, tensors, dtype, prescale)
         compensated = self.error_feedback.compensate_(key, tensors, dtype, prescale, zero_inputs=into_inputs)
         compensate_ms = clock.lap()
-        sel = self.compressor.compress(compensated, seed, segments)
+        sel = self.compressor.compress(compensated, seed)
         if self.max_age and age_step is not None:
             sel = with_age_block(sel, compensated, self.max_age, age_step)
         wire_values = to_wire(sel.values, dtype)

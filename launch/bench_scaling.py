@@ -67,8 +67,8 @@ class Recorder:
         self.inner, self.name, self.last = inner, inner.name, None
         self.sends_non_finite = getattr(inner, "sends_non_finite", False)
 
-    def compress(self, flat, seed, segments=None):
-        self.last = self.inner.compress(flat, seed, segments)
+    def compress(self, flat, seed):
+        self.last = self.inner.compress(flat, seed)
         return self.last
 
 

@@ -9,8 +9,7 @@ gradients where the CPU library can, else a decode buffer plus DeepSpeed's copy 
 the bucket (``g.sum()``, the floor, timed in alternation in the same run), and for context the local
 work of DeepSpeed's dense path around its allreduce (flatten, scale, copy back).
 
-    python launch/bench_step.py                      # 1 thread, density 0.01: fp32 and bf16 with global and
-                                                     # per-tensor (+pt) selection, bf16+txn per tensor
+    python launch/bench_step.py                      # 1 thread, density 0.01: fp32, bf16 and bf16+txn
     python launch/bench_step.py --json docs/results/step/phases_24m_1thread.json --threads 1 --steps 30 \
         --dtypes fp32,bf16,bf16+txn       # the committed table
 """
@@ -33,11 +32,9 @@ PHASES = ("compensate_ms", "select_ms", "exchange_ms", "residual_ms", "decode_ms
 
 def get_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dtypes", default="fp32,fp32+pt,bf16,bf16+pt,bf16+txn+pt",
+    p.add_argument("--dtypes", default="fp32,bf16,bf16+txn",
                    help="comma-separated: fp32, bf16, fp16; '+txn' = transactional residuals, what fp16 and bf16 "
-                        "engines whose steps DeepSpeed may skip on overflow run (check_grad_overflow, the default); "
-                        "'+pt' = the DRAGONN paper's per-tensor selection (1024-element tensors and 1-D ones sent whole; a benchmark "
-                        "variant, not a setting), else one global threshold (the product's)")
+                        "engines whose steps DeepSpeed may skip on overflow run (check_grad_overflow, the default)")
     p.add_argument("--density", type=float, default=DENSITY)
     p.add_argument("--threads", type=int, default=1, help="torch (and kernel) threads")
     p.add_argument("--steps", type=int, default=STEPS)
@@ -55,13 +52,11 @@ def make_grads(shapes, dtype, step, device):
             for s in shapes]
 
 
-def bench_dtype(dtype, shapes, args, backend, transactional=False, per_tensor=False):
+def bench_dtype(dtype, shapes, args, backend, transactional=False):
     from ds_dragonn.compress import DragonnCompressor
-    from ds_dragonn.compress.segments import plan_segments
     from ds_dragonn.feedback import ErrorFeedback
     from ds_dragonn.pipeline import CompressedAllreduce
 
-    segments = plan_segments(shapes, 1024, compress_1d=False) if per_tensor else None  # the paper's variant
     ef = ErrorFeedback(True, transactional=transactional)
     pipe = CompressedAllreduce(DragonnCompressor(args.density), backend, ef)
     device = torch.device(args.device)
@@ -75,7 +70,7 @@ def bench_dtype(dtype, shapes, args, backend, transactional=False, per_tensor=Fa
 
     def compressed_step():  # as the engine runs it, until the gradients hold the result
         out, stats = pipe.reduce(bucket, "bucket", seed=step, prescale=1.0, postscale=0.5, dtype=dtype,
-                                 into_inputs=into, segments=segments)
+                                 into_inputs=into)
         if not into:  # DeepSpeed's allreduce_and_copy copies the flat result into the gradients
             for buf, synced in zip(bucket, torch._utils._unflatten_dense_tensors(out, bucket)):
                 buf.copy_(synced)
@@ -100,8 +95,8 @@ def bench_dtype(dtype, shapes, args, backend, transactional=False, per_tensor=Fa
             dense_local.append(dense_ms)
             for p in PHASES:
                 phases[p].append(getattr(stats, p))
-    rec = {"dtype": str(dtype).replace("torch.", "") + ("+txn" if transactional else "") + ("+pt" if per_tensor else ""),
-           "device": args.device, "transactional": transactional, "selection": "per_tensor" if per_tensor else "global", "decode_into_gradients": into,
+    rec = {"dtype": str(dtype).replace("torch.", "") + ("+txn" if transactional else ""),
+           "device": args.device, "transactional": transactional, "selection": "global", "decode_into_gradients": into,
            "numel": n, "density": args.density, "threads": args.threads,
            "steps": args.steps, "kept": stats.kept, "k": stats.k}
     rec.update({p: median(v) for p, v in phases.items()})
@@ -128,7 +123,7 @@ def main():
     layers = args.layers
     shapes = mlp_shapes(layers)
     records = [bench_dtype(DTYPES[d.split("+")[0]], shapes, args, TorchCommBackend(),
-                           transactional="+txn" in d, per_tensor="+pt" in d)
+                           transactional="+txn" in d)
                for d in args.dtypes.split(",")]
     tdist.destroy_process_group()
 

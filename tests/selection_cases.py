@@ -1,5 +1,4 @@
-"""Global selection and the density schedule in real engines (2 gloo ranks; run by tests/test_selection.py),
-and the compressor's per-tensor variant (the DRAGONN paper's; benchmarks only) through each exchange.
+"""Global selection and the density schedule in real engines (2 gloo ranks; run by tests/test_selection.py).
 
 The model has one parameter whose gradients are 1000x smaller than the others' (``quiet``, a 64x64 matrix
 scaled by 1e-3 in the forward pass) and a 1-D bias (``bias``): a single global threshold over the bucket never
@@ -67,35 +66,4 @@ def selection_runs(rank: int, world: int, out_dir: str) -> None:
                      "telemetry": hook.telemetry.summary(), "density": hook.compressor.density,
                      "params": [p.detach().clone() for p in engine.module.parameters()]}
     torch.save(out, Path(out_dir) / f"selection_rank{rank}.pt")
-    torch.distributed.destroy_process_group()
-
-
-def exchange_runs(rank: int, world: int, out_dir: str) -> None:
-    """The compressor's per-tensor selections (with whole tensors; the paper's variant, benchmarks only) through
-    each exchange and the pipeline, for fp32 and bf16 wires; each rank saves its raw buffer, what it sent, the decoded sum and the bytes."""
-    init_distributed()
-    from ds_dragonn.comm.torch_backend import TorchCommBackend
-    from ds_dragonn.compress import DragonnCompressor
-    from ds_dragonn.compress.segments import plan_segments
-    from ds_dragonn.exchange import build_exchange
-    from ds_dragonn.config import DragonnConfig
-    from ds_dragonn.feedback import ErrorFeedback
-    from ds_dragonn.pipeline import CompressedAllreduce
-
-    shapes = [(37,), (61, 53), (1,), (0,), (300,), (17, 3), (2000,)]  # sizes not divisible by the world size
-    seg = plan_segments(shapes, 100, compress_1d=False)
-    out = {}
-    for exchange in ("allgather", "partitioned"):
-        for dtype in (torch.float32, torch.bfloat16):
-            backend = TorchCommBackend()
-            cfg = DragonnConfig(enabled=True, density=0.05, exchange=exchange)
-            comp = DragonnCompressor(0.05)
-            pipe = CompressedAllreduce(comp, backend, ErrorFeedback(True), build_exchange(cfg, backend, comp))
-            g = torch.Generator().manual_seed(100 + rank)
-            x = (torch.randn(seg.numel, generator=g) * torch.rand(seg.numel, generator=g) ** 2).to(dtype)
-            res, stats = pipe.reduce([x.clone()], "b", seed=5, dtype=dtype, segments=seg)
-            residual = pipe.error_feedback.current("b").clone()
-            out[(exchange, str(dtype))] = {"x": x, "out": res.clone(), "residual": residual,
-                                           "bytes_sent": stats.bytes_sent, "kept": stats.kept}
-    torch.save({"out": out, "segments": seg}, Path(out_dir) / f"exchange_rank{rank}.pt")
     torch.distributed.destroy_process_group()

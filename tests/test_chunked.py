@@ -11,7 +11,6 @@ from ds_dragonn import constants
 from ds_dragonn.compress import DragonnCompressor, TopKCompressor, build_compressor, target_k
 from ds_dragonn.compress.chunks import chunk_ks, chunk_layout, chunk_rank
 from ds_dragonn.compress.kernels import cpu_table
-from ds_dragonn.compress.segments import Segments
 from ds_dragonn.config import DragonnConfig, DragonnConfigError
 from ds_dragonn.engine.state import compare
 from tests.multiproc import ranks_fixture
@@ -181,9 +180,7 @@ def test_cpu_kernel_equals_the_reference(dtype, density, n):
         assert a.k == b.k and a.capacity == b.capacity and float(a.threshold) == float(b.threshold)
 
 
-def test_chunks_and_segments_exclude_each_other():
-    with pytest.raises(ValueError, match="exclude each other"):
-        DragonnCompressor(0.01, chunk=C).compress(torch.randn(10), 0, Segments((0, 10), (False,)))
+def test_bad_chunk_sizes_are_refused():
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="chunk"):
             DragonnCompressor(0.01, chunk=bad)

@@ -12,18 +12,15 @@ from typing import NamedTuple
 
 import torch
 
+from .budget import MAX_PAIRS_FACTOR, max_pairs, target_k  # noqa: F401  (MAX_PAIRS_FACTOR re-exported)
+from .chunks import chunk_ks, chunk_layout
+
 #: Marker of an empty hash-table slot: out of range for every buffer, so that every element, element 0
 #: included, can be selected.
 EMPTY_SLOT = -1
 
 #: Buffers at least this long carry int64 indices; shorter ones int32 (half the index bytes on the wire).
 INT64_INDEX_NUMEL = 2**31
-
-#: A selection never holds more than ``ceil(MAX_PAIRS_FACTOR × k)`` pairs, whatever the value
-#: distribution: ties at the sampled threshold (all ±1, quantised values) would otherwise fill DRAGONN's
-#: whole table (``table_factor × k`` pairs, 4x the byte budget).
-MAX_PAIRS_FACTOR = 1.1
-
 
 class Selection(NamedTuple):
     """What a compressor keeps from one buffer of ``numel`` elements.
@@ -35,9 +32,9 @@ class Selection(NamedTuple):
         k: target count, ``ceil(density * numel)`` (0 for an empty buffer).
         capacity: most pairs this selection may hold: ``min(table size, max_pairs(k))`` for DRAGONN (its
             table has ``ceil(table_factor * k)`` slots), k for top-k and random-k.
-        whole: per-tensor selection: the last ``whole`` pairs are every element of the segments sent whole, in
-            bucket order (zeros included). Every rank has the same such positions, so an exchange may send
-            their values without the indices (``exchange/allgather.py``).
+        whole: the last ``whole`` pairs are every element of a block sent whole (the age bound,
+            ``compress/age_bound.py``), in bucket order (zeros included). Every rank has the same such positions,
+            so an exchange may send their values without the indices (``exchange/allgather.py``).
     """
     indices: torch.Tensor
     values: torch.Tensor
@@ -56,19 +53,6 @@ def index_dtype(numel: int) -> torch.dtype:
     return torch.int64 if numel >= INT64_INDEX_NUMEL else torch.int32
 
 
-def target_k(numel: int, density: float) -> int:
-    """``k = ceil(density * numel)``, at most numel; 0 for an empty buffer (no division by zero)."""
-    if numel <= 0:
-        return 0
-    # round() guards against 0.01 * 100 = 1.0000000000000002 -> 2; at least one element is kept
-    return max(1, min(numel, math.ceil(round(density * numel, 9))))
-
-
-def max_pairs(k: int) -> int:
-    """Most pairs a selection with target ``k`` may send: ``ceil(MAX_PAIRS_FACTOR × k)`` (0 for k = 0)."""
-    return math.ceil(round(MAX_PAIRS_FACTOR * k, 9)) if k > 0 else 0
-
-
 def trim(sel: Selection, cap: int) -> Selection:
     """``sel`` cut to its ``cap`` largest magnitudes (non-finite first); pairs keep their order.
 
@@ -77,16 +61,8 @@ def trim(sel: Selection, cap: int) -> Selection:
     kernel and every rank cut the same way. What is cut stays in the residual.
     """
     c = sel.count
-    if sel.whole:  # the head's own bound applies even when the total fits
-        cap = min(cap, sel.whole + max_pairs(sel.k - sel.whole))
     if c <= cap:
         return sel
-    if sel.whole:  # the whole segments' tail is never cut; the selected head keeps its own bound
-        head = Selection(sel.indices[:c - sel.whole], sel.values[:c - sel.whole], sel.threshold, sel.k, sel.capacity)
-        cut = trim(head, max(min(cap - sel.whole, max_pairs(sel.k - sel.whole)), 0))
-        return Selection(torch.cat([cut.indices, sel.indices[c - sel.whole:]]),
-                         torch.cat([cut.values, sel.values[c - sel.whole:]]), sel.threshold, sel.k,
-                         min(sel.capacity, cap), sel.whole)
     mag = magnitude(sel.values)  # (c,) float32 >= 0: its bits order like its values
     pos = torch.arange(c, device=mag.device, dtype=torch.int64)
     keys = (mag.view(torch.int32).to(torch.int64) << 32) | (0xFFFF_FFFF - pos)  # ties: earlier slot first
@@ -94,49 +70,10 @@ def trim(sel: Selection, cap: int) -> Selection:
     return Selection(sel.indices[keep], sel.values[keep], sel.threshold, sel.k, min(sel.capacity, cap))
 
 
-def whole_positions(segments, device, dtype: torch.dtype) -> torch.Tensor:
-    """(W,) positions of every element of the whole segments, in bucket order (cached per segments)."""
-    key = (segments, str(device), dtype)
-    hit = _WHOLE.get(key)
-    if hit is None:
-        parts = [torch.arange(lo, hi, dtype=torch.int64) for lo, hi, w in
-                 zip(segments.offsets[:-1], segments.offsets[1:], segments.whole) if w and hi > lo]
-        pos = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
-        if len(_WHOLE) > 64:
-            _WHOLE.clear()
-        hit = _WHOLE[key] = pos.to(device=device, dtype=dtype)
-    return hit
-
-
-_WHOLE: dict = {}
-
-
-def whole_tail(head: Selection, flat: torch.Tensor, segments) -> Selection:
-    """``head`` (the selected segments' pairs) followed by every element of the whole segments."""
-    pos = whole_positions(segments, flat.device, head.indices.dtype)
-    if pos.numel() == 0:
-        return head
-    return Selection(torch.cat([head.indices, pos]), torch.cat([head.values, flat[pos]]), head.threshold, head.k,
-                     head.capacity + pos.numel(), pos.numel())
-
-
 def segment_seed(seed: int, s: int) -> int:
-    """The seed of segment ``s`` of a call with ``seed`` (48 bits, like the callers' seeds): segments of
+    """The seed of chunk (segment) ``s`` of a call with ``seed`` (48 bits, like the callers' seeds): chunks of
     equal length get different hash tables and samples."""
     return (int(seed) + (s + 1) * 0x9E3779B97F4A7C15) & 0xFFFF_FFFF_FFFF
-
-
-def check_segments(segments, flat: torch.Tensor) -> None:
-    """Raises ValueError when ``segments`` do not tile ``flat`` (wrong length, descending offsets)."""
-    off = segments.offsets
-    if not isinstance(off, tuple) or not isinstance(segments.whole, tuple):
-        raise TypeError("segments need tuples (they key caches): build them with Segments.of(offsets, whole) or "
-                        "plan_segments(shapes)")
-    if len(off) != len(segments.whole) + 1 or off[0] != 0 or any(b < a for a, b in zip(off[:-1], off[1:])):
-        raise ValueError(f"segment offsets must ascend from 0 with one more entry than 'whole' flags, "
-                         f"got {len(off)} offsets for {len(segments.whole)} segments")
-    if off[-1] != flat.numel():
-        raise ValueError(f"segments cover {off[-1]} elements but the buffer holds {flat.numel()}")
 
 
 def magnitude(flat: torch.Tensor) -> torch.Tensor:
@@ -186,50 +123,35 @@ class Compressor(ABC):
         skips its full non-finite pass). Chunk-wise, only while every chunk sends (``density × chunk ≥ 1``)."""
         return self.finite_proof and (self.chunk is None or self.density * self.chunk >= 1.0)
 
-    def compress(self, flat: torch.Tensor, seed: int = 0, segments=None) -> Selection:
+    def compress(self, flat: torch.Tensor, seed: int = 0) -> Selection:
         """Select from ``flat``; an empty buffer gives an empty selection. At most :func:`max_pairs` (k)
         pairs are returned, whatever the values (ties included: see :func:`trim`).
 
         Args:
             flat: (n,) float buffer.
             seed: per-call seed (equal on every rank).
-            segments: None (one global selection over ``flat``), or a :class:`~ds_dragonn.compress.segments.
-                Segments` tiling ``flat``: per-tensor selection, each segment with its own
-                ``k_s = ceil(density · n_s)`` (``n_s`` for a whole segment) and seed; then
-                ``k = Σ k_s`` and the cut is ``max_pairs(k)`` over the whole selection.
-                With ``chunk`` set (chunk-wise selection, ``compress/chunks.py``) each chunk sends at most
-                its own ``k_c``, ``Σ k_c = k``; ``segments`` must then be None.
+        With ``chunk`` set (chunk-wise selection, ``compress/chunks.py``) each chunk sends at most its own
+        ``k_c``, ``Σ k_c = k``.
         Raises:
-            ValueError: ``flat`` is not 1-D, ``segments`` do not tile it, or are given with ``chunk``.
-                TypeError: ``flat`` is not floating point.
+            ValueError: ``flat`` is not 1-D. TypeError: ``flat`` is not floating point.
         """
         if flat.dim() != 1:
             raise ValueError(f"compressors take a flattened 1-D buffer, got shape {tuple(flat.shape)}")
         if not flat.is_floating_point():
             raise TypeError(f"compressors take a floating-point buffer, got {flat.dtype}")
         if self.chunk is not None:
-            if segments is not None:
-                raise ValueError("chunk-wise selection (chunk set) and per-tensor segments exclude each other")
             return self._compress_chunks(flat, seed)
-        if segments is not None:
-            check_segments(segments, flat)
-            ks = segments.ks(self.density)
-            k = sum(ks)
-            if k == 0:
-                return empty_selection(flat)
-            return trim(self._select_segments(flat, segments, ks, seed), max_pairs(k))
         k = target_k(flat.numel(), self.density)
         if k == 0:
             return empty_selection(flat)
         return trim(self._select(flat, k, seed), max_pairs(k))
 
-    def target(self, numel: int, segments=None) -> int:
-        """The target count k of a buffer of ``numel`` elements (``Σ k_s`` with ``segments``; chunk-wise as global)."""
-        return sum(segments.ks(self.density)) if segments is not None else target_k(numel, self.density)
+    def target(self, numel: int) -> int:
+        """The target count k of a buffer of ``numel`` elements (chunk-wise: the same, ``Σ k_c``)."""
+        return target_k(numel, self.density)
 
     def _compress_chunks(self, flat: torch.Tensor, seed: int) -> Selection:
         """Chunk-wise selection of ``flat`` (``compress/chunks.py``): at most ``k_c`` pairs per chunk."""
-        from .chunks import chunk_ks, chunk_layout  # chunks imports this module
         k = target_k(flat.numel(), self.density)
         if k == 0:
             return empty_selection(flat)
@@ -254,26 +176,6 @@ class Compressor(ABC):
                          torch.cat(vals) if vals else flat.new_empty(0),
                          torch.cat(thr).min() if thr else torch.zeros((), dtype=torch.float32, device=flat.device),
                          k, k)
-
-    def _select_segments(self, flat: torch.Tensor, segments, ks, seed: int) -> Selection:
-        """Per-tensor selection: :meth:`_select` on each segment that is not whole, with ``k_s`` and
-        :func:`segment_seed`, indices shifted to bucket positions; then every element of the whole segments
-        (:func:`whole_tail`). Kernels override this with one call for the whole bucket. ``threshold`` is
-        the smallest of the selected segments' cuts (0 without one)."""
-        n = flat.numel()
-        idx, vals, thr, cap = [], [], [], 0
-        for s, (lo, k) in enumerate(zip(segments.offsets[:-1], ks)):
-            if k == 0 or segments.whole[s]:
-                continue
-            sel = self._select(flat[lo:lo + segments.offsets[s + 1] - lo], k, segment_seed(seed, s))
-            idx.append(sel.indices.to(index_dtype(n)) + lo)
-            vals.append(sel.values)
-            thr.append(sel.threshold.reshape(1))
-            cap += sel.capacity
-        thr = torch.cat(thr).min() if thr else torch.zeros((), dtype=torch.float32, device=flat.device)
-        head = Selection(torch.cat(idx) if idx else flat.new_empty(0, dtype=index_dtype(n)),
-                         torch.cat(vals) if vals else flat.new_empty(0), thr, sum(ks), cap)
-        return whole_tail(head, flat, segments)
 
     @abstractmethod
     def _select(self, flat: torch.Tensor, k: int, seed: int) -> Selection:

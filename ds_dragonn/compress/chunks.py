@@ -3,9 +3,8 @@
 One threshold over a whole bucket sends where the gradient mass is; a layer whose gradients are small in absolute
 terms waits, up to ~1/density steps at a time. SparseLoCo (Sarfi et al. 2025) instead cuts the buffer into chunks
 of 4096 entries and sends the top-k of each chunk, so no part of the model waits longer than any other. Here the
-chunks are :class:`~ds_dragonn.compress.segments.Segments` of the compressors' per-segment machinery (for DRAGONN
-(Wang et al., ICML 2022) one threshold and one hash table per chunk, in one pass with no sort), with two rules
-of their own:
+chunks are the segments of a :class:`ChunkLayout` (for DRAGONN (Wang et al., ICML 2022) one threshold and one hash
+table per chunk, in one pass with no sort), with two rules of their own:
 
 * **Budget.** Chunk ``c`` of ``[b_c, e_c)`` gets ``k_c = T(e'_c) − T(b'_c)`` with ``T(x) = ceil(density · x)``
   over the chunks' cumulative lengths in an order rotated by the call's seed (:func:`chunk_ks`): ``Σ k_c =
@@ -24,15 +23,28 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple, Tuple
 
 import torch
 
-from .base import target_k
-from .segments import Segments
+from .budget import target_k
+
+
+class ChunkLayout(NamedTuple):
+    """The chunks of a buffer: chunk ``c`` is ``[offsets[c], offsets[c+1])``.
+
+    Attributes:
+        offsets: (nchunks + 1,) ascending element offsets; ``offsets[0] == 0``, ``offsets[-1] == numel``.
+    """
+    offsets: Tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return self.offsets[-1]
 
 
 @functools.lru_cache(maxsize=64)
-def chunk_layout(numel: int, chunk: int) -> Segments:
+def chunk_layout(numel: int, chunk: int) -> ChunkLayout:
     """The chunks of a buffer of ``numel`` ≥ 1 elements: ``[i·chunk, (i+1)·chunk)``, a tail shorter than a chunk
     joined to the last one (so every chunk of a buffer of at least ``chunk`` elements holds ``chunk`` to
     ``2·chunk − 1``); one chunk when ``numel < chunk``. Raises ValueError for ``chunk < 1``."""
@@ -40,16 +52,16 @@ def chunk_layout(numel: int, chunk: int) -> Segments:
         raise ValueError(f"chunk size must be >= 1, got {chunk}")
     count = max(1, numel // chunk)
     offsets = tuple(i * chunk for i in range(count)) + (int(numel),)
-    return Segments(offsets, (False,) * count)
+    return ChunkLayout(offsets)
 
 
 @functools.lru_cache(maxsize=64)
-def chunk_offsets(layout: Segments) -> torch.Tensor:
+def chunk_offsets(layout: ChunkLayout) -> torch.Tensor:
     """(nchunks + 1,) int64 offsets of ``layout``'s chunks (cached: do not modify)."""
     return torch.tensor(layout.offsets, dtype=torch.int64)
 
 
-def chunk_lengths(layout: Segments) -> torch.Tensor:
+def chunk_lengths(layout: ChunkLayout) -> torch.Tensor:
     """(nchunks,) int64 lengths of ``layout``'s chunks."""
     off = chunk_offsets(layout)
     return off[1:] - off[:-1]
@@ -60,7 +72,7 @@ def rotation(seed: int, count: int) -> int:
     return ((int(seed) * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) >> 17) % max(count, 1)
 
 
-def chunk_ks(layout: Segments, density: float, seed: int) -> torch.Tensor:
+def chunk_ks(layout: ChunkLayout, density: float, seed: int) -> torch.Tensor:
     """Per-chunk targets ``k_c`` (see the module docstring): (nchunks,) int64, ``Σ k_c = target_k(numel)``,
     ``0 ≤ k_c ≤`` the chunk's length."""
     lens = chunk_lengths(layout)

@@ -11,7 +11,7 @@ import math
 import torch
 
 from .. import constants
-from .base import Compressor, Selection, index_dtype, max_pairs, segment_seed, target_k, trim, whole_tail
+from .base import Compressor, Selection, index_dtype, max_pairs, segment_seed, target_k, trim
 from .chunks import chunk_lengths, chunk_offsets, chunk_rank
 from .kernels import check_kernel, cpu_table, resolve_kernel, sample_kth_fast, sample_threshold_fast, select_fast
 from .reference import (  # noqa: F401  (re-exported: the reference API)
@@ -53,42 +53,6 @@ class DragonnCompressor(Compressor):
         self.min_sample = int(min_sample)
         self.table_factor = float(table_factor)
         self.kernel = check_kernel(getattr(kernel, "value", kernel))
-        self._plans: dict = {}  # (segments, density) -> the CPU kernel's per-segment plan
-
-    def segment_plan(self, segments, ks) -> tuple:
-        """(offsets (nseg+1,) int64, plan (3, nseg) int64, capacity) of a per-tensor selection: per segment the
-        threshold sample size (0: threshold 0), the threshold's rank in the sample and the table slots, as
-        :meth:`threshold` and :meth:`_select` would use on the segment alone. Cached per (segments, density)."""
-        key = (segments, self.density)
-        hit = self._plans.get(key)
-        if hit is None:
-            rows, cap = [], 0
-            for n, k, whole in zip(segments.lengths(), ks, segments.whole):
-                if k == 0 or whole:  # whole segments: appended after the call (base.whole_tail)
-                    rows.append((0, 0, 0))
-                    continue
-                m = table_capacity(k, self.table_factor, n)
-                cap += min(m, max_pairs(k))
-                if k >= n:
-                    rows.append((0, 0, m))
-                    continue
-                s = sample_size(n, self.sample_ratio, self.min_sample, self.density)
-                rate = candidate_density(self.density, self.table_factor, direct=m >= n)
-                rows.append((s, target_k(s, rate), m))
-            plan = torch.tensor(rows, dtype=torch.int64).reshape(-1, 3).t().contiguous()
-            if len(self._plans) > 64:  # a density warm-up visits a new density every step
-                self._plans.clear()
-            hit = self._plans[key] = (torch.tensor(segments.offsets, dtype=torch.int64), plan, cap)
-        return hit
-
-    def _select_segments(self, flat: torch.Tensor, segments, ks, seed: int) -> Selection:
-        if resolve_kernel(self.kernel, flat) != "cpu":
-            return super()._select_segments(flat, segments, ks, seed)
-        offsets, plan, cap = self.segment_plan(segments, ks)
-        idx, vals, thr = cpu_table.select_segments(flat, offsets, plan, seed, index_dtype(flat.numel()))
-        used = plan[2] > 0
-        thr = thr[used].min() if bool(used.any()) else torch.zeros((), dtype=torch.float32)
-        return whole_tail(Selection(indices=idx, values=vals, threshold=thr, k=sum(ks), capacity=cap), flat, segments)
 
     def chunk_plan(self, layout, ks: torch.Tensor) -> tuple:
         """(offsets (nchunks+1,) int64, plan (4, nchunks) int64) of a chunk-wise selection: per chunk the sample

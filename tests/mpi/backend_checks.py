@@ -65,8 +65,8 @@ class Recorder:
     def __init__(self, inner):
         self.inner, self.name, self.last = inner, inner.name, None
 
-    def compress(self, flat, seed, segments=None):
-        self.last = self.inner.compress(flat, seed, segments)
+    def compress(self, flat, seed):
+        self.last = self.inner.compress(flat, seed)
         return self.last
 
 
