@@ -28,14 +28,6 @@ AUTO_RECHECK_INTERVAL = 1000
 #: value gives the same guarantees (docs/design.md#guarantees).
 SEED = 0
 
-#: ``sync: local_steps``: no outer momentum. DiLoCo's Nesterov 0.9 (outer lr 0.7) made compressed local steps
-#: worse: +57.5 % against +32.8 % at H = 30, density 0.01 (docs/results.md, local steps).
-OUTER_MOMENTUM = 0.0
-
-#: ``sync: local_steps``: the pseudo-gradient residual keeps everything unsent. SparseLoCo's decay 0.95 made
-#: compressed local steps worse: +34.8 % against +32.8 % (docs/results.md, local steps).
-OUTER_FEEDBACK_DECAY = 1.0
-
 #: ``advanced.selection: chunked``: entries per chunk, each chunk sending its own top ``≈ density × CHUNK_SIZE``
 #: (SparseLoCo's 4096, Sarfi et al. 2025). A bucket's tail shorter than a chunk joins the last chunk.
 CHUNK_SIZE = 4096

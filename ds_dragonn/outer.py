@@ -2,14 +2,11 @@
 
 In ``sync: local_steps`` every rank runs H optimizer steps on its own gradients, starting from the
 shared ``θ_outer``. The round's pseudo-gradient is ``Δ = θ_outer − θ_local`` (what the rank's steps moved,
-negated, so that it points like a gradient); its average over the ranks, ``Δ̄``, is applied by an outer
-SGD step (Douillard et al., "DiLoCo", 2023, Algorithm 1: outer Nesterov momentum 0.9, outer learning rate
-0.7)::
-
-    v ← μ·v + Δ̄ ;  θ_outer ← θ_outer − lr·(Δ̄ + μ·v)      (Nesterov, as torch.optim.SGD; μ = 0: plain SGD)
-
-and every rank restarts from ``θ_outer``. SparseLoCo (2025) drops the outer momentum (μ = 0, lr = 1) and
-compresses Δ with top-k and error feedback instead; here that is DRAGONN selection plus the pipeline's
+negated, so that it points like a gradient); its average over the ranks, ``Δ̄``, is applied by a plain outer
+SGD step, ``θ_outer ← θ_outer − lr·Δ̄``, and every rank restarts from ``θ_outer``. DiLoCo (Douillard et al.,
+2023) adds outer Nesterov momentum; SparseLoCo (2025) drops it (lr = 1) and compresses Δ with top-k and error
+feedback instead, as here: outer momentum made compressed local steps worse (docs/results.md). The compression
+is DRAGONN selection plus the pipeline's
 residual (``ds_dragonn.pipeline``), which runs between :meth:`OuterStep.pseudo_gradient` and
 :meth:`OuterStep.apply_`. Everything is fp32 (the master weights'), whatever the model's dtype.
 """
@@ -22,23 +19,19 @@ import torch
 
 
 class OuterStep:
-    """``θ_outer`` (the anchor every rank restarts from) and the outer optimizer's velocity.
+    """``θ_outer`` (the anchor every rank restarts from) and the plain outer SGD step.
 
     Args:
         lr: outer learning rate (> 0).
-        momentum: Nesterov momentum μ in [0, 1) (0: plain outer SGD, no velocity kept).
     Raises:
-        ValueError: ``lr`` not > 0 or ``momentum`` outside [0, 1).
+        ValueError: ``lr`` not > 0.
     """
 
-    def __init__(self, lr: float = 1.0, momentum: float = 0.0):
+    def __init__(self, lr: float = 1.0):
         if not lr > 0.0:
             raise ValueError(f"outer lr must be > 0, got {lr}")
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"outer momentum must be in [0, 1), got {momentum}")
-        self.lr, self.momentum = float(lr), float(momentum)
+        self.lr = float(lr)
         self.anchor: Optional[List[torch.Tensor]] = None  # θ_outer, fp32, one tensor per master tensor
-        self.velocity: Optional[List[torch.Tensor]] = None
         self.rounds = 0  # outer steps applied
 
     @property
@@ -48,7 +41,6 @@ class OuterStep:
     def start(self, masters: Sequence[torch.Tensor]) -> None:
         """``θ_outer ← masters`` (fp32 copies): the first round starts here (equal on every rank)."""
         self.anchor = [m.detach().to(torch.float32, copy=True) for m in masters]
-        self.velocity = [torch.zeros_like(a) for a in self.anchor] if self.momentum > 0.0 else None
 
     def pseudo_gradient(self, masters: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         """``Δ = θ_outer − θ_local`` per master tensor: new fp32 tensors of the masters' shapes.
@@ -62,15 +54,10 @@ class OuterStep:
 
     @torch.no_grad()
     def apply_(self, averaged: Sequence[torch.Tensor]) -> None:
-        """One outer step with the ranks' averaged pseudo-gradient ``Δ̄`` (shapes of the anchor; any float dtype)."""
-        anchor = self._anchor_for(averaged)
-        for i, (a, d) in enumerate(zip(anchor, averaged)):
-            d = d.to(torch.float32)
-            if self.velocity is not None:
-                v = self.velocity[i]
-                v.mul_(self.momentum).add_(d)
-                d = d.add(v, alpha=self.momentum)
-            a.sub_(d, alpha=self.lr)
+        """``θ_outer ← θ_outer − lr·Δ̄`` with the ranks' averaged pseudo-gradient ``Δ̄`` (shapes of the anchor; any
+        float dtype)."""
+        for a, d in zip(self._anchor_for(averaged), averaged):
+            a.sub_(d.to(torch.float32), alpha=self.lr)
         self.rounds += 1
 
     @torch.no_grad()
@@ -88,31 +75,22 @@ class OuterStep:
         return self.anchor
 
     def state_dict(self) -> dict:
-        """``{"anchor", "velocity", "rounds", "lr", "momentum"}`` (tensors cloned; None before :meth:`start`)."""
-        clone = (lambda ts: None if ts is None else [t.detach().clone() for t in ts])
-        return {"anchor": clone(self.anchor), "velocity": clone(self.velocity), "rounds": self.rounds,
-                "lr": self.lr, "momentum": self.momentum}
+        """``{"anchor", "rounds", "lr"}`` (tensors cloned; None before :meth:`start`)."""
+        anchor = None if self.anchor is None else [t.detach().clone() for t in self.anchor]
+        return {"anchor": anchor, "rounds": self.rounds, "lr": self.lr}
 
     def load_state_dict(self, state: dict, masters: Sequence[torch.Tensor]) -> None:
         """Restore :meth:`state_dict` for ``masters`` (their devices).
 
         Raises:
-            ValueError: the saved anchor or velocity does not match the masters (count, shapes), or is not finite.
+            ValueError: the saved anchor does not match the masters (count, shapes), or is not finite.
         """
         anchor = state.get("anchor")
         if anchor is None:
-            self.anchor, self.velocity, self.rounds = None, None, int(state.get("rounds", 0))
+            self.anchor, self.rounds = None, int(state.get("rounds", 0))
             return
         self._check(anchor, masters, "θ_outer")
-        velocity = state.get("velocity")
-        if self.momentum > 0.0 and velocity is not None:
-            self._check(velocity, masters, "the outer velocity")
         self.anchor = [a.to(device=m.device, dtype=torch.float32).clone() for a, m in zip(anchor, masters)]
-        if self.momentum > 0.0:
-            self.velocity = ([v.to(device=m.device, dtype=torch.float32).clone() for v, m in zip(velocity, masters)]
-                             if velocity is not None else [torch.zeros_like(a) for a in self.anchor])
-        else:
-            self.velocity = None
         self.rounds = int(state.get("rounds", 0))
 
     @staticmethod

@@ -100,7 +100,6 @@ class Mode:
     build: Optional[Callable] = None
     reference: bool = False   # a yardstick (no exchange): shown, never declared the winner
     default: bool = True      # in the default run (False: registered, run with --modes)
-    constants: Optional[dict] = None  # ds_dragonn.constants set in each rank first (research settings, not keys)
 
     def config(self, base: dict) -> Optional[dict]:
         """The full DeepSpeed config of this mode (None for a non-DeepSpeed mode)."""
@@ -150,26 +149,19 @@ REGISTRY: Dict[str, Mode] = {m.name: m for m in (
            ds={"dragonn": {**_ON, "sync": "local_steps", "local_steps": h, "density": d, "outer_lr": 1.0}},
            default=False)
       for h, d in ((8, 0.01), (30, 0.01), (100, 0.01), (30, 0.1))),
-    Mode("local_h30_d0.01_decay", "DRAGONN local steps every 30, density 0.01, SparseLoCo's decaying error-feedback "
-         "accumulator (OUTER_FEEDBACK_DECAY 0.95, outer lr 1)",
-         ds={"dragonn": {**_ON, "sync": "local_steps", "local_steps": 30, "density": 0.01, "outer_lr": 1.0}},
-         constants={"OUTER_FEEDBACK_DECAY": 0.95}, default=False),
     *(Mode(f"kept_h{h}_d{d}", f"DRAGONN local steps every {h}, density {d}, the unsent pseudo-gradient kept in each "
            f"rank's weights (advanced.outer_residual: weights; error reset, CSER); 30 dense warm-up steps, as the "
            f"local-steps sweep of docs/results.md",
            ds={"dragonn": {**_ON, "sync": "local_steps", "local_steps": h, "density": d, "warmup_steps": 30,
                            "outer_lr": 1.0, "advanced": {"outer_residual": "weights"}}}, default=False)
       for h, d in ((30, 0.01), (30, 0.001), (15, 0.01))),
+    # DiLoCo's outer lr 0.7 with plain outer SGD: the outer step has no momentum (it made compressed local steps
+    # worse, docs/results.md). Records of these modes made before the outer momentum left the package ran Nesterov 0.9.
     *(Mode(f"diloco_h{h}", f"uncompressed DiLoCo: an outer step every {h} steps, dense allreduce of the "
-           f"pseudo-gradient, outer Nesterov lr 0.7 momentum 0.9",
+           f"pseudo-gradient, plain outer SGD at DiLoCo's lr 0.7",
            ds={"dragonn": {**_ON, "sync": "local_steps", "local_steps": h, "density": 1.0, "outer_lr": 0.7}},
-           constants={"OUTER_MOMENTUM": 0.9}, default=False)
+           default=False)
       for h in (8, 30, 100)),
-    *(Mode(f"local_h{h}_d{d}_nesterov", f"DRAGONN local steps every {h}, density {d}, error feedback plus DiLoCo's "
-           f"outer Nesterov (lr 0.7, momentum 0.9)",
-           ds={"dragonn": {**_ON, "sync": "local_steps", "local_steps": h, "density": d, "outer_lr": 0.7}},
-           constants={"OUTER_MOMENTUM": 0.9}, default=False)
-      for h, d in ((30, 0.01), (30, 0.1), (8, 0.01), (100, 0.01))),
     Mode("none", "no exchange: each rank steps on its own gradients (the step time's physical limit)",
          build=_build_none, reference=True),
 )}
@@ -362,9 +354,6 @@ def run_rank(args) -> Optional[dict]:
     if args.run not in known:
         raise ValueError(f"--run {args.run!r}: not a mode; known: {', '.join(known)}")
     mode = known[args.run]
-    from ds_dragonn import constants
-    for name, value in (mode.constants or {}).items():  # before any engine reads them
-        setattr(constants, name, value)
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     rank, world = dist.get_rank(), dist.get_world_size()
     quality = args.phase == "quality"
@@ -430,7 +419,7 @@ def run_rank(args) -> Optional[dict]:
                   "lr": peak_lr(cfg if cfg is not None else base),
                   "model": {"n_layer": args.n_layer, "d_model": args.d_model, "n_head": args.n_head, "ctx": args.ctx,
                             "micro_batch": micro, "gradient_accumulation": gas},
-                  "config": cfg, "constants": mode.constants, "wall_s": round(time.time() - t_start, 2), "step_ms": [round(t, 2) for t in step_ms],
+                  "config": cfg, "wall_s": round(time.time() - t_start, 2), "step_ms": [round(t, 2) for t in step_ms],
                   "telemetry": tel1}
         if quality:
             record.update(eval_every=args.eval_every, eval_windows=args.eval_windows, curve=curve,

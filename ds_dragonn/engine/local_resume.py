@@ -62,7 +62,7 @@ def keep_outer(hook: Any, saved: dict, reasons: List[str]) -> Optional[str]:
             or not isinstance(outer, dict)):
         return moved
     try:
-        hook.outer.load_state_dict({**outer, "velocity": None}, hook.masters())
+        hook.outer.load_state_dict(outer, hook.masters())
     except (ValueError, TypeError):
         hook.reset_extra_state()
     return moved

@@ -1,7 +1,7 @@
 """Timing records for local-steps modes of ``launch/bench_ttq.py`` that were not timed themselves.
 
 An outer step sends the same bytes whatever H, so a ``sync: local_steps`` mode that differs from a timed one
-only in H or in its outer optimizer (``outer_lr``; the ``OUTER_*`` constants a mode sets) has that
+only in H or in its outer optimizer (``outer_lr``) has that
 mode's median local step and median outer-step overhead; its step time is ``local_ms + overhead / H``. For
 each link, every quality record of such a mode without a timing record gets one, marked ``timing_from``
 (the timed mode it borrows from: same density, exchange and communication dtype).
