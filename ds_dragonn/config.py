@@ -8,10 +8,10 @@ unknown top-level keys in ``engine.config``)::
 Validation follows DeepSpeed's ``runtime/config_utils.DeepSpeedConfigModel``: unknown keys are rejected,
 every field is typed and bounded, choices are enums, and cross-field checks raise ``ValueError``.
 Errors surface as :class:`DragonnConfigError`, whose message names the bad key, the value given and what
-is allowed; a key the block no longer has (``REMOVED_KEYS``) gets what replaced it.
+is allowed.
 
-Fifteen keys a user sets, and one ``"advanced"`` object of benchmark and research settings; what were
-internal keys are constants (``constants.py``), still readable as ``cfg.seed`` etc. (docs/config.md).
+Fifteen keys a user sets, and one ``"advanced"`` object of benchmark and research settings; internal settings
+are constants (``constants.py``; docs/config.md).
 """
 from __future__ import annotations
 
@@ -24,7 +24,6 @@ from typing import Any, Literal, Mapping, Optional, Union
 from pydantic import BaseModel, Field, StrictInt, ValidationError, ValidationInfo, computed_field, field_validator, model_validator
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 
-from . import constants
 from .exchange.quantize import ValueFormat
 
 DRAGONN_KEY = "dragonn"
@@ -100,26 +99,6 @@ _STEPS_OR_AUTO = {
 }
 
 
-#: Keys the block had and no longer has, and what replaces each (issue 35). A block that names one is refused
-#: with this text, not with pydantic's generic "extra field".
-REMOVED_KEYS = {
-    "tensor_min_compress_numel": "removed with per-tensor selection (one threshold per bucket measured better)",
-    "compress_1d": "removed with per-tensor selection (one threshold per bucket measured better)",
-    "outer_momentum": "removed: no outer momentum (it made compressed local steps worse, +57.5 %)",
-    "outer_feedback_decay": "removed: the residual keeps everything unsent (a decay made local steps worse, +34.8 %)",
-    "sample_ratio": "removed: internal constant 0.001 (ds_dragonn/constants.py)",
-    "min_sample": "removed: internal constant 1024 (ds_dragonn/constants.py)",
-    "table_factor": "removed: internal constant 4.0, the paper's (ds_dragonn/constants.py)",
-    "auto_probe_steps": "removed: internal constant 3 (ds_dragonn/constants.py)",
-    "auto_recheck_interval": "removed: internal constant 1000 (ds_dragonn/constants.py)",
-    "seed": "removed: internal constant 0 (every rank advances it the same way)",
-    "freeze_adam_variance": "removed: superseded by compress: momentum",
-    "variance_floor": "removed: internal constant",
-    "variance_refresh_decay": "removed: internal constant (max(β2^100, 0.9))",
-    "lr_weighted_residual": "removed: helped one model only",
-}
-
-
 class AdvancedConfig(BaseModel):
     """``"advanced"``: benchmark and research settings. Leave them out: the defaults are the product. (A plain
     pydantic model: DeepSpeedConfigModel's non-strict ``__init__`` would drop "auto" values silently.)"""
@@ -181,11 +160,6 @@ class AdvancedConfig(BaseModel):
     CSER: Xie et al., NeurIPS 2020), so the next round does not redo the progress still waiting; ``anchor``: in the
     residual only, every rank restarting from ``θ_outer`` (+6.7 to +8.3 % against +0.2 to +0.5 % on the LM)."""
 
-    @model_validator(mode="before")
-    @classmethod
-    def _refuse_removed(cls, data: Any) -> Any:
-        return _refuse_removed_keys(data, "advanced.")
-
     @field_validator("variance_refresh_steps", "max_age")
     @classmethod
     def _zero_or_at_least_two(cls, v: int, info: ValidationInfo) -> int:
@@ -212,14 +186,12 @@ def _json(value: Any) -> str:
         return repr(value)
 
 
-def _refuse_removed_keys(data: Any, where: str = "") -> Any:
-    """``data``, or ValueError naming the first removed key it holds, or an advanced key set at the top level."""
+def _refuse_misplaced_keys(data: Any) -> Any:
+    """``data``, or ValueError naming the first advanced key it sets at the top level (and where it belongs)."""
     if not isinstance(data, Mapping):
         return data
     for key in data:
-        if key in REMOVED_KEYS:
-            raise ValueError(f"'{DRAGONN_KEY}.{where}{key}' was {REMOVED_KEYS[key]}; delete the key (docs/config.md#removed-keys)")
-        if not where and key in ADVANCED_KEYS:
+        if key in ADVANCED_KEYS:
             raise ValueError(f"'{DRAGONN_KEY}.{key}' belongs under 'advanced': write \"advanced\": "
                              f"{{{json.dumps(key)}: {_json(data[key])}}} (docs/config.md#advanced)")
     return data
@@ -228,12 +200,6 @@ def _refuse_removed_keys(data: Any, where: str = "") -> Any:
 def _delegate(name: str, doc: str) -> property:
     """A read-only ``cfg.<name>`` answering ``cfg.advanced.<name>`` (engine code reads it as before)."""
     return computed_field(property(lambda self: getattr(self.advanced, name), doc=doc), return_type=Any)
-
-
-def _constant(name: str) -> property:
-    """A read-only ``cfg.<name>`` answering ``constants.<NAME>`` (read at each call; recorded in model_dump)."""
-    return computed_field(property(lambda self: getattr(constants, name.upper()),
-                                   doc=f"``ds_dragonn.constants.{name.upper()}`` (no longer a key)."), return_type=Any)
 
 
 class DragonnConfig(DeepSpeedConfigModel):
@@ -326,14 +292,6 @@ class DragonnConfig(DeepSpeedConfigModel):
     dense_values = _delegate("dense_values", "``advanced.dense_values``.")
     outer_residual = _delegate("outer_residual", "``advanced.outer_residual``.")
     max_age = _delegate("max_age", "``advanced.max_age``.")
-    sample_ratio = _constant("sample_ratio")
-    min_sample = _constant("min_sample")
-    table_factor = _constant("table_factor")
-    auto_probe_steps = _constant("auto_probe_steps")
-    auto_recheck_interval = _constant("auto_recheck_interval")
-    seed = _constant("seed")
-    outer_momentum = _constant("outer_momentum")
-    outer_feedback_decay = _constant("outer_feedback_decay")
 
     def given(self, *keys: str) -> list:
         """Those of ``keys`` the block sets explicitly, in the order given; an advanced key as ``advanced.<key>``."""
@@ -342,8 +300,8 @@ class DragonnConfig(DeepSpeedConfigModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _refuse_removed(cls, data: Any) -> Any:
-        return _refuse_removed_keys(data)
+    def _refuse_misplaced(cls, data: Any) -> Any:
+        return _refuse_misplaced_keys(data)
 
     @field_validator("warmup_steps", "density_warmup_steps", mode="before")
     @classmethod
@@ -377,7 +335,7 @@ class DragonnConfig(DeepSpeedConfigModel):
         Returns a disabled config when the block is absent.
 
         Raises:
-            DragonnConfigError: the block is null or not an object, has an unknown or removed key or an invalid value.
+            DragonnConfigError: the block is null or not an object, has an unknown or misplaced key or an invalid value.
         """
         cfg = load_ds_config(ds_config)
         if DRAGONN_KEY not in cfg:
@@ -484,7 +442,7 @@ def _format_errors(err: ValidationError) -> str:
             close = difflib.get_close_matches(str(e["loc"][-1]), fields, n=1)
             hint = f"did you mean '{close[0]}'? " if close else ""
             lines.append(f"{where}: unknown key (value {e['input']!r}); {hint}allowed keys: {allowed}")
-        elif e["msg"].startswith(f"Value error, '{DRAGONN_KEY}."):  # a removed or moved key: the message is whole
+        elif e["msg"].startswith(f"Value error, '{DRAGONN_KEY}."):  # a misplaced key: the message is whole
             lines.append(e["msg"].removeprefix("Value error, "))
         elif not e["loc"]:  # a rule across keys: its message names them (the whole block is noise)
             lines.append(f"{where}: {e['msg'].removeprefix('Value error, ')}")

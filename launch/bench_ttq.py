@@ -389,7 +389,7 @@ def run_rank(args) -> Optional[dict]:
     first_timed = untimed + 1
     local = dragonn is not None and dragonn.sync.value == "local_steps"
     if dragonn is not None and not quality and dragonn.policy.value == "auto" and not local:
-        probes = dragonn.auto_probe_steps
+        from ds_dragonn.constants import AUTO_PROBE_STEPS as probes
         first_timed = max(first_timed, max(dragonn.warmup_steps, probes) + probes + 1)
     if not quality and first_timed > steps:
         raise ValueError(f"--time-steps {steps}: nothing left to time after {first_timed - 1} untimed steps; "

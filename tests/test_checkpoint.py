@@ -192,26 +192,23 @@ def test_ranks_resuming_different_tags_fail_on_every_rank(ckpt):
         assert msg is not None and "tags at the same step" in msg, msg
 
 
-@pytest.mark.parametrize("legacy, hook_point", [((3, "torch.bfloat16", 6, "abc"), "allreduce"),
-                                                (("zero", 3, "torch.bfloat16", 6, "abc"), "zero")])
-def test_bucket_keys_are_read_by_field_and_legacy_tuple_keys_still_load(legacy, hook_point):
+def test_bucket_keys_are_read_by_field_and_malformed_keys_are_refused():
     from ds_dragonn.config import DragonnConfig
     from ds_dragonn.engine import BucketKey
     from ds_dragonn.engine.base import HookBase
     from tests.fakes import fake_engine
-    key = BucketKey.parse(legacy)
-    assert key == BucketKey(hook_point, 3, "torch.bfloat16", 6, "abc") and key.numel == 6
-    assert key.torch_dtype == torch.bfloat16
-    for not_a_key in ("b", (1, 2), ("allreduce", "3", "torch.float32", 6, "x"), ("other", 3, "torch.float32", 6, "x")):
+    key = BucketKey.parse(("zero", 3, "torch.bfloat16", 6, "abc"))
+    assert key == BucketKey("zero", 3, "torch.bfloat16", 6, "abc") and key.numel == 6
+    assert key.torch_dtype == torch.bfloat16 and BucketKey.parse(key) == key
+    for not_a_key in ("b", (1, 2), (3, "torch.bfloat16", 6, "abc"), ("allreduce", "3", "torch.float32", 6, "x"),
+                      ("other", 3, "torch.float32", 6, "x")):
         assert BucketKey.parse(not_a_key) is None
     hook = HookBase(fake_engine(), DragonnConfig(enabled=True))
     good = hook.state_dict()
     residual = torch.arange(6, dtype=torch.float32)
-    hook.load_state_dict(dict(good, error_feedback={"enabled": True, "residuals": {legacy: residual}},
-                              pending=[legacy]))
+    hook.load_state_dict(dict(good, error_feedback={"enabled": True, "residuals": {key: residual}}, pending=[key]))
     assert list(hook.error_feedback.residuals) == [key] and type(next(iter(hook.error_feedback.residuals))) is BucketKey
     assert torch.equal(hook.error_feedback.residuals[key], residual) and hook.pending == {key}
-    # the length check reads the key's field whatever its form: a wrong length is refused in both
-    for k in (legacy, key):
-        with pytest.raises(ValueError, match="5 elements for a bucket of 6"):
-            hook.load_state_dict(dict(good, error_feedback={"residuals": {k: torch.ones(5)}}))
+    # the length check reads the key's field
+    with pytest.raises(ValueError, match="5 elements for a bucket of 6"):
+        hook.load_state_dict(dict(good, error_feedback={"residuals": {key: torch.ones(5)}}))

@@ -6,13 +6,12 @@ import json
 import pytest
 
 import ds_dragonn
-from ds_dragonn import constants
-from ds_dragonn.config import ADVANCED_KEYS, REMOVED_KEYS, CommBackendName, DragonnConfig, DragonnConfigError, Kernel
+from ds_dragonn.config import ADVANCED_KEYS, CommBackendName, DragonnConfig, DragonnConfigError, Kernel
 
 
 def test_defaults_when_absent():
     cfg = DragonnConfig.from_ds_config({"train_batch_size": 8})
-    assert not cfg.enabled and cfg.density == 0.01 and cfg.table_factor == 4 and cfg.error_feedback
+    assert not cfg.enabled and cfg.density == 0.01 and cfg.error_feedback
     assert cfg.comm_backend == CommBackendName.torch and cfg.exchange.value == "allgather"
 
 
@@ -69,19 +68,18 @@ def test_visible_keys_and_advanced():
     assert cfg.given("density", "kernel", "error_feedback") == ["advanced.kernel", "advanced.error_feedback"]
     with pytest.raises(AttributeError):
         cfg.kernel = Kernel.reference  # read-only: set it under "advanced"
-    dump = cfg.model_dump(mode="json")  # a checkpoint's description keeps the flat names and the constants
+    dump = cfg.model_dump(mode="json")  # a checkpoint's description keeps the flat names
     assert dump["kernel"] == "cpu" and dump["error_feedback"] is False and dump["advanced"]["kernel"] == "cpu"
-    assert dump["seed"] == constants.SEED and dump["table_factor"] == constants.TABLE_FACTOR == cfg.table_factor
-    assert cfg.outer_momentum == 0.0 and cfg.outer_feedback_decay == 1.0 and cfg.auto_probe_steps == 3
+    assert "seed" not in dump and "table_factor" not in dump  # internal constants are not settings
 
 
-@pytest.mark.parametrize("key", sorted(REMOVED_KEYS))
-def test_removed_keys_say_what_replaced_them(key):
-    with pytest.raises(DragonnConfigError) as err:
+@pytest.mark.parametrize("key", ["seed", "table_factor", "outer_momentum", "outer_feedback_decay", "compress_1d",
+                                 "tensor_min_compress_numel", "lr_weighted_residual"])
+def test_keys_the_block_does_not_have_are_refused_by_name(key):
+    """Internal constants and keys of earlier drafts are unknown keys: the message names the key and its place."""
+    with pytest.raises(DragonnConfigError, match=f"'dragonn.{key}': unknown key"):
         DragonnConfig.from_ds_config({"dragonn": {"enabled": True, key: 1}})
-    msg = str(err.value)
-    assert f"'dragonn.{key}' was removed" in msg and REMOVED_KEYS[key] in msg and "unknown key" not in msg, msg
-    with pytest.raises(DragonnConfigError, match=f"'dragonn.advanced.{key}' was removed"):  # not hidden in advanced
+    with pytest.raises(DragonnConfigError, match=f"'dragonn.advanced.{key}': unknown key"):
         DragonnConfig.from_ds_config({"dragonn": {"advanced": {key: 1}}})
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_dragonn.config import REMOVED_KEYS, AdvancedConfig, DragonnConfig
+from ds_dragonn.config import AdvancedConfig, DragonnConfig
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -55,18 +55,6 @@ def test_config_md_lists_every_key_with_config_py_default():
     for key, row in adv.items():
         assert _literal(row[2]) == _default(AdvancedConfig, key), (key, row[2])
     assert f"**{len(visible)} keys and one `advanced` object.**" in text  # the stated count
-
-
-def test_config_md_names_every_removed_key_with_its_replacement():
-    text = (REPO / "docs" / "config.md").read_text()
-    rows = _table(_section(text, "## Removed keys"), "| key | replacement |")
-    named = {k.strip(" `") for r in rows for k in r[0].split(",")}
-    assert named == set(REMOVED_KEYS)
-    for row in rows:
-        for key in (k.strip(" `") for k in row[0].split(",")):
-            head = REMOVED_KEYS[key].split(" (")[0].split(";")[0]
-            assert head in row[1] or key in ("tensor_min_compress_numel", "compress_1d", "min_sample", "table_factor",
-                                              "sample_ratio", "auto_probe_steps", "auto_recheck_interval"), (key, row)
 
 
 def test_readme_key_table_has_config_py_defaults():

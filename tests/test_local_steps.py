@@ -94,7 +94,7 @@ def test_config_names_the_bad_key(block, key):
     ({"outer_lr": 0.7}, "'outer_lr' applies to 'sync': 'local_steps' only"),
     ({"advanced": {"outer_residual": "anchor"}}, "'advanced.outer_residual' applies to 'sync': 'local_steps' only"),
     ({"sync": "local_steps", "selection": "per_tensor"}, "'dragonn.selection' belongs under 'advanced'"),
-    ({"sync": "local_steps", "outer_feedback_decay": 0.9}, "'dragonn.outer_feedback_decay' was removed")])
+    ({"sync": "local_steps", "outer_feedback_decay": 0.9}, "'dragonn.outer_feedback_decay': unknown key")])
 def test_settings_of_the_other_sync_mode_are_refused(block, match):
     with pytest.raises(DragonnConfigError, match=match):
         DragonnConfig.from_ds_config({"dragonn": {"enabled": True, **block}})

@@ -18,7 +18,7 @@ def build_compressor(cfg) -> Compressor:
     chunk = constants.CHUNK_SIZE if selection == "chunked" else None
     if name == "dragonn":
         kernel = getattr(cfg, "kernel", "auto")
-        return DragonnCompressor(cfg.density, cfg.sample_ratio, cfg.min_sample, cfg.table_factor,
+        return DragonnCompressor(cfg.density, constants.SAMPLE_RATIO, constants.MIN_SAMPLE, constants.TABLE_FACTOR,
                                  kernel=getattr(kernel, "value", kernel), chunk=chunk)
     if name not in COMPRESSORS:
         raise ValueError(f"unknown compressor {name!r}; choose one of {sorted(COMPRESSORS)}")

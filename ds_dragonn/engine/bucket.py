@@ -46,13 +46,10 @@ class BucketKey(NamedTuple):
 
     @classmethod
     def parse(cls, key: Any) -> Optional["BucketKey"]:
-        """``key`` as a :class:`BucketKey`, or None if it is not one. Also reads the plain tuples written by
-        earlier versions: ``(ordinal, dtype, numel, layout)`` (stage 0) and ``("zero", ordinal, dtype,
-        numel, layout)`` (stage 1/2)."""
+        """``key`` (a saved residual's key) as a :class:`BucketKey`, or None if it is not one: a 5-tuple of a known
+        hook point and fields of the right types."""
         if not isinstance(key, tuple):
             return None
-        if len(key) == 4 and not isinstance(key[0], str):
-            key = (ALLREDUCE,) + tuple(key)
         if (len(key) == 5 and key[0] in (ALLREDUCE, REDUCE_SCATTER, ZERO3, OUTER, DENSE) and isinstance(key[1], int)
                 and isinstance(key[2], str) and isinstance(key[3], int) and isinstance(key[4], str)):
             return cls(*key)

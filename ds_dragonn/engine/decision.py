@@ -14,6 +14,7 @@ from ..compress import max_pairs, target_k
 from ..compress.age_bound import block_capacity
 from ..compress.base import Compressor
 from ..config import DragonnConfig, Policy
+from ..constants import AUTO_PROBE_STEPS, AUTO_RECHECK_INTERVAL
 from ..pipeline import CompressedAllreduce
 from ..policy import AutoPolicy
 from ..schedule import DensitySchedule
@@ -40,7 +41,7 @@ class BucketDecision:
 
     def __init__(self, cfg: DragonnConfig):
         self.cfg = cfg
-        self.policy = AutoPolicy(cfg.auto_probe_steps, cfg.auto_recheck_interval, always=cfg.policy == Policy.always)
+        self.policy = AutoPolicy(AUTO_PROBE_STEPS, AUTO_RECHECK_INTERVAL, always=cfg.policy == Policy.always)
         self.schedule = DensitySchedule.from_config(cfg)
         self._warned_small = False
         self._costly: Dict[Hashable, bool] = {}  # bucket key -> its pairs may cost more than dense

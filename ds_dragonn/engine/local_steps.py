@@ -36,6 +36,7 @@ from typing import Any, List, Optional
 import torch
 from deepspeed.utils.logging import print_dist
 
+from ..constants import SEED
 from ..feedback import ErrorFeedback, segment_views
 from ..outer import OuterStep, outer_lr_for
 from ..pipeline import PhaseClock
@@ -210,7 +211,7 @@ class LocalStepsHook(HookBase):
             sent = outer_dense_bytes(numel, dtype.itemsize, world, self.layout)
         else:
             self.compressor.density = self.cfg.density
-            out, stats = pipeline.reduce(deltas, key, bucket_seed(self.cfg.seed, steps, 0), 1.0, 1.0 / world, dtype,
+            out, stats = pipeline.reduce(deltas, key, bucket_seed(SEED, steps, 0), 1.0, 1.0 / world, dtype,
                                          age_step=(steps - self.cfg.warmup_steps) // self.cfg.local_steps)
             sent = stats.bytes_sent
         self.outer.apply_(segment_views(out, deltas))

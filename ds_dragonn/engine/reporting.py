@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 from deepspeed.utils.logging import print_dist
 
+from .. import constants
 from ..config import DragonnConfig, Policy
 from ..pipeline import ReduceStats
 from ..schedule import DensitySchedule
@@ -33,7 +34,7 @@ class Reporter:
     def start(self, hook_name: str, compressor_name: str, exchange: str) -> None:
         """The start-up line: every setting that shapes the run."""
         cfg = self.cfg
-        probe = (f" (probe {cfg.auto_probe_steps} steps, re-check every {cfg.auto_recheck_interval})"
+        probe = (f" (probe {constants.AUTO_PROBE_STEPS} steps, re-check every {constants.AUTO_RECHECK_INTERVAL})"
                  if cfg.policy == Policy.auto else "")
         print_dist(f"DRAGONN enabled ({hook_name}): compressor={compressor_name} density={cfg.density} "
                    f"kernel={getattr(cfg.kernel, 'value', cfg.kernel)} "
@@ -51,7 +52,7 @@ class Reporter:
         if self.cfg.policy == Policy.auto:
             print_dist(f"DRAGONN auto: compressing from step {step + 1} (schedule: {self.schedule.describe()}); "
                        f"the compressed path is timed at the target density and the decision follows after "
-                       f"{self.cfg.auto_probe_steps} such steps", ranks=[0])
+                       f"{constants.AUTO_PROBE_STEPS} such steps", ranks=[0])
         else:
             print_dist(f"DRAGONN: compressing from step {step + 1}; schedule: {self.schedule.describe()}",
                        ranks=[0])
@@ -93,7 +94,7 @@ class Reporter:
     def decided(self, ordinal: int, numel: int, decision: tuple) -> None:
         """The auto policy's agreed ``(compress?, dense ms, compressed ms)`` for bucket ``ordinal``."""
         compress, dense_ms, comp_ms = decision
-        recheck = (f" (re-check in {self.cfg.auto_recheck_interval} steps)" if self.cfg.auto_recheck_interval
+        recheck = (f" (re-check in {constants.AUTO_RECHECK_INTERVAL} steps)" if constants.AUTO_RECHECK_INTERVAL
                    else "")
         print_dist(f"DRAGONN auto: bucket {ordinal} ({numel} elements) dense {dense_ms:.2f} ms, compressed "
                    f"{comp_ms:.2f} ms -> {'compress' if compress else 'dense'}{recheck}", ranks=[0])

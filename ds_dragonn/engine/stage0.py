@@ -18,6 +18,7 @@ import hashlib
 import inspect
 from typing import Any, NamedTuple, Optional
 
+from ..constants import SEED
 from ..exchange.dense_quantized import quantized_allreduce_bytes
 from ..exchange.wire import dense_allreduce_bytes
 from ..exchange.quantize import value_codec
@@ -127,7 +128,7 @@ class Stage0Hook(HookBase):
         # residual; it decodes into the gradients themselves (from allreduce_and_copy, where it can), or
         # returns its persistent decode buffer, which is unflattened and copied into them
         into = into_bucket and pipeline.can_reduce_into(bucket, comm_dtype)
-        out, stats = pipeline.reduce(bucket, key, bucket_seed(self.cfg.seed, step, ordinal), scales.prescale,
+        out, stats = pipeline.reduce(bucket, key, bucket_seed(SEED, step, ordinal), scales.prescale,
                                      scales.postscale, comm_dtype, into_inputs=into,
                                      age_step=self.age_clock(step))
         self._record_compressed(key, stats, pipeline, ordinal, step, bucket[0].device)

@@ -37,6 +37,7 @@ from typing import Any, List, NamedTuple, Optional
 
 import torch
 
+from ..constants import SEED
 from ..exchange.reduce_scatter import RangeOwnership
 from ..exchange.wire import dense_reduce_scatter_bytes
 from ..pipeline import PhaseClock
@@ -145,7 +146,7 @@ class Stage3Hook(ZeroPartitionHook):
             self.reporter.announce(step)
             self.decision.set_density(self.compressor, step)
             ranges = [(r * per, per, r) for r in range(world)]
-            out, stats = pipeline.reduce([flat], key, bucket_seed(self.cfg.seed, step, ordinal), 1.0 / world, 1.0,
+            out, stats = pipeline.reduce([flat], key, bucket_seed(SEED, step, ordinal), 1.0 / world, 1.0,
                                          dt, ownership=RangeOwnership(flat.numel(), ranges, world),
                                          age_step=self.age_clock(step))
             self._record_compressed(key, stats, pipeline, ordinal, step, flat.device)

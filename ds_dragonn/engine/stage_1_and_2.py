@@ -37,6 +37,7 @@ from typing import Any, List, NamedTuple, Optional
 
 import torch
 
+from ..constants import SEED
 from ..exchange.reduce_scatter import RangeOwnership
 from ..exchange.wire import dense_allreduce_bytes, dense_reduce_scatter_bytes
 from ..pipeline import PhaseClock
@@ -128,7 +129,7 @@ class Stage12Hook(ZeroPartitionHook):
         self._carries_momentum(step)
         self.reporter.announce(step)
         self.decision.set_density(self.compressor, step)
-        out, stats = pipeline.reduce(tensor, key, bucket_seed(self.cfg.seed, step, ordinal), 1.0, 1.0, dt,
+        out, stats = pipeline.reduce(tensor, key, bucket_seed(SEED, step, ordinal), 1.0, 1.0, dt,
                                      ownership=RangeOwnership(numel, ranges, world),
                                      age_step=self.age_clock(step))
         self._write_owned(tensor, out, mine)
