@@ -56,12 +56,6 @@ class Policy(str, Enum):
     always = "always"  # compress every bucket above min_compress_numel after the warm-up
 
 
-class CompressorName(str, Enum):
-    dragonn = "dragonn"  # sampled threshold + hashed index table (DRAGONN paper)
-    topk = "topk"  # exact top-k of |g| (baseline)
-    randomk = "randomk"  # uniform random k elements (baseline)
-
-
 class CompressTarget(str, Enum):
     auto = "auto"  # momentum for an Adam-type optimizer with decoupled weight decay, else gradient
     gradient = "gradient"  # the gradient, with error feedback (DRAGONN paper)
@@ -105,9 +99,6 @@ class AdvancedConfig(BaseModel):
 
     model_config = {"extra": "forbid", "validate_assignment": True, "use_enum_values": False,
                     "populate_by_name": True, "allow_inf_nan": False}
-
-    compressor: CompressorName = CompressorName.dragonn
-    """Selection method: ``dragonn`` (the product), or the baselines ``topk`` (exact) and ``randomk``."""
 
     kernel: Kernel = Kernel.auto
     """DRAGONN implementation: ``auto`` (``triton`` on CUDA, ``cpu`` on CPU, else ``reference``), ``reference``,
@@ -280,7 +271,6 @@ class DragonnConfig(DeepSpeedConfigModel):
             raise ValueError('must be a JSON object of advanced settings, e.g. {"kernel": "cpu"} (or leave it out)')
         return v
 
-    compressor = _delegate("compressor", "``advanced.compressor``.")
     kernel = _delegate("kernel", "``advanced.kernel``.")
     error_feedback = _delegate("error_feedback", "``advanced.error_feedback``.")
     density_warmup_start = _delegate("density_warmup_start", "``advanced.density_warmup_start``.")

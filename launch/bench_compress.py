@@ -40,7 +40,8 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu" if "--device" not in sys.argv or "
 import torch  # noqa: E402
 
 from bench.common import DTYPES, dgc_select, pyplot, save_figure, sync, timed_ms, write_json  # noqa: E402
-from ds_dragonn.compress import DragonnCompressor, RandomKCompressor, target_k  # noqa: E402
+from ds_dragonn.compress import DragonnCompressor, target_k  # noqa: E402
+from bench.baselines import RandomKCompressor  # noqa: E402
 from ds_dragonn.compress.kernels import cpu_table, triton_available  # noqa: E402
 
 

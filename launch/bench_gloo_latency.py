@@ -1,4 +1,4 @@
-"""gloo/TCP on this host: the per-message latency and the loopback bandwidth that ``ds_dragonn.project`` takes
+"""gloo/TCP on this host: the per-message latency and the loopback bandwidth that ``launch/bench/project.py`` takes
 for the testbed (``launch/bench_nodes.py``) in place of a link setting.
 
 P processes (default 4, as the testbed's 2 x 2 ranks) rendezvous over 127.0.0.1 with gloo, ``OMP_NUM_THREADS=1``:

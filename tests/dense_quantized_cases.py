@@ -44,7 +44,7 @@ def dq_cases(rank: int, world: int, out_dir: str) -> None:
     feedback on), then one step holding a NaN on rank 0, then the engine runs."""
     init_distributed()
     from ds_dragonn.comm.torch_backend import TorchCommBackend
-    from ds_dragonn.compress.topk import TopKCompressor
+    from launch.bench.baselines import TopKCompressor
     from ds_dragonn.exchange import ValueCodec
     from ds_dragonn.exchange.dense_quantized import quantized_allreduce
     from ds_dragonn.feedback import ErrorFeedback

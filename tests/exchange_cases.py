@@ -31,7 +31,8 @@ def scheme_case_id(c: dict) -> str:
 
 
 def make_compressor(name: str, density: float):
-    from ds_dragonn.compress import DragonnCompressor, RandomKCompressor, TopKCompressor
+    from ds_dragonn.compress import DragonnCompressor
+    from launch.bench.baselines import RandomKCompressor, TopKCompressor
     return {"dragonn": lambda: DragonnCompressor(density, min_sample=64), "topk": lambda: TopKCompressor(density),
             "randomk": lambda: RandomKCompressor(density)}[name]()
 

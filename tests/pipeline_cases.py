@@ -34,7 +34,8 @@ def rank_input(case_index: int, rank: int, step: int, numel: int, dtype: torch.d
 def exchange_cases(rank: int, world: int, out_dir: str) -> None:
     init_distributed()
     from ds_dragonn.comm.torch_backend import TorchCommBackend
-    from ds_dragonn.compress import DragonnCompressor, RandomKCompressor, TopKCompressor
+    from ds_dragonn.compress import DragonnCompressor
+    from launch.bench.baselines import RandomKCompressor, TopKCompressor
     from ds_dragonn.feedback import ErrorFeedback
     from ds_dragonn.pipeline import CompressedAllreduce
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds_dragonn.compress import TopKCompressor
+from launch.bench.baselines import TopKCompressor
 from ds_dragonn.compress.age_bound import age_block, block_capacity, with_age_block
 from ds_dragonn.compress.base import Selection
 from ds_dragonn.config import DragonnConfig, DragonnConfigError

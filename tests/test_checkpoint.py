@@ -123,7 +123,7 @@ def test_load_state_dict_refuses_what_is_not_a_state():
     with pytest.raises(ValueError, match="x.pt is not a valid DRAGONN state: no 'error_feedback'"):
         hook.load_state_dict({"model": 1}, source="x.pt")
     good = hook.state_dict()
-    key = (0, "torch.bfloat16", 6, "abc")  # a stage-0 key: 6 elements, bf16 wire -> fp32 residual
+    key = ("allreduce", 0, "torch.bfloat16", 6, "abc")  # a stage-0 key: 6 elements, bf16 wire -> fp32 residual
     for residual, words in ((torch.ones(2, 2), "not a 1-D float tensor"), (torch.ones(5), "5 elements for a bucket of 6"),
                             (torch.ones(6, dtype=torch.float64), "residual dtype is torch.float32"),
                             (torch.tensor([1.0, float("nan"), 0, 0, 0, 0]), "NaN or Inf")):

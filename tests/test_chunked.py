@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from ds_dragonn import constants
-from ds_dragonn.compress import DragonnCompressor, TopKCompressor, build_compressor, target_k
+from ds_dragonn.compress import DragonnCompressor, build_compressor, target_k
+from launch.bench.baselines import TopKCompressor
 from ds_dragonn.compress.chunks import chunk_ks, chunk_layout, chunk_rank
 from ds_dragonn.compress.kernels import cpu_table
 from ds_dragonn.config import DragonnConfig, DragonnConfigError
@@ -192,8 +193,6 @@ def test_config_key_builds_a_chunked_compressor():
     assert cfg.selection.value == "chunked" and cfg.model_dump(mode="json")["selection"] == "chunked"
     assert build_compressor(cfg).chunk == constants.CHUNK_SIZE
     assert build_compressor(DragonnConfig(enabled=True)).chunk is None  # the default stays global
-    topk = DragonnConfig.from_ds_config({"dragonn": {"advanced": {"selection": "chunked", "compressor": "topk"}}})
-    assert build_compressor(topk).chunk == constants.CHUNK_SIZE
 
 
 @pytest.mark.parametrize("bad", ["per_tensor", "Chunked", 1, None, True])

@@ -6,11 +6,12 @@ import math
 import pytest
 import torch
 
-from ds_dragonn.compress import (EMPTY_SLOT, DragonnCompressor, RandomKCompressor, TopKCompressor, index_dtype,
+from ds_dragonn.compress import (EMPTY_SLOT, DragonnCompressor, index_dtype,
                                  max_pairs, target_k)
 from ds_dragonn.compress.dragonn import (build_table, gather_table, hash_slots, selection_mask, step_hash_seed,
                                         table_capacity)
 from ds_dragonn.compress.hashing import murmur3_index_hash, murmur3_reference
+from launch.bench.baselines import RandomKCompressor, TopKCompressor
 
 SIZES = [0, 1, 2, 7, 99, 100, 1001, 65_537, (1 << 20) + 1]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]

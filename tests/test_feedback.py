@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds_dragonn.compress import DragonnCompressor, RandomKCompressor, TopKCompressor
+from ds_dragonn.compress import DragonnCompressor
+from launch.bench.baselines import RandomKCompressor, TopKCompressor
 from ds_dragonn.feedback import ErrorFeedback, residual_dtype
 
 

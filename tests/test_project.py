@@ -1,4 +1,4 @@
-"""The cost model (``ds_dragonn/project.py``): its α-β formulas against hand-computed cases, its bytes against the
+"""The cost model (``launch/bench/project.py``): its α-β formulas against hand-computed cases, its bytes against the
 wire format and the testbed's link counters, monotonicity, the GPU benchmark input, and the command line's
 refusals. Fast: no processes."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from ds_dragonn import project as pj
+from launch.bench import project as pj
 from ds_dragonn.compress.base import target_k
 from ds_dragonn.exchange.allgather import AllgatherExchange
 from ds_dragonn.exchange.wire import pair_block_bytes
@@ -225,13 +225,11 @@ def test_one_rank_per_node_shows_no_node_aware_rows(capsys):
 
 
 def test_the_module_needs_no_torch_for_help():
-    """project.py imports torch and the wire format where the model runs, so its --help needs neither. (Run under
-    an empty ``ds_dragonn`` package: the package itself imports DeepSpeed, and torch with it.)"""
-    code = ("import sys, types\n"
-            "pkg = types.ModuleType('ds_dragonn'); pkg.__path__ = [sys.argv[1]]; sys.modules['ds_dragonn'] = pkg\n"
-            "import ds_dragonn.project as pj\n"
+    """project.py imports torch and the wire format where the model runs, so its --help needs neither."""
+    code = ("import sys\nsys.path.insert(0, sys.argv[1])\n"
+            "import project as pj\n"
             "try:\n    pj.parse_args(['--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
-            "assert 'torch' not in sys.modules\n")
-    proc = subprocess.run([sys.executable, "-c", code, str(pj.REPO / "ds_dragonn")], capture_output=True, text=True,
-                          timeout=120)
+            "assert 'torch' not in sys.modules and 'ds_dragonn' not in sys.modules\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(pj.REPO / "launch" / "bench")], capture_output=True,
+                          text=True, timeout=120)
     assert proc.returncode == 0 and "--ranks-per-node" in proc.stdout, proc.stdout + proc.stderr

@@ -44,7 +44,7 @@ FORMAT = 1
 
 #: Settings of the "dragonn" block whose difference keeps the residuals (they are unsent gradients in the same
 #: units whatever these say); the difference is logged.
-_KEPT_FIELDS = ("density", "compressor", "kernel", "warmup_steps", "policy", "min_compress_numel",
+_KEPT_FIELDS = ("density", "kernel", "warmup_steps", "policy", "min_compress_numel",
                 "density_warmup_steps", "density_warmup_start", "variance_refresh_steps", "local_steps", "outer_lr",
                 "values", "selection", "dense_values")
 

@@ -38,7 +38,8 @@ deepspeed.init_distributed(dist_backend="gloo", verbose=False)
 from ds_dragonn.comm.base import CommError  # noqa: E402
 from ds_dragonn.comm.mpi_backend import MPICommBackend, MPIWorldMismatchError  # noqa: E402
 from ds_dragonn.comm.torch_backend import TorchCommBackend  # noqa: E402
-from ds_dragonn.compress import DragonnCompressor, RandomKCompressor, TopKCompressor  # noqa: E402
+from ds_dragonn.compress import DragonnCompressor  # noqa: E402
+from launch.bench.baselines import RandomKCompressor, TopKCompressor  # noqa: E402
 from ds_dragonn.exchange import BufferMismatchError, PartitionedExchange  # noqa: E402
 from ds_dragonn.exchange.ownership import HashedOwnership  # noqa: E402
 from ds_dragonn.feedback import ErrorFeedback  # noqa: E402

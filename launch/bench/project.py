@@ -3,13 +3,14 @@
 A collective costs ``rounds × α + bytes × 8 / bandwidth`` on its slowest link. A ring over all ranks (nodes
 contiguous) puts one ring edge on each node's inter-node link; L rings of one rank per node put L there; an
 all-to-all is one round, with every block a node's ranks address to other nodes on its link. Bytes are the wire
-format's (``exchange/wire.py``: packed (index, value) pairs at ``k = ceil(density × n)``, headers). Modes, named
+format's (``ds_dragonn/exchange/wire.py``: packed (index, value) pairs at ``k = ceil(density × n)``, headers). Modes, named
 as in ``launch/bench_nodes.py``: ``none`` (compute and the node's dense fp32 allreduce), ``dense_fp32``,
 ``dense_bf16`` (flat ring allreduce), ``hier_bf16`` (reduce-scatter in the node, allreduce across, allgather in
 the node), ``dragonn_flat``/``part_flat`` (allgather/partitioned exchange among all ranks) and
 ``dragonn_node``/``part_node`` (``hierarchy.py``: fp32 allreduce in the node, select on the 1/L shard, exchange
 among the N ranks of a local index, allgather in the node). Step = compute + local work + the communication
-not hidden behind ``overlap`` × compute. docs/projection.md; ``--validate``: against the testbed.
+not hidden behind ``overlap`` × compute. docs/projection.md; ``--validate``: against the testbed. A benchmark
+tool (``python launch/bench/project.py``), not part of the package: its constants are the test machine's.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
     import torch
 # torch and the wire format (exchange/wire.py) are imported where the model runs: --help needs neither
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MODES = ("none", "dense_fp32", "dense_bf16", "hier_bf16", "dragonn_flat", "part_flat", "dragonn_node", "part_node")
 WIRE = {"fp32": "float32", "bf16": "bfloat16"}  # --wire: the torch dtype's name
 SCHEMES = {"allgather": ("dragonn_flat", "dragonn_node"), "partitioned": ("part_flat", "part_node")}
@@ -123,9 +124,9 @@ def _sum(parts) -> tuple:  # collectives one after another: (seconds, bytes) sum
 
 def exchange_cost(c: Cluster, g: Group, numel: int, density: float, wire: torch.dtype, scheme: str) -> tuple:
     """(seconds, inter-node bytes per node) of one DRAGONN exchange of a ``numel`` bucket among group ``g``."""
-    from .compress.base import index_dtype, target_k
-    from .exchange.allgather import HEADER_INTS
-    from .exchange.wire import align, counts_header_bytes, index_block_bytes, pair_block_bytes
+    from ds_dragonn.compress.base import index_dtype, target_k
+    from ds_dragonn.exchange.allgather import HEADER_INTS
+    from ds_dragonn.exchange.wire import align, counts_header_bytes, index_block_bytes, pair_block_bytes
     size, vb, idt = g.nodes * g.per_node, wire.itemsize, index_dtype(numel)  # size 1: every collective costs 0
     header, k = (size - 1) * HEADER_INTS * 8, target_k(numel, density)
     if scheme == "allgather":  # allgather.py: a header, then every rank's padded pairs to every rank
@@ -142,7 +143,7 @@ def exchange_cost(c: Cluster, g: Group, numel: int, density: float, wire: torch.
 
 def predict(c: Cluster, w: Workload, modes=MODES) -> List[Prediction]:
     """The step of every mode in ``modes`` (see the module docstring) on cluster ``c`` for workload ``w``."""
-    from .exchange.wire import dense_allreduce_bytes, dense_reduce_scatter_bytes
+    from ds_dragonn.exchange.wire import dense_allreduce_bytes, dense_reduce_scatter_bytes
     n, N, L = w.params, c.nodes, c.ranks_per_node
     flat, node, cross = Group(N, L), Group(1, L), Group(N, 1)
     wire, shard = wire_dtype(w.wire), -(-n // L)
@@ -241,7 +242,7 @@ def _number(kind, upper: float = math.inf, zero: bool = False):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m ds_dragonn.project", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python launch/bench/project.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                 epilog="Defaults: a 1.3 B-parameter model on 16 nodes x 8 GPUs, NVLink inside "
                                        "(900 GB/s, 3 us), 25 and 100 Gbit/s per node across (10 us), 320 ms compute "
