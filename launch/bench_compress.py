@@ -14,7 +14,7 @@ Methods
   dgc                DGC (Lin et al., ICLR 2018): 1 % random sample → threshold, |g| ≥ thr → nonzero (threshold
                      ×0.8 while fewer than 0.8k, up to 10 times), then the exact top-k of the candidates when
                      more than k (launch/bench/common.py: dgc_select)
-  randomk            ds_dragonn RandomKCompressor (randperm, k distinct)
+  randomk            launch/bench/baselines.py RandomKCompressor (randperm, k distinct)
   dragonn_reference  DragonnCompressor(kernel="reference"): pure PyTorch
   dragonn_cpu        DragonnCompressor(kernel="cpu"): C++ one-pass library (CPU)
   dragonn_triton     DragonnCompressor(kernel="triton"): Triton kernels (CUDA)
