@@ -19,11 +19,11 @@ def _run(args, timeout=300):
 
 def test_bench_step_writes_every_phase(tmp_path):
     out = tmp_path / "step.json"
-    text = _run(["launch/bench_step.py", "--layers", "300,200,10", "--steps", "2", "--dtypes", "fp32,bf16+pt",
+    text = _run(["launch/bench_step.py", "--layers", "300,200,10", "--steps", "2", "--dtypes", "fp32,bf16+txn",
                  "--json", str(out)])
     assert "whole step (no wire)" in text and "one read pass (floor)" in text
     recs = json.loads(out.read_text())["records"]
-    assert [(r["dtype"], r["selection"]) for r in recs] == [("float32", "global"), ("bfloat16+pt", "per_tensor")]
+    assert [(r["dtype"], r["transactional"]) for r in recs] == [("float32", False), ("bfloat16+txn", True)]
     for r in recs:
         assert r["numel"] == 300 * 200 + 200 + 200 * 10 + 10
         for key in ("compensate_ms", "select_ms", "exchange_ms", "residual_ms", "decode_ms", "total_ms",
