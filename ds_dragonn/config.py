@@ -67,11 +67,6 @@ class SelectionMode(str, Enum):
     chunked = "chunked"  # every chunk of CHUNK_SIZE entries sends its own top-k (SparseLoCo; compress/chunks.py)
 
 
-class OuterResidual(str, Enum):
-    anchor = "anchor"  # unsent Δ waits in the residual; every rank restarts from θ_outer
-    weights = "weights"  # unsent Δ also stays in the rank's weights: restart from θ_outer − residual (CSER)
-
-
 class SyncMode(str, Enum):
     every_step = "every_step"  # every optimizer step's gradient is exchanged (compressed or dense)
     local_steps = "local_steps"  # ranks step alone; every local_steps steps the pseudo-gradient is exchanged (DiLoCo)
@@ -144,12 +139,6 @@ class AdvancedConfig(BaseModel):
     one of ``max_age`` contiguous blocks of the bucket whole, in turn; the allgather exchange sends that block's
     values without positions (compress/age_bound.py). Costs ``1 / max_age`` of the bucket's values per step.
     0: no bound."""
-
-    outer_residual: OuterResidual = OuterResidual.weights
-    """``sync: local_steps`` with ``density`` < 1: where a rank's unsent pseudo-gradient waits. ``weights``: in the
-    residual and in the rank's own weights, each rank (node) restarting from ``θ_outer − residual`` (error reset,
-    CSER: Xie et al., NeurIPS 2020), so the next round does not redo the progress still waiting; ``anchor``: in the
-    residual only, every rank restarting from ``θ_outer`` (+6.7 to +8.3 % against +0.2 to +0.5 % on the LM)."""
 
     @field_validator("variance_refresh_steps", "max_age")
     @classmethod
@@ -280,7 +269,6 @@ class DragonnConfig(DeepSpeedConfigModel):
     values = _delegate("values", "``advanced.values``.")
     selection = _delegate("selection", "``advanced.selection``.")
     dense_values = _delegate("dense_values", "``advanced.dense_values``.")
-    outer_residual = _delegate("outer_residual", "``advanced.outer_residual``.")
     max_age = _delegate("max_age", "``advanced.max_age``.")
 
     def given(self, *keys: str) -> list:
@@ -369,7 +357,7 @@ def _check_hierarchy(cfg: DragonnConfig) -> None:
 def _check_sync(cfg: DragonnConfig) -> None:
     """Settings of one sync mode set under the other are refused (they would be ignored silently)."""
     if cfg.sync != SyncMode.local_steps:
-        given = cfg.given("local_steps", "outer_lr", "outer_residual")
+        given = cfg.given("local_steps", "outer_lr")
         if given:
             raise ValueError(f"'{given[0]}' applies to 'sync': 'local_steps' only; add \"sync\": \"local_steps\" "
                              f"or remove it")

@@ -150,10 +150,10 @@ REGISTRY: Dict[str, Mode] = {m.name: m for m in (
            default=False)
       for h, d in ((8, 0.01), (30, 0.01), (100, 0.01), (30, 0.1))),
     *(Mode(f"kept_h{h}_d{d}", f"DRAGONN local steps every {h}, density {d}, the unsent pseudo-gradient kept in each "
-           f"rank's weights (advanced.outer_residual: weights; error reset, CSER); 30 dense warm-up steps, as the "
+           f"rank's weights (the default below density 1.0; error reset, CSER); 30 dense warm-up steps, as the "
            f"local-steps sweep of docs/results.md",
            ds={"dragonn": {**_ON, "sync": "local_steps", "local_steps": h, "density": d, "warmup_steps": 30,
-                           "outer_lr": 1.0, "advanced": {"outer_residual": "weights"}}}, default=False)
+                           "outer_lr": 1.0}}, default=False)
       for h, d in ((30, 0.01), (30, 0.001), (15, 0.01))),
     # DiLoCo's outer lr 0.7 with plain outer SGD: the outer step has no momentum (it made compressed local steps
     # worse, docs/results.md). Records of these modes made before the outer momentum left the package ran Nesterov 0.9.

@@ -122,21 +122,17 @@ RUNS = {
     "chunked_0.01": {"density": 0.01, "advanced": {"selection": "chunked"}},
     "chunked_0.001": {"density": 0.001, "advanced": {"selection": "chunked"}},
     "local_0.01": {"sync": "local_steps", "outer_lr": 1.0, "density": 0.01, "hierarchy": "flat"},
-    # local steps' Δ with the unsent part kept in each rank's weights (advanced.outer_residual: weights, CSER)
-    "local_kept_0.01": {"sync": "local_steps", "outer_lr": 1.0, "density": 0.01, "hierarchy": "flat",
-                        "advanced": {"outer_residual": "weights"}},
-    "local_kept_0.001": {"sync": "local_steps", "outer_lr": 1.0, "density": 0.001, "hierarchy": "flat",
-                         "advanced": {"outer_residual": "weights"}},
+    # local steps' Δ with the unsent part kept in each rank's weights (the default below density 1.0: error reset, CSER)
+    "local_kept_0.01": {"sync": "local_steps", "outer_lr": 1.0, "density": 0.01, "hierarchy": "flat"},
+    "local_kept_0.001": {"sync": "local_steps", "outer_lr": 1.0, "density": 0.001, "hierarchy": "flat"},
     "local_kept_int4_0.01": {"sync": "local_steps", "outer_lr": 1.0, "density": 0.01, "hierarchy": "flat",
-                             "advanced": {"outer_residual": "weights", "values": "int4"}},
+                             "advanced": {"values": "int4"}},
     "local_kept_sparseloco_0.01": {"sync": "local_steps", "outer_lr": 1.0, "density": 0.01, "hierarchy": "flat",
-                                   "advanced": {"outer_residual": "weights", "values": "int4", "selection": "chunked"}},
+                                   "advanced": {"values": "int4", "selection": "chunked"}},
     "local_kept_h15_0.01": {"sync": "local_steps", "outer_lr": 1.0, "local_steps": 15, "density": 0.01,
-                            "hierarchy": "flat",
-                            "advanced": {"outer_residual": "weights"}},
+                            "hierarchy": "flat"},
     "local_kept_w0_0.01": {"sync": "local_steps", "outer_lr": 1.0, "density": 0.01, "hierarchy": "flat",
-                           "warmup_steps": 0,
-                           "advanced": {"outer_residual": "weights"}},
+                           "warmup_steps": 0},
     "diloco_w0": {"sync": "local_steps", "outer_lr": 1.0, "density": 1.0, "hierarchy": "flat", "warmup_steps": 0},
     "diloco_h15": {"sync": "local_steps", "outer_lr": 1.0, "local_steps": 15, "density": 1.0, "hierarchy": "flat"},
     # where local steps lose steps: H = 1 averages the weights after every step (only Adam's state stays local)
@@ -146,16 +142,15 @@ RUNS = {
     "diloco_h1_olr1.4": {"sync": "local_steps", "local_steps": 1, "density": 1.0, "hierarchy": "flat", "outer_lr": 1.4},
     "diloco_olr1.4": {"sync": "local_steps", "density": 1.0, "hierarchy": "flat", "outer_lr": 1.4},
     "diloco_olr2": {"sync": "local_steps", "density": 1.0, "hierarchy": "flat", "outer_lr": 2.0},
-    "local_kept_0.1": {"sync": "local_steps", "outer_lr": 1.0, "density": 0.1, "hierarchy": "flat",
-                       "advanced": {"outer_residual": "weights"}},
+    "local_kept_0.1": {"sync": "local_steps", "outer_lr": 1.0, "density": 0.1, "hierarchy": "flat"},
     "local_kept_int4_olr1.4_0.1": {"sync": "local_steps", "density": 0.1, "hierarchy": "flat", "outer_lr": 1.4,
-                                   "advanced": {"outer_residual": "weights", "values": "int4"}},
+                                   "advanced": {"values": "int4"}},
     "local_chunked_0.01": {"sync": "local_steps", "outer_lr": 1.0, "density": 0.01, "hierarchy": "flat",
                            "advanced": {"selection": "chunked"}},
 }
 # the Δ kept in the weights at outer lr α and density d (docs/results.md, "A compressed Δ at density 0.1 ...")
 RUNS.update({f"local_kept_olr{a}_{d}": {"sync": "local_steps", "density": float(d), "hierarchy": "flat",
-                                        "outer_lr": float(a), "advanced": {"outer_residual": "weights"}}
+                                        "outer_lr": float(a)}
              for a, d in (("1.4", "0.01"), ("1.4", "0.05"), ("1.4", "0.1"), ("1.4", "0.3"), ("2", "0.01"),
                           ("2", "0.1"), ("2.8", "0.01"), ("2.8", "0.1"))})
 #: runs that change DeepSpeed's own keys or the script's arguments too: run name -> (DeepSpeed keys merged into the

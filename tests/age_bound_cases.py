@@ -19,8 +19,7 @@ RUNS = {
     "partitioned": engine_config({**AGE, "exchange": "partitioned"}),
     "zero2": zero_config(2, AGE),
     "zero3": zero_config(3, AGE),
-    "local_steps": zero_config(0, {**AGE, "sync": "local_steps", "local_steps": 2,
-                                   "advanced": {"max_age": 3, "outer_residual": "anchor"}}),
+    "local_steps": zero_config(0, {**AGE, "sync": "local_steps", "local_steps": 2}),
 }
 
 

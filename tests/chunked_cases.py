@@ -20,9 +20,8 @@ RUNS = {
     "zero1": zero_config(1, CH, reduce_bucket_size=500_000_000),
     "zero2": zero_config(2, CH),
     "zero3": zero_config(3, CH),
-    # every rank restarting from θ_outer (outer_residual anchor), so that the ranks end bit-identical
-    "local_steps": zero_config(0, {**CH, "sync": "local_steps", "local_steps": 2,
-                                   "advanced": {"selection": "chunked", "outer_residual": "anchor"}}),
+    # each rank keeps its unsent Δ in its weights: "params" is θ_outer there (bit-identical on every rank)
+    "local_steps": zero_config(0, {**CH, "sync": "local_steps", "local_steps": 2}),
 }
 
 
@@ -47,6 +46,9 @@ def _build(cfg: dict):
 
 
 def _params(engine) -> list:
+    """The model's weights; under local steps θ_outer (the weights hold each rank's own unsent Δ)."""
+    if getattr(engine.dragonn, "outer", None) is not None:
+        return [a.detach().float().clone() for a in engine.dragonn.outer.anchor]
     return [p.detach().float().clone() for p in engine.module.parameters()]
 
 

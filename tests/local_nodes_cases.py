@@ -14,15 +14,16 @@ L = 2
 _NODE = {"hierarchy": "node"}
 #: name -> (dragonn block, config kwargs, optimizer steps): warm-up 2, rounds of 3 (syncs at steps 5 and 8)
 RUNS = {
-    "fp32_clip": ({**_NODE, "density": 0.1, "advanced": {"outer_residual": "anchor"}}, {"clip": 1.0}, 8),
+    # without error feedback every node restarts from θ_outer (nothing unsent is kept): all ranks alike after a sync
+    "fp32_clip": ({**_NODE, "density": 0.1, "advanced": {"error_feedback": False}}, {"clip": 1.0}, 8),
     "bf16_gas2_clip": ({**_NODE, "density": 0.1}, {"bf16": True, "gas": 2, "clip": 1.0}, 8),
     "dense_delta": ({**_NODE, "density": 1.0, "outer_lr": 0.7}, {}, 8),
-    # the unsent Δ kept in the node's weights (the default outer_residual "weights"): the node's shards gathered
+    # the unsent Δ kept in the node's weights (density < 1 with error feedback): the node's shards gathered
     "kept_fp32": ({**_NODE, "density": 0.1}, {"clip": 1.0}, 8),
 }
 #: runs whose nodes keep their unsent Δ in their weights (after a sync the nodes differ)
 KEPT = tuple(name for name, (block, _, _) in RUNS.items()
-             if block.get("advanced", {}).get("outer_residual", "weights") == "weights" and block["density"] < 1)
+             if block.get("advanced", {}).get("error_feedback", True) and block["density"] < 1)
 
 
 def count_spans() -> tuple:

@@ -89,11 +89,12 @@ def record_rounds(engine) -> dict:
 #: name -> (dragonn block, config kwargs, optimizer steps)
 RUNS = {
     "allgather_fp32": ({}, {}, 11),
-    # every rank restarting from θ_outer (advanced.outer_residual: anchor); the others keep their unsent Δ in
-    # their weights (the default "weights": error reset, CSER)
-    "partitioned_fp32": ({"exchange": "partitioned", "advanced": {"outer_residual": "anchor"}}, {}, 11),
-    "bf16_gas2_clip_sched": ({"density": 0.01, "advanced": {"outer_residual": "anchor"}}, {"bf16": True, "gas": 2, "clip": 1.0, "schedule": True}, 11),
-    "outer_lr": ({"outer_lr": 0.7, "advanced": {"outer_residual": "anchor"}}, {}, 11),
+    # below density 1.0 each rank keeps its unsent Δ in its weights (error reset, CSER)
+    "partitioned_fp32": ({"exchange": "partitioned"}, {}, 11),
+    "bf16_gas2_clip_sched": ({"density": 0.01}, {"bf16": True, "gas": 2, "clip": 1.0, "schedule": True}, 11),
+    "outer_lr": ({"outer_lr": 0.7}, {}, 11),
+    # without error feedback nothing unsent is kept: every rank restarts from θ_outer, the weights bit-identical
+    "no_feedback": ({"advanced": {"error_feedback": False}}, {}, 8),
     "dense_delta": ({"density": 1.0}, {"bf16": True}, 8),
     "no_warmup_h1": ({"warmup_steps": 0, "local_steps": 1}, {}, 4),
     # quantized values (advanced.values): the Δ's rounding stays in the residual (the owners' too)
@@ -103,7 +104,7 @@ RUNS = {
 }
 #: runs whose ranks keep their own unsent Δ in their weights: θ_outer is shared, the weights are not
 KEPT = tuple(name for name, (block, _, _) in RUNS.items()
-             if block.get("advanced", {}).get("outer_residual", "weights") == "weights" and block.get("density", 0.1) < 1)
+             if block.get("advanced", {}).get("error_feedback", True) and block.get("density", 0.1) < 1)
 
 
 def rounds(rank: int, world: int, out_dir: str) -> None:
@@ -151,9 +152,9 @@ def resume(rank: int, world: int, out_dir: str) -> None:
     init_distributed()
     ckpt = str(Path(out_dir) / "ckpt")
     out = {}
-    anchor = {"advanced": {"outer_residual": "anchor"}}
+    no_feedback = {"advanced": {"error_feedback": False}}
     for name, kwargs, extra in (("fp32", {}, {}), ("bf16_gas2", {"bf16": True, "gas": 2, "clip": 1.0, "schedule": True}, {}),
-                                ("anchor_fp32", {}, anchor)):
+                                ("no_feedback_fp32", {}, no_feedback)):
         dragonn = {"outer_lr": 0.7, "density": 0.05, **extra}
         cfg = config(dragonn, **kwargs)
         engine = build(cfg)
@@ -262,7 +263,7 @@ def collectives_per_step(rank: int, world: int, out_dir: str) -> None:
     init_distributed()
     out = {}
     for name, kwargs in (("fp32_clip", {"clip": 1.0}), ("bf16_clip", {"bf16": True, "clip": 1.0})):
-        engine = build(config({"advanced": {"outer_residual": "anchor"}}, **kwargs))
+        engine = build(config({"advanced": {"error_feedback": False}}, **kwargs))  # bit-identical weights
         counts, restore = count_collectives()
         per_step = []
         for x, y in micro_batches(rank, 8, next(engine.module.parameters()).dtype):
@@ -303,23 +304,16 @@ def load_other_world(rank: int, world: int, out_dir: str) -> None:
 
 
 def switch_residual(rank: int, world: int, out_dir: str) -> None:
-    """Saved mid-round (step 7) with the unsent Δ in the weights, resumed (a) with ``outer_residual: anchor``: every
-    rank restarts from θ_outer (the note names the key), and (b) at density 1.0: the dense round at step 8 flushes the
-    residual once, so θ_outer becomes the mean of the ranks' weights (outer lr 1) and nothing stays behind."""
+    """Saved mid-round (step 7) with the unsent Δ in the weights, resumed at density 1.0: the dense round at step 8
+    flushes the residual once, so θ_outer becomes the mean of the ranks' weights (outer lr 1) and nothing stays
+    behind."""
     init_distributed()
     ckpt = str(Path(out_dir) / "ckpt")
     engine = build(config({"density": 0.1}))
     batches = micro_batches(rank, 8, torch.float32)
     train(engine, batches[:7])
     engine.save_checkpoint(ckpt, tag="mid")
-    saved_anchor = torch.cat([a.flatten() for a in engine.dragonn.outer.anchor])
-    out = {"saved_anchor": saved_anchor}
-    anchor = build(config({"density": 0.1, "advanced": {"outer_residual": "anchor"}}))
-    anchor.load_checkpoint(ckpt, tag="mid")
-    out["anchor"] = {"notes": list(anchor.dragonn.notes),
-                     "loaded": torch.cat([m.detach().flatten().clone() for m in anchor.dragonn.masters()])}
-    train(anchor, batches[7:8])
-    out["anchor"]["after"] = weights(anchor)
+    out = {}
     dense = build(config({"density": 1.0, "outer_lr": 1.0}))  # lr 1: θ_outer becomes the ranks' mean
     dense.load_checkpoint(ckpt, tag="mid")
     hook, sync = dense.dragonn, dense.dragonn.sync

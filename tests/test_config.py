@@ -61,7 +61,7 @@ def test_visible_keys_and_advanced():
     assert len(DragonnConfig.model_fields) == 16 and "advanced" in DragonnConfig.model_fields
     assert set(ADVANCED_KEYS) == {"kernel", "error_feedback", "density_warmup_start",
                                   "variance_refresh_steps", "cuda_aware", "ranks_per_node", "values", "selection",
-                                  "outer_residual", "dense_values", "max_age"}
+                                  "dense_values", "max_age"}
     cfg = DragonnConfig.from_ds_config({"dragonn": {"enabled": True, "advanced": {"kernel": "cpu",
                                                                                    "error_feedback": False}}})
     assert cfg.kernel == Kernel.cpu and cfg.error_feedback is False and cfg.advanced.kernel == Kernel.cpu

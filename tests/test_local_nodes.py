@@ -86,13 +86,6 @@ def test_a_dense_outer_step_applies_the_mean_of_the_nodes_pseudo_gradients(ranks
             torch.testing.assert_close(run[i]["after"], expect, rtol=1e-6, atol=1e-6)
 
 
-def test_nothing_lost_over_the_rounds(ranks):
-    """float64: the shards' residuals, each at its place in the node's sum, summed over every rank, equal
-    Σ_rounds (Σ_ranks Δ − P·Δ̄): a node's L·Δ went into its shards, P·Δ̄ came out (fp32: a bf16 wire rounds the
-    decoded sum, which no residual holds)."""
-    _assert_nothing_lost([r["rounds"]["fp32_clip"] for r in ranks], kept=False)
-
-
 def _assert_nothing_lost(runs, kept: bool) -> None:
     """The shards' residuals (placed in the node's sum, summed over ranks) equal Σ_rounds (Σ_ranks own progress −
     P·Δ̄); own progress is Δ, minus what the node's weights held back after the round before when ``kept``."""

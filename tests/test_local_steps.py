@@ -92,7 +92,6 @@ def test_config_names_the_bad_key(block, key):
 @pytest.mark.parametrize("block,match", [
     ({"local_steps": 8}, "'local_steps' applies to 'sync': 'local_steps' only"),
     ({"outer_lr": 0.7}, "'outer_lr' applies to 'sync': 'local_steps' only"),
-    ({"advanced": {"outer_residual": "anchor"}}, "'advanced.outer_residual' applies to 'sync': 'local_steps' only"),
     ({"sync": "local_steps", "selection": "per_tensor"}, "'dragonn.selection' belongs under 'advanced'"),
     ({"sync": "local_steps", "outer_feedback_decay": 0.9}, "'dragonn.outer_feedback_decay': unknown key")])
 def test_settings_of_the_other_sync_mode_are_refused(block, match):
@@ -169,8 +168,7 @@ def test_kept_weights_are_theta_outer_minus_the_ranks_residual(rounds, name):
     assert not torch.equal(runs[0]["weights"][-1][0], runs[1]["weights"][-1][0])
 
 
-@pytest.mark.parametrize("name", ["allgather_fp32", "partitioned_fp32", "outer_lr", "no_warmup_h1", "int8_fp32",
-                                  "partitioned_int4_fp32", *[n for n in KEPT if "bf16" not in n]])
+@pytest.mark.parametrize("name", [n for n in KEPT if "bf16" not in n])
 def test_nothing_lost_over_the_rounds(rounds, name):
     """float64: Σ_ranks residual = Σ_rounds (Σ_ranks Δ_r − P·Δ̄_r) (what was applied × P plus every residual,
     server residuals included, is every pseudo-gradient); θ_outer = θ_0 minus the outer steps of the applied Δ̄
@@ -301,16 +299,11 @@ def test_a_checkpoint_of_another_world_size_restarts_every_rank_from_theta_outer
         assert all(torch.equal(a, b) for a, b in zip(run["after"], runs[0]["after"]))
 
 
-def test_a_resume_that_changes_outer_residual_or_goes_dense_loses_nothing_it_kept(tmp_path):
-    """Saved with the unsent Δ in the weights: resumed with ``anchor`` every rank restarts from the saved θ_outer
-    (a note names ``dragonn.outer_residual``) and the next sync leaves the ranks bit-identical; resumed at density
-    1.0 the dense round sends each rank's residual once: θ_outer = the mean of the ranks' weights, residual 0."""
+def test_a_resume_that_goes_dense_loses_nothing_it_kept(tmp_path):
+    """Saved with the unsent Δ in the weights, resumed at density 1.0: the dense round sends each rank's residual
+    once: θ_outer = the mean of the ranks' weights, residual 0."""
     run_ranks("tests.local_steps_cases:switch_residual", world_size=2, out_dir=tmp_path, timeout=400)
     ranks = load_rank_files(tmp_path, "switch", 2)
-    for r in ranks:
-        assert torch.equal(r["anchor"]["loaded"], r["saved_anchor"])
-        assert "dragonn.outer_residual weights (now anchor)" in " ".join(r["anchor"]["notes"])
-    assert all(torch.equal(a, b) for a, b in zip(ranks[0]["anchor"]["after"], ranks[1]["anchor"]["after"]))
     mean = sum(r["dense"]["before"] for r in ranks) / len(ranks)
     for r in ranks:
         assert not torch.equal(r["dense"]["before"], ranks[0]["dense"]["anchor_before"].to(r["dense"]["before"]))

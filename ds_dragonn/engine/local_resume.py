@@ -49,16 +49,16 @@ def load_replica(hook: Any, replica: Any) -> None:
 
 
 def keep_outer(hook: Any, saved: dict, reasons: List[str]) -> Optional[str]:
-    """Where ``saved`` was reset only for another world size, rank, node layout or ``outer_residual`` (where the
-    replicas started from), load its θ_outer and round count into ``hook.outer`` (else leave it empty).
+    """Where ``saved`` was reset only for another world size, rank or node layout (where the replicas started
+    from), load its θ_outer and round count into ``hook.outer`` (else leave it empty).
 
     Returns:
-        The node-layout or ``outer_residual`` change (``"hierarchy 2 nodes x 2 ranks (now flat)"``) for
+        The node-layout change (``"hierarchy 2 nodes x 2 ranks (now flat)"``) for
         :func:`restart_from_outer`, or None.
     """
     outer = saved.get("outer")
-    moved = next((r for r in reasons if r.startswith(("hierarchy ", "dragonn.outer_residual "))), None)
-    if (not all(r.startswith(("world size", "rank ", "hierarchy ", "dragonn.outer_residual ")) for r in reasons)
+    moved = next((r for r in reasons if r.startswith("hierarchy ")), None)
+    if (not all(r.startswith(("world size", "rank ", "hierarchy ")) for r in reasons)
             or not isinstance(outer, dict)):
         return moved
     try:

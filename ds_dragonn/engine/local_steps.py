@@ -19,12 +19,10 @@ Hook points (DeepSpeed 0.19.8 ``runtime/engine.py``), overridden on the engine *
   ``density``  →  exchange (allgather or partitioned)  →  Δ̄ = Σ/P  →  ``OuterStep.apply_``  →  every
   rank's masters (and low-precision weights) ← θ_outer − e, ``e`` the rank's residual after the exchange.
 
-The unsent Δ thus stays in the rank's own weights (``advanced.outer_residual: weights``, the default; error
-reset, CSER: Xie et al., NeurIPS 2020): the round that follows continues from the rank's progress instead of
-redoing it from ``θ_outer`` (``anchor``: ``e`` left out of both, the earlier behaviour, +6.7 to +8.3 % against
-uncompressed DiLoCo on the LM instead of +0.2 to +0.5 %, docs/results.md). At density 1.0 Δ goes out in a dense
-allreduce (uncompressed DiLoCo) and ``e`` is 0. Ranks end every round with bit-identical θ_outer (and, at
-density 1.0 or with ``anchor``, bit-identical weights); each keeps its own inner optimizer state, which is saved
+The unsent Δ thus stays in the rank's own weights (error reset, CSER: Xie et al., NeurIPS 2020): the round that
+follows continues from the rank's progress instead of redoing it from ``θ_outer`` (docs/results.md). At density 1.0
+Δ goes out in a dense allreduce (uncompressed DiLoCo) and ``e`` is 0. Ranks end every round with bit-identical
+θ_outer (and, at density 1.0 or without error feedback, bit-identical weights); each keeps its own inner optimizer state, which is saved
 in its own state file with its weights (``engine/state.py``: DeepSpeed saves rank 0's only), so a resume is
 exact mid-round.
 """
@@ -102,11 +100,6 @@ class LocalStepsHook(HookBase):
                    f"pseudo-gradient goes out {sent}; comm_backend={cfg.comm_backend.value}", ranks=[0])
         if self.layout is not None:
             print_dist(describe_nodes(self.layout, cfg.local_steps), ranks=[0])
-        if cfg.given("outer_residual") and (cfg.density >= 1.0 or not cfg.error_feedback):
-            from deepspeed.utils import logger
-            logger.warning("DRAGONN: 'dragonn.advanced.outer_residual' has no effect " + (
-                "at density 1.0 (nothing waits unsent)" if cfg.density >= 1.0 else
-                "without error feedback (nothing unsent is kept)"))
         ignored = cfg.given(*IGNORED_KEYS)
         if ignored:
             from deepspeed.utils import logger

@@ -1,6 +1,6 @@
 """``sync: local_steps``: each rank's fp32 master weights, and the pseudo-gradient they hold back.
 
-Under ``advanced.outer_residual: weights`` (the default; error reset, CSER: Xie et al., NeurIPS 2020) a rank's
+Below density 1.0 with error feedback (error reset, CSER: Xie et al., NeurIPS 2020) a rank's
 masters hold ``θ_outer − e`` after a compressed round, ``e`` the rank's outer residual (what the round did not
 send): the next round continues from the rank's own progress. These helpers keep that bookkeeping out of
 :class:`~ds_dragonn.engine.local_steps.LocalStepsHook`, which calls them around its outer step.
@@ -64,10 +64,9 @@ def copy_rank0_(masters: List[torch.Tensor], backend: Any) -> bool:
 
 
 def holds_in_weights(cfg: Any, error_feedback_enabled: bool) -> bool:
-    """Whether a round leaves its unsent Δ in the weights: ``outer_residual: weights`` below density 1.0 with error
-    feedback (a dense round leaves only the wire's rounding, which stays in the residual so that every rank holds
+    """Whether a round leaves its unsent Δ in the weights: below density 1.0 with error feedback (a dense round leaves only the wire's rounding, which stays in the residual so that every rank holds
     θ_outer)."""
-    return cfg.outer_residual.value == "weights" and cfg.density < 1.0 and error_feedback_enabled
+    return cfg.density < 1.0 and error_feedback_enabled
 
 
 def kept_in_weights(pipeline: Any, key: Any, numel: int, device: Any, layout: Any) -> Optional[torch.Tensor]:

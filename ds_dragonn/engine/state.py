@@ -103,9 +103,6 @@ def compare(saved: Dict[str, Any], current: Dict[str, Any]) -> Tuple[List[str], 
     sd, cd = saved.get("dragonn", {}), current["dragonn"]
     if sd.get("sync", "every_step") != cd.get("sync", "every_step"):  # a gradient residual is no pseudo-gradient's
         reset.append(f"dragonn.sync {sd.get('sync', 'every_step')} (now {cd.get('sync', 'every_step')})")
-    if sd.get("sync") == "local_steps" and sd.get("outer_residual", "anchor") != cd.get("outer_residual", "anchor"):
-        # the replicas started from θ_outer − residual ("weights") or from θ_outer ("anchor"): restart from θ_outer
-        reset.append(f"dragonn.outer_residual {sd.get('outer_residual', 'anchor')} (now {cd.get('outer_residual')})")
     ms, mc = sd.get("compress"), cd.get("compress")
     if ms != mc and ms in _MODES and mc in _MODES:
         held = {"gradient": "unsent gradients", "momentum": "unsent Adam momenta"}

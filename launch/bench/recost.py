@@ -1,6 +1,6 @@
 """Time to target of new quality runs at the step times of an earlier, committed ``bench_ttq.py`` report.
 
-A mode that sends the same bytes per step as a timed one (``outer_residual: weights`` against ``anchor``: the same
+A mode that sends the same bytes per step as a timed one (e.g. the unsent Δ kept in the weights against the earlier restart from θ_outer: the same
 density, exchange and H) has that mode's step time; only its steps to the target differ. This script takes the
 committed report's rows (``report`` JSON: target, every mode's curve and per-link step times), adds the new quality
 records of ``bench_ttq.py quality --out DIR`` with the step times of the mode each borrows from, and prints the
