@@ -1,4 +1,4 @@
-"""The compressor interface shared by DRAGONN and the baselines (exact top-k, random-k).
+"""The compressor interface shared by DRAGONN and the baselines (exact top-k, random-k: launch/bench/baselines.py).
 
 A compressor takes one flattened 1-D gradient buffer and returns a :class:`Selection`: the indices it
 keeps and their values. It never touches the residual: error feedback is applied around it
