@@ -259,14 +259,8 @@ class LocalStepsHook(HookBase):
 
 
 def _check_optimizer(engine: Any, optimizer: Any, masters: Any) -> None:
-    """Refuse an engine whose optimizer does not keep every rank's full fp32 master weights."""
-    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-    wrapper = getattr(engine, "optimizer", None)
-    if isinstance(wrapper, BF16_Optimizer):
-        raise LocalStepsUnsupported(
-            "'dragonn.sync': 'local_steps' needs every rank's full fp32 master weights, but this engine runs "
-            "DeepSpeed's BF16_Optimizer (bf16 with 'data_types.grad_accum_dtype': 'fp32'), which partitions them "
-            "across the ranks. Drop 'grad_accum_dtype' or use 'sync': 'every_step'")
+    """Refuse an engine without a torch optimizer and its fp32 master weights inside."""
+    wrapper = getattr(engine, "optimizer", None)  # (DeepSpeed's BF16_Optimizer: a row of plan.RULES)
     if optimizer is None or not masters():
         raise LocalStepsUnsupported(f"'dragonn.sync': 'local_steps' needs a torch optimizer inside the engine; "
                                     f"found {type(wrapper).__name__}")
