@@ -69,12 +69,26 @@ def enable() -> None:
     logger.info("DRAGONN: enabled; deepspeed.initialize now honours the 'dragonn' config block")
 
 
-def disable() -> None:
-    """Undo :func:`enable`: ``deepspeed.initialize`` is DeepSpeed's own again (engines built meanwhile keep
-    their compression). If another wrapper has gone on top of ours since, it is left in place (and keeps
-    calling ours, which keeps working). No-op when not enabled."""
+def disable(engine: Any = None) -> None:
+    """Undo :func:`enable`: ``deepspeed.initialize`` is DeepSpeed's own again. If another wrapper has gone on
+    top of ours since, it is left in place (and keeps calling ours, which keeps working). No-op when not
+    enabled.
+
+    Args:
+        engine: also take this engine back to DeepSpeed's own: every method ds_dragonn replaced on it, its
+            optimizer and overflow checker is removed (``engine/teardown.py`` ``unhook``), so its next
+            steps reduce densely; the hook's residuals are dropped. Call it between steps, on every rank.
+            Without it, engines built meanwhile keep their compression.
+    """
     global _DEEPSPEED_INITIALIZE
     import deepspeed
+    if engine is not None:
+        from deepspeed.utils import logger
+
+        from .engine.teardown import unhook
+        removed = unhook(engine)
+        if removed:
+            logger.info(f"DRAGONN: disabled on this engine; DeepSpeed's own again: {', '.join(removed)}")
     if _DEEPSPEED_INITIALIZE is None:
         return
     if getattr(deepspeed.initialize, "__ds_dragonn__", False):
