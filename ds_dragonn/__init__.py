@@ -346,4 +346,4 @@ def check_ranks_agree(cfg: Optional[DragonnConfig], zero_stage: int, group: Any 
 
 
 __all__ = ["initialize", "enable", "disable", "is_enabled", "check_ranks_agree", "CheckpointError", "CheckpointMismatchError", "DragonnConfig", "DragonnConfigError", "DragonnConfigMismatchError",
-           "DragonnUnsupportedError", "__version__"]
+           "DragonnUnsupportedError", "Plan", "__version__"]

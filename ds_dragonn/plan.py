@@ -121,6 +121,13 @@ def _bf16_fp32_accum(f: Facts) -> bool:
     return f.stage == 1 and bf16 and accum in ("fp32", "float32", "float") and not f.zero.get("offload_optimizer")
 
 
+def _offload_message(stage: int, key: str, value: Any) -> str:
+    if stage == 3:
+        return _zero3(f"'zero_optimization.{key}' ({value!r}: ZeRO-Infinity / offload)")
+    return (f"'dragonn' with ZeRO stage {stage} does not support 'zero_optimization.{key}' ({value!r}): remove it, "
+            f"or set 'dragonn.enabled' to false")
+
+
 def _zero3(what: str) -> str:
     return f"'dragonn' with ZeRO stage 3 does not support {what}; remove it, or set 'dragonn.enabled' to false"
 
@@ -193,9 +200,7 @@ RULES: Tuple[Rule, ...] = (
          lambda c, f: "'dragonn' does not support the pipeline engine (PipelineModule model)"),
     Rule("offload", ("start",),
          lambda c, f: f.stage in (1, 2, 3) and _offload(f),
-         lambda c, f: _zero3("'zero_optimization.{}' ({!r}: ZeRO-Infinity / offload)".format(*_offload(f)))
-         if f.stage == 3 else (f"'dragonn' with ZeRO stage {f.stage} does not support 'zero_optimization."
-                               f"{_offload(f)[0]}' ({_offload(f)[1]!r}): remove it, or set 'dragonn.enabled' to false")),
+         lambda c, f: _offload_message(f.stage, *_offload(f))),
     Rule("reduce_scatter_off", ("start", "engine"),
          lambda c, f: f.stage in (1, 2, 3) and f.reduce_scatter is False,
          lambda c, f: f"'dragonn' with ZeRO stage {f.stage} compresses the gradient reduce-scatter, but "

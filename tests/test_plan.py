@@ -34,7 +34,8 @@ REFUSED = {
     "momentum_needs_warmup": ({"compress": "momentum", "warmup_steps": 0}, Facts(), "config", "'warmup_steps' >= 1"),
     "momentum_keys_with_gradient": ({"compress": "gradient", "advanced": {"variance_refresh_steps": 10}}, Facts(),
                                     "config", "'advanced.variance_refresh_steps' applies to 'compress': 'momentum'"),
-    "local_steps_keys_every_step": ({"outer_lr": 1.0}, Facts(), "config", "'outer_lr' applies to 'sync': 'local_steps'"),
+    "local_steps_keys_every_step": ({"outer_lr": 1.0}, Facts(), "config",
+                                    "'outer_lr' applies to 'sync': 'local_steps'"),
     "dense_values_local_steps": ({"sync": "local_steps", "advanced": {"dense_values": "int8"}}, Facts(), "config",
                                  "'advanced.dense_values' applies to 'sync': 'every_step'"),
     "momentum_keys_local_steps": ({"sync": "local_steps", "advanced": {"variance_refresh_steps": 10}}, Facts(),
@@ -197,3 +198,10 @@ def test_hook_point_checks_read_signatures_not_source_text():
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     assert parameters(DeepSpeedZeroOptimizer_Stage3._DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads)[:2] == \
         ["params_to_reduce", "communication_data_type"]
+
+
+def test_docs_config_md_lists_every_row_of_the_table():
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[1] / "docs" / "config.md").read_text()
+    rows = {line.split("|")[1].strip().strip("`") for line in text.splitlines() if line.startswith("| `")}
+    assert {rule.name for rule in RULES} <= rows
