@@ -6,7 +6,8 @@ unknown top-level keys in ``engine.config``)::
     "dragonn": {"enabled": true, "density": 0.01}
 
 Validation follows DeepSpeed's ``runtime/config_utils.DeepSpeedConfigModel``: unknown keys are rejected,
-every field is typed and bounded, choices are enums, and cross-field checks raise ``ValueError``.
+every field is typed and bounded, choices are enums; the checks across fields are the ``config`` rows of
+``ds_dragonn.plan.RULES`` (the one table of refused combinations), raised here as ``ValueError``.
 Errors surface as :class:`DragonnConfigError`, whose message names the bad key, the value given and what
 is allowed; a key the block no longer has (``REMOVED_KEYS``) gets what replaced it.
 

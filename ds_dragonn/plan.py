@@ -339,14 +339,14 @@ def resolve(cfg: Any, facts: Facts) -> Plan:
     compress, compress_why = resolve_compress(cfg, facts)
     reasons: Dict[str, str] = {"compress": compress_why}
     if cfg.warmup_steps == "auto":
-        reasons["warmup_steps"] = "ends after the learning-rate warm-up (the hook reads the schedule)"
+        reasons["warmup_steps"] = "ends after the learning-rate warm-up, read by the hook"
     if cfg.density_warmup_steps == "auto":
         reasons["density_warmup_steps"] = "follows warmup_steps"
     if _v(cfg.hierarchy) == "auto":
         reasons["layout"] = "node-aware on several nodes of several ranks, resolved with the group"
     skip = bool(facts.may_skip_steps)
-    reasons["transactional"] = ("DeepSpeed may skip a step on overflow (fp16 / bf16 overflow check)" if skip
-                                else "no step is skipped (no loss scaler)")
+    reasons["transactional"] = ("DeepSpeed may skip a step on overflow: fp16, or bf16 with overflow checks" if skip
+                                else "no step is skipped: no loss scaler")
     exchange = "reduce_scatter" if facts.stage in (1, 2, 3) and cfg.sync != "local_steps" else _v(cfg.exchange)
     return Plan(stage=facts.stage, sync=_v(cfg.sync), compress=compress, layout=_v(cfg.hierarchy),
                 exchange=exchange, values=_v(cfg.values), dense_values=_v(cfg.dense_values),
