@@ -205,3 +205,22 @@ def test_docs_config_md_lists_every_row_of_the_table():
     text = (Path(__file__).resolve().parents[1] / "docs" / "config.md").read_text()
     rows = {line.split("|")[1].strip().strip("`") for line in text.splitlines() if line.startswith("| `")}
     assert {rule.name for rule in RULES} <= rows
+
+
+def test_initialize_warns_on_an_untested_deepspeed_version(monkeypatch):
+    """An enabled block on an untested DeepSpeed: one warning naming it, then DeepSpeed runs (here: refuses the
+    missing model); the tested version says nothing."""
+    import deepspeed
+    import deepspeed.utils.logging as ds_logging
+
+    import ds_dragonn
+    said = []
+    monkeypatch.setattr(ds_logging, "print_dist", lambda msg, ranks=None: said.append(msg))
+    cfg = {"train_batch_size": 1, "dragonn": {"enabled": True}}
+    with pytest.raises(AssertionError, match="requires a model"):
+        ds_dragonn.initialize(model=None, config=cfg)
+    assert not [m for m in said if "not a tested version" in m]
+    monkeypatch.setattr(deepspeed, "__version__", "0.18.0")
+    with pytest.raises(AssertionError, match="requires a model"):
+        ds_dragonn.initialize(model=None, config=cfg)
+    assert [m for m in said if "DeepSpeed 0.18.0 is not a tested version (0.19.8)" in m]
