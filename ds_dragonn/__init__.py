@@ -16,11 +16,8 @@ __version__ = "0.1.0"
 
 from .config import CompressTarget, DragonnConfig, DragonnConfigError, SyncMode, load_ds_config  # noqa: E402
 from .engine.checkpoint import CheckpointError, CheckpointMismatchError  # noqa: E402
-
-
-class DragonnUnsupportedError(ValueError):
-    """DRAGONN was enabled with a DeepSpeed setting it does not support (ZeRO stage 3, ZeRO offload, a pipeline
-    engine, ...: the list is in :func:`initialize`)."""
+from . import plan as plan_mod  # noqa: E402
+from .plan import DragonnUnsupportedError, Plan  # noqa: E402
 
 
 def _resolve_ds_config(bound: inspect.BoundArguments) -> Any:
@@ -72,12 +69,26 @@ def enable() -> None:
     logger.info("DRAGONN: enabled; deepspeed.initialize now honours the 'dragonn' config block")
 
 
-def disable() -> None:
-    """Undo :func:`enable`: ``deepspeed.initialize`` is DeepSpeed's own again (engines built meanwhile keep
-    their compression). If another wrapper has gone on top of ours since, it is left in place (and keeps
-    calling ours, which keeps working). No-op when not enabled."""
+def disable(engine: Any = None) -> None:
+    """Undo :func:`enable`: ``deepspeed.initialize`` is DeepSpeed's own again. If another wrapper has gone on
+    top of ours since, it is left in place (and keeps calling ours, which keeps working). No-op when not
+    enabled.
+
+    Args:
+        engine: also take this engine back to DeepSpeed's own: every method ds_dragonn replaced on it, its
+            optimizer and overflow checker is removed (``engine/teardown.py`` ``unhook``), so its next
+            steps reduce densely; the hook's residuals are dropped. Call it between steps, on every rank.
+            Without it, engines built meanwhile keep their compression.
+    """
     global _DEEPSPEED_INITIALIZE
     import deepspeed
+    if engine is not None:
+        from deepspeed.utils import logger
+
+        from .engine.teardown import unhook
+        removed = unhook(engine)
+        if removed:
+            logger.info(f"DRAGONN: disabled on this engine; DeepSpeed's own again: {', '.join(removed)}")
     if _DEEPSPEED_INITIALIZE is None:
         return
     if getattr(deepspeed.initialize, "__ds_dragonn__", False):
@@ -114,9 +125,10 @@ def initialize(*args: Any, **kwargs: Any):
     Raises:
         DragonnConfigError: the ``"dragonn"`` block has an unknown key or an invalid value.
         DragonnConfigMismatchError: (on every rank) the ranks' ``"dragonn"`` blocks or ZeRO stages differ.
-        DragonnUnsupportedError: DRAGONN is enabled together with ZeRO stage 3, ZeRO offload,
-            ``"reduce_scatter": false``, ``"contiguous_gradients": false`` or a pipeline engine, or
-            ``"compress": "momentum"`` with an optimizer it cannot serve (not Adam-type, amsgrad, L2 decay).
+        DragonnUnsupportedError: DRAGONN is enabled with a combination it does not support (ZeRO offload,
+            ``"reduce_scatter": false``, a pipeline engine, ``"compress": "momentum"`` with an optimizer it cannot
+            serve, ...): each is a row of ``ds_dragonn.plan.RULES``, and the message names the key and value.
+        RuntimeError: the installed DeepSpeed no longer has the methods the hook replaces (``engine/probes.py``).
     """
     return _initialize(_deepspeed_initialize(), *args, **kwargs)
 
@@ -129,16 +141,14 @@ def _initialize(ds_initialize: Any, *args: Any, **kwargs: Any):
 
     bound = inspect.signature(ds_initialize).bind(*args, **kwargs)
     ds_config = load_ds_config(_resolve_ds_config(bound))
-    cfg, stage, refusal = None, 0, None
+    cfg, refusal = None, None
+    facts = plan_mod.Facts.from_ds_config(ds_config)
     try:  # a refusal is raised only after the ranks compared notes: one rank must not leave the others hung
         cfg = DragonnConfig.from_ds_config(ds_config)
-        zero = ds_config.get("zero_optimization") or {}
-        stage = _zero_stage(zero)
         if cfg.enabled:
-            _check_zero(stage, zero if isinstance(zero, dict) else {}, ds_config, cfg)
             from deepspeed.pipe import PipelineModule
-            if isinstance(bound.arguments.get("model"), PipelineModule):
-                raise DragonnUnsupportedError("'dragonn' does not support the pipeline engine (PipelineModule model)")
+            facts = facts.updated(pipeline_model=isinstance(bound.arguments.get("model"), PipelineModule))
+            plan_mod.check(cfg, facts, "start")
     except (DragonnConfigError, DragonnUnsupportedError) as err:
         refusal = err
     if _multi_rank():
@@ -150,98 +160,89 @@ def _initialize(ds_initialize: Any, *args: Any, **kwargs: Any):
         ds_dist.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                                  distributed_port=bound.arguments.get("distributed_port", 29500),
                                  dist_init_required=bound.arguments.get("dist_init_required"), **timeout)
-        check_ranks_agree(cfg, stage, refusal=refusal, ds_config=ds_config)
+        check_ranks_agree(cfg, facts.stage, refusal=refusal, ds_config=ds_config)
     if refusal is not None:
         raise refusal
-    if cfg.enabled and cfg.sync == SyncMode.local_steps:
-        from .engine.local_steps import check_local_steps_hook_point
-        check_local_steps_hook_point()
-    elif cfg.enabled:
-        if stage == 3:
+    if cfg.enabled:
+        _check_deepspeed_version()
+        if cfg.sync == SyncMode.local_steps:
+            from .engine.local_steps import check_local_steps_hook_point
+            check_local_steps_hook_point()
+        elif facts.stage == 3:
             from .engine.stage3 import check_zero3_hook_point
             check_zero3_hook_point()
         else:
-            check_hook_point() if stage == 0 else check_zero_hook_point()
+            check_hook_point() if facts.stage == 0 else check_zero_hook_point()
 
     result = ds_initialize(*args, **kwargs)
     if cfg.enabled and getattr(result[0], "dragonn", None) is None:  # (a wrapped wrapper hooked it already)
-        engine = result[0]
-        cfg = _resolve_compress(cfg, engine)  # ("warmup_steps": "auto" is resolved by the hook)
-        stage = engine.zero_optimization_stage()
-        from .engine.pipelines import HierarchyUnsupported
-        try:
-            _install(engine, cfg, stage)
-        except HierarchyUnsupported as err:  # every rank reached the same decision (a gathered layout)
-            raise DragonnUnsupportedError(str(err)) from None
+        _install(result[0], cfg, facts)
     return result
 
 
-def _install(engine: Any, cfg: DragonnConfig, stage: int) -> None:
-    """Install the hook of this engine's ZeRO stage / sync mode (refusing what it cannot serve)."""
-    from .engine import Stage0Hook, Stage12Hook
-    if cfg.sync == SyncMode.local_steps:
-        from .engine.local_steps import LocalStepsHook, LocalStepsUnsupported
-        if stage != 0:
-            raise DragonnUnsupportedError(_LOCAL_STEPS_ZERO.format(stage=stage))
-        try:
-            LocalStepsHook(engine, cfg).install()
-        except LocalStepsUnsupported as err:
-            raise DragonnUnsupportedError(str(err)) from None
-    elif stage == 0:
-        Stage0Hook(engine, cfg).install()
-    elif stage == 3:
-        from .engine.stage3 import HOOKED, Stage3Hook
-        if not hasattr(engine.optimizer, HOOKED):
-            raise DragonnUnsupportedError(f"'dragonn' at ZeRO stage 3 hooks DeepSpeedZeroOptimizer_Stage3; the "
-                                          f"engine runs {type(engine.optimizer).__name__}")
-        if not getattr(engine.optimizer, "reduce_scatter", True):  # e.g. "reduce_scatter": "false" (a string)
-            raise DragonnUnsupportedError("'dragonn' with ZeRO stage 3 does not support 'zero_optimization."
-                                          "reduce_scatter': false (a dense path the hook does not see); remove it")
-        Stage3Hook(engine, cfg).install()
-    elif stage in (1, 2) and hasattr(engine.optimizer, "average_tensor"):
-        if not engine.optimizer.reduce_scatter:
-            raise DragonnUnsupportedError(_NO_REDUCE_SCATTER)
-        Stage12Hook(engine, cfg).install()
-    else:
-        raise DragonnUnsupportedError(f"'dragonn' supports ZeRO stages 0-3; the engine runs stage {stage} "
-                                      f"with {type(engine.optimizer).__name__}")
+def _engine_facts(engine: Any, facts: plan_mod.Facts, cfg: DragonnConfig) -> plan_mod.Facts:
+    """``facts`` with what the engine DeepSpeed built says (its optimizer)."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    from .engine.adam import momentum_refusal
+    from .engine.stage3 import HOOKED
+    from .engine.steps import may_skip_steps
+    stage = engine.zero_optimization_stage()
+    opt = engine.optimizer
+    hooked = {0: True, 1: hasattr(opt, "average_tensor"), 2: hasattr(opt, "average_tensor"),
+              3: hasattr(opt, HOOKED)}.get(stage, False)
+    reduce_scatter = bool(getattr(opt, "reduce_scatter", True)) if stage in (1, 2, 3) and hooked else True
+    serves = cfg.compress != CompressTarget.gradient and cfg.sync != SyncMode.local_steps
+    return facts.updated(stage=stage, optimizer=type(opt).__name__, hooked_optimizer=hooked,
+                         reduce_scatter=reduce_scatter, momentum_refusal=(momentum_refusal(engine) or "") if serves
+                         else None, bf16_optimizer=isinstance(opt, BF16_Optimizer),
+                         may_skip_steps=may_skip_steps(engine))
 
 
-def _resolve_compress(cfg: DragonnConfig, engine: Any) -> DragonnConfig:
-    """``cfg`` with ``compress`` resolved for this engine's optimizer: ``auto`` becomes ``momentum`` for an
-    Adam-type optimizer the momentum mode serves (and ``gradient`` otherwise, or where error feedback is off,
-    there is no dense warm-up or the density is 1); an explicit ``momentum`` it cannot serve is refused.
-
-    Raises:
-        DragonnUnsupportedError: ``compress: momentum`` with an optimizer without ``betas``, with betas[0]
-            outside (0, 1), amsgrad, or coupled (L2) weight decay, naming the optimizer and what is wrong.
-    """
+def _install(engine: Any, cfg: DragonnConfig, facts: plan_mod.Facts) -> None:
+    """Check the engine against the table (``plan.RULES``), resolve the plan, install the hook of this engine's
+    ZeRO stage / sync mode and log the plan."""
     from deepspeed.utils.logging import print_dist
 
-    from .config import MOMENTUM_KEYS
-    from .engine.adam import momentum_refusal
-    if cfg.compress == CompressTarget.gradient:
-        return cfg
-    if cfg.sync == SyncMode.local_steps:  # the pseudo-gradient is what is compressed
-        return cfg.model_copy(update={"compress": CompressTarget.gradient})
-    why = momentum_refusal(engine)
-    if cfg.compress == CompressTarget.momentum:
-        if why:
-            raise DragonnUnsupportedError(f"'dragonn.compress': 'momentum' {why}. Use 'compress': 'gradient' with it")
-        return cfg
-    unmet = [what for what, ok in (("error feedback is off", cfg.error_feedback),
-                                   ("warmup_steps is 0: no dense steps to estimate Adam's variance from",
-                                    cfg.warmup_steps != 0),
-                                   ("density is 1.0", cfg.density < 1.0)) if not ok]
-    fits = not why and not unmet
-    resolved = CompressTarget.momentum if fits else CompressTarget.gradient
-    reason = "an Adam-type optimizer" if fits else (f"the momentum mode {why}" if why else "; ".join(unmet))
-    print_dist(_auto_line(resolved, reason, adam=not why), ranks=[0])
-    refresh = cfg.given(*MOMENTUM_KEYS)
+    from .engine import Stage0Hook, Stage12Hook
+    from .engine.local_steps import LocalStepsHook, LocalStepsUnsupported
+    from .engine.pipelines import HierarchyUnsupported
+    from .engine.stage3 import Stage3Hook
+    facts = _engine_facts(engine, facts, cfg)
+    plan_mod.check(cfg, facts, "start")  # (the stage DeepSpeed runs may differ from the config's legacy form)
+    plan_mod.check(cfg, facts, "engine")
+    plan = plan_mod.resolve(cfg, facts)
+    _log_compress(cfg, plan, adam=not facts.momentum_refusal)
+    cfg = cfg.model_copy(update={"compress": CompressTarget(plan.compress)})
+    hook_cls = LocalStepsHook if cfg.sync == SyncMode.local_steps else \
+        {0: Stage0Hook, 1: Stage12Hook, 2: Stage12Hook, 3: Stage3Hook}[facts.stage]
+    hook = hook_cls(engine, cfg)
+    hook.plan = plan
+    try:
+        hook.install()
+    except (HierarchyUnsupported, LocalStepsUnsupported) as err:  # every rank reached the same decision
+        raise DragonnUnsupportedError(str(err)) from None
+    layout = getattr(hook, "layout", None)
+    hook.plan = plan.with_layout("flat" if layout is None else "node",
+                                 plan.reasons.get("layout", "set in the config") if plan.layout != "auto" else
+                                 ("resolved: one node, or a group the node-aware exchange does not serve"
+                                  if layout is None else "resolved: several nodes of several ranks"),
+                                 getattr(hook, "exchange_name", plan.exchange))
+    print_dist(hook.plan.describe(), ranks=[0])
+
+
+def _log_compress(cfg: DragonnConfig, plan: "plan_mod.Plan", adam: bool) -> None:
+    """The start-up lines of ``compress: auto`` (which mode and why), and a warning for a momentum-mode
+    key that has no effect under the mode it chose."""
+    from deepspeed.utils.logging import print_dist
+    if cfg.compress != CompressTarget.auto or cfg.sync == SyncMode.local_steps:
+        return
+    resolved, reason = CompressTarget(plan.compress), plan.reasons["compress"]
+    print_dist(_auto_line(resolved, reason, adam=adam), ranks=[0])
+    refresh = cfg.given(*plan_mod.MOMENTUM_KEYS)
     if refresh and resolved == CompressTarget.gradient:
         print_dist(f"DRAGONN: warning: 'dragonn.{refresh[0]}' has no effect: it applies to the momentum mode, and "
                    f"compress 'auto' chose 'gradient' ({reason})", ranks=[0])
-    return cfg.model_copy(update={"compress": resolved})
 
 
 def _auto_line(resolved: CompressTarget, reason: str, adam: bool) -> str:
@@ -258,39 +259,16 @@ def _auto_line(resolved: CompressTarget, reason: str, adam: bool) -> str:
             f"'warmup_steps' out) to get the momentum mode, or set 'compress': 'gradient' to choose this one")
 
 
-def _check_zero3(zero: dict, ds_config: dict, cfg: Optional[DragonnConfig]) -> None:
-    """What the ZeRO-3 hook (``engine/stage3.py``) does not cover, refused by key before DeepSpeed starts."""
-    def refuse(what: str) -> None:
-        raise DragonnUnsupportedError(f"'dragonn' with ZeRO stage 3 does not support {what}; remove it, or set "
-                                      f"'dragonn.enabled' to false")
-    for key in ("offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_param"):  # (the last two: legacy)
-        value = zero.get(key)
-        if value and (not isinstance(value, dict) or value.get("device", "cpu") not in (None, "none")):
-            refuse(f"'zero_optimization.{key}' ({value!r}: ZeRO-Infinity / offload)")
-    if zero.get("zero_quantized_gradients"):
-        refuse("'zero_optimization.zero_quantized_gradients' (qgZ compresses the same reduce-scatter)")
-    if zero.get("reduce_scatter", True) is False:
-        refuse("'zero_optimization.reduce_scatter': false (a dense path the hook does not see)")
-    if zero.get("zenflow"):
-        refuse("'zero_optimization.zenflow' (ZenFlow's selective updates on offloaded optimizer states)")
-    if ds_config.get("gradient_predivide_factor", 1.0) != 1.0:
-        refuse(f"'gradient_predivide_factor' ({ds_config['gradient_predivide_factor']!r}: ZeRO-3 then scales the "
-               f"reduce-scatter in a way the hook does not reproduce, and would leave it dense)")
+def _check_deepspeed_version() -> None:
+    """Warn (rank 0) where the installed DeepSpeed is not one the hooks were tested with; the hook-point
+    checks then refuse a version whose hooked methods changed."""
+    import deepspeed
+    from deepspeed.utils.logging import print_dist
 
-
-_NO_REDUCE_SCATTER = ("'dragonn' compresses the gradient reduce-scatter of ZeRO stages 1/2, but "
-                      "'zero_optimization.reduce_scatter' is false (a dense allreduce); remove the key or set it to true")
-
-
-def _zero_stage(zero: Any) -> int:
-    """The ZeRO stage of a ``zero_optimization`` value (dict, or the legacy bool/int form)."""
-    stage = zero.get("stage", 0) if isinstance(zero, dict) else zero
-    if stage is True:
-        return 1
-    try:
-        return int(stage or 0)
-    except (TypeError, ValueError):
-        return -1  # DeepSpeed rejects it with its own message
+    from .engine.probes import version_warning
+    warning = version_warning(deepspeed.__version__)
+    if warning:
+        print_dist(warning, ranks=[0])
 
 
 def _multi_rank() -> bool:
@@ -303,45 +281,6 @@ def _multi_rank() -> bool:
         return int(os.environ.get("WORLD_SIZE", "1")) > 1
     except ValueError:
         return False
-
-
-_LOCAL_STEPS_ZERO = ("'dragonn.sync': 'local_steps' needs every rank's own full optimizer state and fp32 weights "
-                     "(each rank steps alone between syncs); ZeRO stage {stage} partitions them across the ranks. "
-                     "Use 'zero_optimization.stage': 0, or 'sync': 'every_step'")
-
-
-def _check_zero(stage: int, zero: dict, ds_config: dict, cfg: Optional[DragonnConfig] = None) -> None:
-    """Refuse what the hooks do not cover, before DeepSpeed starts (a clear error instead of a wrong result)."""
-    if cfg is not None and cfg.sync == SyncMode.local_steps and stage != 0:
-        raise DragonnUnsupportedError(_LOCAL_STEPS_ZERO.format(stage=stage))
-    if cfg is not None and stage != 0 and cfg.given("dense_values"):
-        raise DragonnUnsupportedError(f"'dragonn.advanced.dense_values' applies to ZeRO stage 0 only (at stage "
-                                      f"{stage} the dense steps are DeepSpeed's own reduce-scatter); remove it")
-    if stage == 3:
-        _check_zero3(zero, ds_config, cfg)
-    if stage in (1, 2):
-        bf16 = (ds_config.get("bf16") or {}).get("enabled") is True
-        accum = str((ds_config.get("data_types") or {}).get("grad_accum_dtype", "")).lower()
-        if stage == 1 and bf16 and accum in ("fp32", "float32", "float") and not zero.get("offload_optimizer"):
-            raise DragonnUnsupportedError(
-                "'dragonn' with ZeRO stage 1, bf16 and 'data_types.grad_accum_dtype': 'fp32': DeepSpeed runs its "
-                "BF16_Optimizer there, whose gradient reduction ds_dragonn does not hook. Use ZeRO stage 2 (which "
-                "supports fp32 accumulation) or drop 'grad_accum_dtype'")
-        if zero.get("reduce_scatter", True) is False:
-            raise DragonnUnsupportedError(_NO_REDUCE_SCATTER)
-        if zero.get("contiguous_gradients", True) is False:
-            raise DragonnUnsupportedError(
-                f"'dragonn' with ZeRO stage {stage} compresses the contiguous gradient buckets; "
-                f"'zero_optimization.contiguous_gradients' is false (DeepSpeed then reduces gradient lists through "
-                f"another path, which would stay dense). Remove the key or set it to true")
-        for key in ("offload_optimizer", "offload_param", "cpu_offload"):
-            value = zero.get(key)
-            if value and (not isinstance(value, dict) or value.get("device", "cpu") not in (None, "none")):
-                raise DragonnUnsupportedError(
-                    f"'dragonn' with ZeRO stage {stage} does not support 'zero_optimization.{key}' ({value!r}): "
-                    f"remove it, or set 'dragonn.enabled' to false")
-
-
 
 
 class DragonnConfigMismatchError(DragonnConfigError):
@@ -407,4 +346,4 @@ def check_ranks_agree(cfg: Optional[DragonnConfig], zero_stage: int, group: Any 
 
 
 __all__ = ["initialize", "enable", "disable", "is_enabled", "check_ranks_agree", "CheckpointError", "CheckpointMismatchError", "DragonnConfig", "DragonnConfigError", "DragonnConfigMismatchError",
-           "DragonnUnsupportedError", "__version__"]
+           "DragonnUnsupportedError", "Plan", "__version__"]

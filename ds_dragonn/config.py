@@ -6,7 +6,8 @@ unknown top-level keys in ``engine.config``)::
     "dragonn": {"enabled": true, "density": 0.01}
 
 Validation follows DeepSpeed's ``runtime/config_utils.DeepSpeedConfigModel``: unknown keys are rejected,
-every field is typed and bounded, choices are enums, and cross-field checks raise ``ValueError``.
+every field is typed and bounded, choices are enums; the checks across fields are the ``config`` rows of
+``ds_dragonn.plan.RULES`` (the one table of refused combinations), raised here as ``ValueError``.
 Errors surface as :class:`DragonnConfigError`, whose message names the bad key, the value given and what
 is allowed.
 
@@ -26,9 +27,9 @@ from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 
 from .exchange.quantize import ValueFormat
 
+from .plan import MOMENTUM_KEYS, Facts, check  # noqa: F401 - MOMENTUM_KEYS: read here by its old name
+
 DRAGONN_KEY = "dragonn"
-#: the momentum mode's own settings (refused or ignored where that mode does not run)
-MOMENTUM_KEYS = ("variance_refresh_steps",)
 
 
 class DragonnConfigError(ValueError):
@@ -300,10 +301,7 @@ class DragonnConfig(DeepSpeedConfigModel):
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "DragonnConfig":
-        _check_sync(self)
-        _check_momentum(self)
-        _check_hierarchy(self)
-        _check_backend(self)
+        check(self, Facts(), "config", error=ValueError)  # the "config" rows of plan.RULES
         return self
 
     @classmethod
@@ -328,58 +326,6 @@ class DragonnConfig(DeepSpeedConfigModel):
             return cls(strict=True, **dict(block))
         except ValidationError as err:
             raise DragonnConfigError(_format_errors(err)) from None
-
-
-# Cross-key rules, by topic; each raises ValueError naming the keys (pydantic reports it for the whole block).
-
-def _check_momentum(cfg: DragonnConfig) -> None:
-    """The momentum mode's needs, and its own settings refused where it cannot run."""
-    if cfg.compress == CompressTarget.momentum and not cfg.error_feedback:
-        raise ValueError("'compress': 'momentum' needs 'advanced.error_feedback': true (the momentum not sent is kept "
-                         "in the residual; without it the update would lose ~(1 - density) of it every step)")
-    if cfg.compress == CompressTarget.momentum and cfg.warmup_steps != "auto" and cfg.warmup_steps < 1:
-        raise ValueError("'compress': 'momentum' needs 'warmup_steps' >= 1: Adam's variance is frozen from the "
-                         "dense warm-up steps")
-    if cfg.compress == CompressTarget.gradient:
-        given = cfg.given(*MOMENTUM_KEYS)
-        if given:
-            raise ValueError(f"'{given[0]}' applies to 'compress': 'momentum' (or 'auto') only; remove it or "
-                             f"change 'compress'")
-
-
-def _check_hierarchy(cfg: DragonnConfig) -> None:
-    """``advanced.ranks_per_node`` where nothing reads it (``hierarchy: flat``) is refused. (``hierarchy: node``
-    where it cannot run is refused at ``initialize``: engine/pipelines.py.)"""
-    if cfg.ranks_per_node is not None and cfg.hierarchy == Hierarchy.flat:
-        raise ValueError("'advanced.ranks_per_node' has no effect with 'hierarchy': 'flat'; remove it")
-
-
-def _check_sync(cfg: DragonnConfig) -> None:
-    """Settings of one sync mode set under the other are refused (they would be ignored silently)."""
-    if cfg.sync != SyncMode.local_steps:
-        given = cfg.given("local_steps", "outer_lr")
-        if given:
-            raise ValueError(f"'{given[0]}' applies to 'sync': 'local_steps' only; add \"sync\": \"local_steps\" "
-                             f"or remove it")
-        return
-    dense = cfg.given("dense_values")
-    if dense:
-        raise ValueError(f"'{dense[0]}' applies to 'sync': 'every_step' only (local steps' dense warm-up is "
-                         f"DeepSpeed's allreduce, and their rounds send the pseudo-gradient at 'density'); remove it")
-    refresh = cfg.given(*MOMENTUM_KEYS)
-    if refresh:
-        raise ValueError(f"'{refresh[0]}' applies to 'sync': 'every_step' with 'compress': 'momentum' only; "
-                         f"remove it")
-    if cfg.compress == CompressTarget.momentum:
-        raise ValueError("'sync': 'local_steps' compresses the pseudo-gradient of each round; 'compress': "
-                         "'momentum' applies to 'sync': 'every_step' only (remove it or use 'auto')")
-
-
-def _check_backend(cfg: DragonnConfig) -> None:
-    """Transport settings that need another transport."""
-    if cfg.cuda_aware and cfg.comm_backend != CommBackendName.mpi:
-        raise ValueError(f"'advanced.cuda_aware': true only applies to 'comm_backend': 'mpi' "
-                         f"(got 'comm_backend': '{cfg.comm_backend.value}')")
 
 
 def load_ds_config(ds_config: Union[str, os.PathLike, Mapping[str, Any], None]) -> dict:

@@ -20,16 +20,39 @@ RUNS = {
     "s2_d001": zero_config(2, {"enabled": True, "density": 0.01}),
     "s0_disabled_block": engine_config({"enabled": False, "density": 0.01}),
 }
+#: Adam and the momentum mode: the hook also registers an optimizer step pre-hook (the variance freeze)
+MOMENTUM = dict(engine_config({"enabled": True, "density": 0.01, "min_compress_numel": 1, "compress": "momentum",
+                               "warmup_steps": 1}), optimizer={"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}})
+MOMENTUM_DENSE = dict(engine_config(None), optimizer=MOMENTUM["optimizer"])
 
 
-def _train_plain(cfg: dict, rank: int):
-    """The seeded MLP of tests.engines.train_mlp, built by plain ``deepspeed.initialize``."""
+def _ours(obj) -> list:
+    """The instance attributes of ``obj`` that are functions of ds_dragonn (what a hook put there)."""
+    return sorted(n for n, v in vars(obj).items()
+                  if callable(v) and getattr(getattr(v, "__func__", v), "__module__", "").startswith("ds_dragonn."))
+
+
+def _patched(engine) -> list:
+    objs = (engine, engine.optimizer, getattr(engine.optimizer, "overflow_checker", None))
+    return [f"{type(o).__name__}.{n}" for o in objs if o is not None for n in _ours(o)] + \
+        (["dragonn"] if "dragonn" in vars(engine) else [])
+
+
+def _train_plain(cfg: dict, rank: int, disable: bool = False):
+    """The seeded MLP of tests.engines.train_mlp, built by plain ``deepspeed.initialize`` (``disable``: by
+    ``ds_dragonn.initialize``, then ``ds_dragonn.disable(engine)`` before the first step)."""
     import deepspeed
+
+    import ds_dragonn
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(LAYERS[0], LAYERS[1]), torch.nn.Tanh(),
                                 torch.nn.Linear(LAYERS[1], LAYERS[2]))
-    result = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    init = ds_dragonn.initialize if disable else deepspeed.initialize
+    result = init(model=model, model_parameters=model.parameters(), config=cfg)
     engine = result[0]
+    patched = _patched(engine)
+    if disable:
+        ds_dragonn.disable(engine)
     g = torch.Generator().manual_seed(rank)
     for _ in range(STEPS):
         x = torch.randn(8, LAYERS[0], generator=g)
@@ -37,7 +60,8 @@ def _train_plain(cfg: dict, rank: int):
         engine.backward(torch.nn.functional.cross_entropy(engine(x), y))
         engine.step()
     hook = getattr(engine, "dragonn", None)
-    return {"n_results": len(result), "engine_type": type(engine).__name__,
+    return {"n_results": len(result), "engine_type": type(engine).__name__, "patched": patched,
+            "left": _patched(engine),
             "params": [p.detach().clone() for p in engine.module.parameters()],
             "compressed": None if hook is None else hook.telemetry.compressed_reductions}
 
@@ -66,5 +90,9 @@ def enabled_runs(rank: int, world: int, out_dir: str) -> None:
     out["foreign_wrapper_via_ds_dragonn"] = ds_dragonn.initialize(
         model=torch.nn.Linear(4, 4), config=RUNS["s0_d001"])[0].dragonn is not None
     deepspeed.initialize = original
+    for stage in (0, 2):  # disable(engine) on a hooked engine: DeepSpeed's own again, bit for bit
+        out[f"s{stage}_disabled_engine"] = _train_plain(RUNS[f"s{stage}_d001"], rank, disable=True)
+    out["s0_momentum_disabled_engine"] = _train_plain(MOMENTUM, rank, disable=True)
+    out["s0_momentum_dense"] = _train_plain(MOMENTUM_DENSE, rank)
     torch.save(out, Path(out_dir) / f"enable_rank{rank}.pt")
     torch.distributed.destroy_process_group()

@@ -162,8 +162,8 @@ def test_bad_settings_name_the_key(dragonn, match):
 
 
 def test_zero_stages_above_0_refuse_it():
-    from ds_dragonn import DragonnUnsupportedError, _check_zero
     from ds_dragonn.config import DragonnConfig
+    from ds_dragonn.plan import DragonnUnsupportedError, Facts, check
     cfg = DragonnConfig.from_ds_config({"dragonn": {"advanced": {"dense_values": "int8"}}})
     with pytest.raises(DragonnUnsupportedError, match="dense_values"):
-        _check_zero(2, {"stage": 2}, {}, cfg)
+        check(cfg, Facts.from_ds_config({"zero_optimization": {"stage": 2}}), "start")

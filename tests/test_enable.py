@@ -54,6 +54,22 @@ def test_configs_without_an_enabled_block_are_untouched(runs):
         assert all(torch.equal(a, b) for a, b in zip(runs[r]["s0_disabled_block"]["params"], runs[r]["s0_dense"]["params"]))
 
 
+@pytest.mark.parametrize("name, dense, patched", [
+    ("s0_disabled_engine", "s0_dense", {"DeepSpeedEngine.allreduce_bucket", "DeepSpeedEngine.allreduce_and_copy",
+                                        "DeepSpeedEngine.save_checkpoint", "dragonn"}),
+    ("s2_disabled_engine", "s2_dense", {"DeepSpeedZeroOptimizer.average_tensor", "dragonn"}),
+    ("s0_momentum_disabled_engine", "s0_momentum_dense", {"DeepSpeedEngine.allreduce_bucket", "dragonn"})])
+def test_disable_of_an_engine_removes_every_patch_and_trains_as_deepspeed(runs, name, dense, patched):
+    """``disable(engine)`` right after ``initialize``: nothing of ds_dragonn is left on the engine, its optimizer
+    or overflow checker, and the run equals DeepSpeed's dense engine bit for bit (the momentum mode: also
+    its optimizer step pre-hook is gone, else Adam's variance would be frozen)."""
+    for r in range(2):
+        got = runs[r][name]
+        assert patched <= set(got["patched"]), got["patched"]
+        assert got["left"] == [] and got["compressed"] is None
+        assert all(torch.equal(a, b) for a, b in zip(got["params"], runs[r][dense]["params"]))
+
+
 def test_python_m_ds_dragonn_prints_the_environment_report():
     import subprocess
     import sys

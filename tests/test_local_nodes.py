@@ -23,14 +23,14 @@ def _same(a, b) -> bool:
 
 
 def test_config_accepts_the_node_hierarchy_with_local_steps_and_zero_1_2_stay_refused():
-    from ds_dragonn import DragonnUnsupportedError, _check_zero
+    from ds_dragonn.plan import DragonnUnsupportedError, Facts, check
     block = {"enabled": True, "sync": "local_steps", "hierarchy": "node", "advanced": {"ranks_per_node": 2}}
     cfg = DragonnConfig.from_ds_config({"dragonn": block})
     assert cfg.hierarchy.value == "node" and cfg.sync.value == "local_steps" and cfg.ranks_per_node == 2
-    _check_zero(0, {"stage": 0}, {}, cfg)
+    check(cfg, Facts.from_ds_config({"zero_optimization": {"stage": 0}}), "start")
     for stage in (1, 2):
         with pytest.raises(DragonnUnsupportedError, match=f"ZeRO stage {stage}"):
-            _check_zero(stage, {"stage": stage}, {}, cfg)
+            check(cfg, Facts.from_ds_config({"zero_optimization": {"stage": stage}}), "start")
 
 
 ranks = ranks_fixture("tests.local_nodes_cases:node_rounds", "lnodes", WORLD, timeout=500)

@@ -40,7 +40,7 @@ def test_the_installed_deepspeed_has_the_hook_point():
 
 
 class _Changed:
-    """A stand-in for a DeepSpeed whose ``__avg_scatter_grads`` reduces some other way."""
+    """A stand-in for a DeepSpeed whose hooked methods take other parameters."""
     def _DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads(self):
         pass
 

@@ -28,7 +28,6 @@ exact mid-round.
 """
 from __future__ import annotations
 
-import inspect
 from typing import Any, List, Optional
 
 import torch
@@ -254,32 +253,22 @@ class LocalStepsHook(HookBase):
 
 
 def _check_optimizer(engine: Any, optimizer: Any, masters: Any) -> None:
-    """Refuse an engine whose optimizer does not keep every rank's full fp32 master weights."""
-    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-    wrapper = getattr(engine, "optimizer", None)
-    if isinstance(wrapper, BF16_Optimizer):
-        raise LocalStepsUnsupported(
-            "'dragonn.sync': 'local_steps' needs every rank's full fp32 master weights, but this engine runs "
-            "DeepSpeed's BF16_Optimizer (bf16 with 'data_types.grad_accum_dtype': 'fp32'), which partitions them "
-            "across the ranks. Drop 'grad_accum_dtype' or use 'sync': 'every_step'")
+    """Refuse an engine without a torch optimizer and its fp32 master weights inside."""
+    wrapper = getattr(engine, "optimizer", None)  # (DeepSpeed's BF16_Optimizer: a row of plan.RULES)
     if optimizer is None or not masters():
         raise LocalStepsUnsupported(f"'dragonn.sync': 'local_steps' needs a torch optimizer inside the engine; "
                                     f"found {type(wrapper).__name__}")
 
 
 def check_local_steps_hook_point(engine_cls: Optional[type] = None) -> None:
-    """Fail loudly if a DeepSpeed upgrade no longer reduces gradients through ``allreduce_gradients`` (what
-    :class:`LocalStepsHook` turns off between syncs) or no longer counts ``global_steps`` in ``step``."""
+    """Fail loudly if a DeepSpeed upgrade renamed what :class:`LocalStepsHook` replaces on the engine
+    (``allreduce_gradients``, turned off between syncs; ``step``) or the step it counts rounds by."""
+    from .probes import require_methods
     if engine_cls is None:
         from deepspeed.runtime.engine import DeepSpeedEngine as engine_cls
-    backward = inspect.getsource(engine_cls._backward_epilogue) if hasattr(engine_cls, "_backward_epilogue") else ""
-    if "self.allreduce_gradients(" not in backward:
-        raise RuntimeError("this DeepSpeed version no longer reduces gradients through "
-                           "DeepSpeedEngine.allreduce_gradients after backward; 'sync': 'local_steps' could not stop "
-                           "the per-step exchange (tested with 0.19.8)")
-    if "global_steps" not in inspect.getsource(engine_cls._take_model_step):
-        raise RuntimeError("this DeepSpeed version no longer counts global_steps in DeepSpeedEngine._take_model_step; "
-                           "'sync': 'local_steps' counts its rounds by it (tested with 0.19.8)")
+    require_methods(engine_cls, {"allreduce_gradients": (), "step": ("lr_kwargs",),
+                                 "_take_model_step": ("lr_kwargs",), "_backward_epilogue": ()},
+                    "'sync': 'local_steps' could not stop the per-step exchange")
 
 
 __all__ = ["LocalStepsHook", "LocalStepsUnsupported", "check_local_steps_hook_point"]

@@ -18,37 +18,34 @@ from ..config import CommBackendName, Hierarchy
 from ..exchange.quantize import value_codec
 from ..hierarchy import NodeAllreduce
 from ..pipeline import CompressedAllreduce
+from ..plan import Facts, check, node_unsupported
 
 
 class HierarchyUnsupported(ValueError):
     """``hierarchy: node`` where the node-aware exchange cannot run (the message says why)."""
 
 
-def _unsupported(hook: Any, backend: CommBackend) -> Optional[str]:
-    """Why this hook cannot run the node-aware exchange on ``backend``'s group, or None."""
-    if not getattr(hook, "supports_hierarchy", False):
-        return f"the node-aware exchange does not run under {hook.hook_name}"
+def _layout_facts(hook: Any, backend: CommBackend) -> Facts:
+    """The facts of ``plan.RULES``' layout phase for this hook and group."""
     import deepspeed.comm as dist
-    if backend.world_size != dist.get_world_size():
-        return (f"the data-parallel group ({backend.world_size} ranks) is not the world ({dist.get_world_size()}): "
-                f"model or sequence parallelism")
-    return None
+    return Facts(hook_name=hook.hook_name, supports_hierarchy=bool(getattr(hook, "supports_hierarchy", False)),
+                 dp_world=backend.world_size, world=dist.get_world_size() if backend.world_size > 1 else None)
 
 
 def node_layout(hook: Any, backend: CommBackend) -> Optional[NodeLayout]:
     """The node layout this hook's pipeline runs on (None: flat), decided once and logged.
 
     Raises:
-        HierarchyUnsupported: ``hierarchy: node`` where it cannot run (``_unsupported``, or not several
-            nodes of several ranks).
+        HierarchyUnsupported: ``hierarchy: node`` where it cannot run (the ``node_layout`` row of
+            ``plan.RULES``, or not several nodes of several ranks).
     """
     mode = hook.cfg.hierarchy
     if mode == Hierarchy.flat:
         return None
-    why = _unsupported(hook, backend) if backend.world_size > 1 else "one rank"
-    if why is not None:
-        if mode == Hierarchy.node:
-            raise HierarchyUnsupported(f"'dragonn.hierarchy': 'node': {why}; use 'hierarchy': 'flat' or 'auto'")
+    facts = _layout_facts(hook, backend)
+    check(hook.cfg, facts, "layout", error=HierarchyUnsupported)
+    why = node_unsupported(facts)
+    if why is not None:  # (auto)
         print_dist(f"DRAGONN: hierarchy 'auto' -> flat: {why}", ranks=[0])
         return None
     try:

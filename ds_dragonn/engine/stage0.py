@@ -15,7 +15,6 @@ agreed state.
 from __future__ import annotations
 
 import hashlib
-import inspect
 from typing import Any, NamedTuple, Optional
 
 from ..constants import SEED
@@ -170,18 +169,12 @@ class Stage0Hook(HookBase):
 
 
 def check_hook_point(engine_cls: Optional[type] = None) -> None:
-    """Fail loudly if a DeepSpeed upgrade no longer routes ZeRO-0 buckets through the hooked methods.
-
-    Checks that ``allreduce_and_copy`` still only reduces through ``allreduce_bucket`` and copies the result
-    into the gradients (what our override of it reproduces), and that ``allreduce_no_retain`` calls it.
-    """
+    """Fail loudly if a DeepSpeed upgrade renamed or re-signed the ZeRO-0 methods the hook replaces
+    (``allreduce_bucket``, ``allreduce_and_copy``) or the one that calls them (``allreduce_no_retain``)."""
+    from .probes import require_methods
     if engine_cls is None:
         from deepspeed.runtime.engine import DeepSpeedEngine as engine_cls
-    src = inspect.getsource(engine_cls.allreduce_and_copy)
-    if "self.allreduce_bucket(" not in src or "buf.copy_(synced)" not in src:
-        raise RuntimeError("this DeepSpeed version no longer reduces through DeepSpeedEngine.allreduce_bucket "
-                           "and copies the result in allreduce_and_copy; ds_dragonn's hook would be bypassed "
-                           "(tested with 0.19.8)")
-    if "self.allreduce_and_copy(" not in inspect.getsource(engine_cls.allreduce_no_retain):
-        raise RuntimeError("this DeepSpeed version no longer calls DeepSpeedEngine.allreduce_and_copy from "
-                           "allreduce_no_retain; ds_dragonn's hook would be bypassed (tested with 0.19.8)")
+    require_methods(engine_cls, {"allreduce_no_retain": ("bucket", "dp_group"),
+                                 "allreduce_and_copy": ("small_bucket", "dp_group", "dp_world_size"),
+                                 "allreduce_bucket": ("bucket", "dp_group", "dp_world_size")},
+                    "ds_dragonn's hook would be bypassed")

@@ -31,7 +31,6 @@ Several nodes (``hierarchy``): the rank-major bucket goes through the node-aware
 from __future__ import annotations
 
 import hashlib
-import inspect
 import math
 from typing import Any, List, NamedTuple, Optional
 
@@ -171,40 +170,18 @@ class Stage3Hook(ZeroPartitionHook):
         return hashlib.blake2b(layout.encode(), digest_size=8).hexdigest()
 
 
-def _method_source(cls: type, mangled: str) -> str:
-    """The source of ``cls``'s method ``mangled``, read from the class's source (DeepSpeed wraps these methods in
-    ``instrument_w_nvtx``, whose wrapper hides them from ``inspect.getsource``); "" where it is missing."""
-    if getattr(cls, mangled, None) is None:
-        return ""
-    name = mangled.replace(f"_{cls.__name__}", "", 1) if mangled.startswith(f"_{cls.__name__}__") else mangled
-    text = inspect.getsource(cls)
-    start = text.find(f"    def {name}(")
-    if start < 0:
-        return ""
-    end = text.find("\n    def ", start + 1)
-    return text[start:end if end > 0 else len(text)]
-
-
 def check_zero3_hook_point(optimizer_cls: Optional[type] = None) -> None:
-    """Fail loudly if a DeepSpeed upgrade changes what :class:`Stage3Hook` relies on in ZeRO stage 3:
-    ``__reduce_and_partition_ipg_grads`` reduces through ``__avg_scatter_grads`` and hands its result to
-    ``partition_grads``; ``__avg_scatter_grads`` reduces with ``reduce_scatter_coalesced`` over the parameters'
-    partition group and converts to the accumulation dtype."""
+    """Fail loudly if a DeepSpeed upgrade renamed or re-signed what :class:`Stage3Hook` relies on in ZeRO
+    stage 3: ``__avg_scatter_grads`` (replaced), its caller ``__reduce_and_partition_ipg_grads``, and
+    ``partition_grads`` (which takes its result)."""
+    from .probes import require_methods
     if optimizer_cls is None:
         from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as optimizer_cls
-    checks = {
-        "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads":
-            ["self.__avg_scatter_grads(params_in_bucket, communication_data_type)",
-             "self.partition_grads(params_in_bucket, grad_partitions)"],
-        HOOKED: ["reduce_scatter_coalesced(full_grads_for_rank, process_group)", "_get_param_partition_group",
-                 "self.gradient_accumulation_dtype"],
-    }
-    for method, needles in checks.items():
-        body = _method_source(optimizer_cls, method)
-        missing = [n for n in needles if n not in body]
-        if missing:
-            raise RuntimeError(f"this DeepSpeed version changed DeepSpeedZeroOptimizer_Stage3.{method} ({missing} not "
-                               f"found); ds_dragonn's ZeRO-3 hook would be bypassed or wrong (tested with 0.19.8)")
+    require_methods(optimizer_cls, {
+        "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads": ("communication_data_type",),
+        HOOKED: ("params_to_reduce", "communication_data_type"),
+        "partition_grads": ("params_to_release", "grad_partitions"),
+    }, "ds_dragonn's ZeRO-3 hook would be bypassed or wrong")
 
 
 __all__ = ["HOOKED", "RankMajor", "Stage3Hook", "check_zero3_hook_point", "chunk_lengths", "rank_major"]

@@ -32,7 +32,6 @@ dense choices.
 from __future__ import annotations
 
 import hashlib
-import inspect
 from typing import Any, List, NamedTuple, Optional
 
 import torch
@@ -214,27 +213,21 @@ class Stage12Hook(ZeroPartitionHook):
 def check_zero_hook_point(optimizer_cls: Optional[type] = None) -> None:
     """Fail loudly if a DeepSpeed upgrade changes what :class:`Stage12Hook` relies on in ZeRO stage 1/2.
 
-    Checks that ``reduce_ipg_grads`` reduces through ``average_tensor``; that ``average_tensor`` averages by
-    dividing the bucket and reduces slices to their owners through ``allreduce_no_retain`` /
-    ``allreduce_and_scatter``; and that ``allreduce_and_copy`` and ``allreduce_and_copy_with_multiple_ranks``
-    write an owner's result as the hook does.
+    Checks that ``average_tensor`` (replaced), ``reduce_ipg_grads`` (its caller) and the methods the hook calls
+    for DeepSpeed's dense path and owner write-back exist with the parameters the hook passes.
     """
+    from .probes import require_methods
     if optimizer_cls is None:
         from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as optimizer_cls
-    checks = {
-        "reduce_ipg_grads": ["self.average_tensor("],
-        "average_tensor": ["rank_and_offsets", "self.allreduce_no_retain(", "self.allreduce_and_scatter(",
-                           "tensor.div_(", "rank=dst"],
-        "allreduce_and_copy": ["self._add_to_grad_partition_buffer(output, synced)", "buf.copy_(synced)"],
-        "allreduce_and_copy_with_multiple_ranks": ["self._add_to_grad_partition_buffer(output, synced)",
-                                                   "buf.copy_(synced)", "local_rank in bucket_rank"],
-    }
-    for method, needles in checks.items():
-        src = inspect.getsource(getattr(optimizer_cls, method))
-        missing = [n for n in needles if n not in src]
-        if missing:
-            raise RuntimeError(f"this DeepSpeed version changed DeepSpeedZeroOptimizer.{method} ({missing} not found); "
-                               f"ds_dragonn's ZeRO-1/2 hook would be bypassed or wrong (tested with 0.19.8)")
+    require_methods(optimizer_cls, {
+        "reduce_ipg_grads": (),
+        "average_tensor": ("tensor", "communication_data_type"),
+        "allreduce_no_retain": ("bucket", "communication_data_type", "numel_per_bucket", "rank"),
+        "allreduce_and_scatter": ("bucket", "communication_data_type"),
+        "allreduce_and_copy": ("small_bucket", "communication_data_type", "rank"),
+        "allreduce_and_copy_with_multiple_ranks": ("small_bucket", "communication_data_type"),
+        "_add_to_grad_partition_buffer": (),
+    }, "ds_dragonn's ZeRO-1/2 hook would be bypassed or wrong")
 
 
 __all__ = ["Stage12Hook", "check_zero_hook_point"]

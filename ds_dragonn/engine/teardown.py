@@ -25,6 +25,8 @@ run while the interpreter is still whole. The handler:
 
 Everything is best effort and bounded. It never raises, and it never blocks on another rank: no collective
 runs at exit, so a rank whose peers died still exits.
+
+:func:`unhook` takes a live engine back to DeepSpeed's own (``ds_dragonn.disable(engine)``).
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ import atexit
 import gc
 import os
 import time
-from typing import List
+from typing import Any, List
 
 #: longest wait for the gloo worker threads to go idle, seconds
 SETTLE_S = 2.0
@@ -93,3 +95,40 @@ def settle_workers(limit_s: float) -> bool:
         if time.monotonic() > deadline:
             return False
         time.sleep(_POLL_S)
+
+
+def _ours(value: Any) -> bool:
+    """Whether ``value`` is a function or bound method defined in this package (what a hook put on an instance)."""
+    fn = getattr(value, "__func__", value)
+    return callable(value) and str(getattr(fn, "__module__", "") or "").startswith("ds_dragonn.")
+
+
+def unhook(engine: Any) -> List[str]:
+    """Remove every instance-level override ds_dragonn put on ``engine``, its optimizer and the optimizer's
+    overflow checker (the class's methods show through again), the optimizer step pre-hooks it registered,
+    and ``engine.dragonn``. The engine then runs DeepSpeed's dense reductions; the hook's residuals are
+    dropped (what they held is not applied). Call it between steps, on every rank.
+
+    Returns:
+        the names removed, as ``"Type.attr"`` (empty where the engine was not hooked).
+    """
+    hook = getattr(engine, "dragonn", None)
+    optimizer = getattr(engine, "optimizer", None)
+    removed = []
+    for obj in (engine, optimizer, getattr(optimizer, "overflow_checker", None)):
+        if obj is None or not hasattr(obj, "__dict__"):
+            continue
+        for name, value in list(vars(obj).items()):
+            if _ours(value):
+                delattr(obj, name)
+                removed.append(f"{type(obj).__name__}.{name}")
+    for part in (vars(hook).values() if hook is not None else ()):
+        handle = getattr(part, "handle", None)  # e.g. the variance freeze's step pre-hook
+        if handle is not None and callable(getattr(handle, "remove", None)):
+            handle.remove()
+            part.handle = None
+            removed.append(f"{type(part).__name__}.handle")
+    if "dragonn" in vars(engine):
+        del engine.dragonn
+        removed.append(f"{type(engine).__name__}.dragonn")
+    return removed
