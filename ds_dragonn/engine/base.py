@@ -30,6 +30,7 @@ from .adam import adam_beta1
 from .decision import BucketDecision
 from .follow import FollowsOptimizer
 from .pipelines import build_pipeline
+from .reducer import BucketReducer
 from .hook_state import HookState
 from .variance import VarianceFreeze
 from .reporting import Reporter
@@ -71,6 +72,7 @@ class HookBase(FollowsOptimizer, HookState):
         self.steps = StepGuard(self._stores, lambda: getattr(engine, "skipped_steps", 0), lambda: loss_scale(engine),
                                ticks=lambda step: self.decision.schedule.ticks(step))
         self.decision = BucketDecision(cfg)
+        self.reducer = BucketReducer(self)  # the decision sequence; this hook is its stage adapter
         self.reporter = Reporter(engine, cfg, self.decision.schedule)
         self._pipelines: Dict[int, CompressedAllreduce] = {}
         self._round = None  # (step, micro step) of the ordinals being counted

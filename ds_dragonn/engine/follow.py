@@ -21,14 +21,11 @@ if TYPE_CHECKING:
 class FollowsOptimizer:
     """The optimizer-following methods of :class:`~ds_dragonn.engine.base.HookBase` (module docstring)."""
 
-    def _carries_momentum(self, step: int) -> bool:
+    def _sends_momentum(self, step: int) -> bool:
         """Momentum mode after the dense warm-up: every reduction of this step, dense ones included, sends
-        the local momentum (the optimizer applies what arrives as the momentum itself)."""
-        if self.momentum is None or self.decision.schedule.dense(step):
-            return False
-        if self.variance_freeze is not None:
-            self.variance_freeze.arm()
-        return True
+        the local momentum (the optimizer applies what arrives as the momentum itself). No side effect: the
+        reducer arms the variance freeze (``engine/reducer.py``)."""
+        return self.momentum is not None and not self.decision.schedule.dense(step)
 
     def _refreshes(self, step: int) -> bool:
         """Momentum mode: ``step`` refreshes Adam's frozen variance (``schedule.refresh``): every bucket is
