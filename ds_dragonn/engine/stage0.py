@@ -23,7 +23,6 @@ from ..exchange.wire import dense_allreduce_bytes
 from ..exchange.quantize import value_codec
 from .base import HookBase
 from .bucket import ALLREDUCE, DENSE, BucketKey
-from .checkpoint import install as install_checkpointing
 from .reducer import Bucket, Send
 
 
@@ -55,17 +54,16 @@ class Stage0Hook(HookBase):
         codec = value_codec(cfg.dense_values)
         self.dense_codec = codec if codec.quantized else None  # advanced.dense_values
 
-    def install(self) -> "Stage0Hook":
-        # build the transport for the engine's data-parallel group now, so a wrong launch (e.g. an MPI
-        # world that is not the data-parallel group) fails at initialize, not after the warm-up steps
+    def _dp_group(self):
         from deepspeed.utils import groups
-        self.pipeline(groups._get_sequence_data_parallel_group())
+        return groups._get_sequence_data_parallel_group()
+
+    def _patch(self) -> None:
         self.engine.allreduce_bucket = self.allreduce_bucket
         self.engine.allreduce_and_copy = self.allreduce_and_copy
-        self.engine.dragonn = self
-        install_checkpointing(self)  # engine.save_checkpoint / load_checkpoint carry the residuals
-        self.reporter.start(self.hook_name, self.compressor.name, self.cfg.exchange.value)
-        return self
+
+    def _scheme(self) -> str:
+        return self.cfg.exchange.value
 
     # -- the hook -----------------------------------------------------------------------------------
     def allreduce_bucket(self, bucket, dp_group, dp_world_size=None):

@@ -41,7 +41,6 @@ from ..exchange.reduce_scatter import RangeOwnership
 from ..exchange.wire import dense_reduce_scatter_bytes
 from .base import ZeroPartitionHook
 from .bucket import ZERO3, BucketKey
-from .checkpoint import install as install_checkpointing
 from .reducer import Bucket, Send
 
 #: DeepSpeed's private method, as Python mangles its name on the class
@@ -84,18 +83,15 @@ class Stage3Hook(ZeroPartitionHook):
 
     def __init__(self, engine: Any, cfg):
         super().__init__(engine, cfg)
-        self.optimizer = engine.optimizer
         self._dense = getattr(self.optimizer, HOOKED)  # DeepSpeed's bound method
         self._names: Optional[dict] = None
 
-    def install(self) -> "Stage3Hook":
-        self.pipeline(self.optimizer.dp_process_group)  # a wrong launch fails at initialize
+    def _patch(self) -> None:
         setattr(self.optimizer, HOOKED, self.avg_scatter_grads)
-        self.engine.dragonn = self
-        install_checkpointing(self)
-        self.reporter.start(self.hook_name, self.compressor.name, "reduce_scatter (ZeRO-3 partitions)" if self.layout
-                            is None else f"node-aware {self.cfg.exchange.value} across nodes, each rank its chunks")
-        return self
+
+    def _scheme(self) -> str:
+        return ("reduce_scatter (ZeRO-3 partitions)" if self.layout is None else
+                f"node-aware {self.cfg.exchange.value} across nodes, each rank its chunks")
 
     def avg_scatter_grads(self, params: List[Any], communication_data_type: torch.dtype) -> List[torch.Tensor]:
         """Drop-in for DeepSpeed's ``__avg_scatter_grads``: this rank's chunk of each parameter's averaged

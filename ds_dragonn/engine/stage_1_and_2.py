@@ -41,7 +41,6 @@ from ..exchange.reduce_scatter import RangeOwnership
 from ..exchange.wire import dense_allreduce_bytes, dense_reduce_scatter_bytes
 from .base import ZeroPartitionHook
 from .bucket import REDUCE_SCATTER, BucketKey
-from .checkpoint import install as install_checkpointing
 from .reducer import Bucket, Send
 
 _RECORDED = ("allreduce_no_retain", "allreduce_and_scatter")
@@ -61,18 +60,14 @@ class Stage12Hook(ZeroPartitionHook):
 
     def __init__(self, engine: Any, cfg):
         super().__init__(engine, cfg)
-        self.optimizer = engine.optimizer
         self._dense_average_tensor = self.optimizer.average_tensor  # DeepSpeed's bound method
 
-    def install(self) -> "Stage12Hook":
-        self.pipeline(self.optimizer.dp_process_group)  # a wrong launch fails at initialize
+    def _patch(self) -> None:
         self.optimizer.average_tensor = self.average_tensor
-        self.engine.dragonn = self
-        install_checkpointing(self)  # engine.save_checkpoint / load_checkpoint carry the residuals
-        scheme = ("reduce_scatter (ZeRO partitions)" if self.layout is None else
-                  f"node-aware {self.cfg.exchange.value} across nodes, ZeRO partitions from the node's sum")
-        self.reporter.start(self.hook_name, self.compressor.name, scheme)
-        return self
+
+    def _scheme(self) -> str:
+        return ("reduce_scatter (ZeRO partitions)" if self.layout is None else
+                f"node-aware {self.cfg.exchange.value} across nodes, ZeRO partitions from the node's sum")
 
     # -- the hook -----------------------------------------------------------------------------------
     def average_tensor(self, tensor: torch.Tensor, communication_data_type: torch.dtype):
