@@ -134,9 +134,7 @@ class BucketReducer:
 
         # 4. Dense: DeepSpeed's own path (the momentum mode's warm-up folds the gradients into the momentum).
         if dense and not flush:
-            if hook.momentum is not None:
-                tensors, prescale = hook.momentum_input(b)
-                hook._track_momentum(b.pipeline, b.key, tensors, b.dtype, prescale)
+            hook._track_momentum(b.pipeline, b.key, b.dtype, lambda: hook.momentum_input(b))
             return self._dense_done(b, hook.dense(b), clock, fixed)
         send = hook.prepare(b, step)
         if send is None:  # the adapter had DeepSpeed reduce what it does not model
