@@ -308,7 +308,7 @@ def test_the_local_momentum_follows_a_scheduled_beta1():
     hook = HookBase(fake_engine(optimizer=opt), DragonnConfig(enabled=True, compress="momentum", warmup_steps=1))
     assert hook.momentum.beta == 0.5
     opt.param_groups[0]["betas"] = (0.95, 0.99)  # e.g. OneCycle's cycle_momentum
-    hook._follow_optimizer()  # what every reduction does first (stage0._reduce, stage_1_and_2.average_tensor)
+    hook._follow_optimizer()  # what every reduction does first (engine/reducer.py: BucketReducer.reduce)
     assert hook.momentum.beta == 0.95
     opt.param_groups[0]["betas"] = (1.0, 0.99)  # out of range: the last valid β1 stays
     hook._follow_optimizer()

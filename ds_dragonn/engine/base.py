@@ -1,11 +1,13 @@
 """What the hook points share: the compressor, the residual store, the pipelines and the step transaction.
 
 Each hook point (``stage0.py``: ZeRO stage 0, ``stage_1_and_2.py``: ZeRO stage 1/2, ``stage3.py``: ZeRO stage 3)
-receives DeepSpeed's flattened gradient buckets at a different method and owns only what differs there: how
-DeepSpeed's averaging is reproduced and where the result goes. The ZeRO 1-3 hooks share their choice of exchange
-(:class:`ZeroPartitionHook`). Beside the hook: the dense-or-compressed decision
-(``decision.py``), the logs and monitor events (``reporting.py``) and the state (``state.py``). The
-compress → exchange → decode → error-feedback order lives in ``ds_dragonn.pipeline`` alone.
+receives DeepSpeed's gradient buckets at a different method and hands them to the one decision sequence,
+:class:`~ds_dragonn.engine.reducer.BucketReducer` (``reducer.py``); as that reducer's stage adapter it supplies
+only what differs there: the bucket's tensors and key, DeepSpeed's dense path, the averaging, the owners and
+where the result goes. The ZeRO 1-3 hooks share their choice of exchange (:class:`ZeroPartitionHook`). Beside
+the hook: the dense-or-compressed decision (``decision.py``), the logs and monitor events (``reporting.py``)
+and the state (``state.py``). The compress → exchange → decode → error-feedback order lives in
+``ds_dragonn.pipeline`` alone.
 """
 from __future__ import annotations
 
@@ -27,9 +29,11 @@ from ..policy import AutoPolicy
 from ..schedule import DensitySchedule
 from ..telemetry import Telemetry
 from .adam import adam_beta1
+from .checkpoint import install as install_checkpointing
 from .decision import BucketDecision
 from .follow import FollowsOptimizer
 from .pipelines import build_pipeline
+from .reducer import BucketReducer
 from .hook_state import HookState
 from .variance import VarianceFreeze
 from .reporting import Reporter
@@ -71,6 +75,7 @@ class HookBase(FollowsOptimizer, HookState):
         self.steps = StepGuard(self._stores, lambda: getattr(engine, "skipped_steps", 0), lambda: loss_scale(engine),
                                ticks=lambda step: self.decision.schedule.ticks(step))
         self.decision = BucketDecision(cfg)
+        self.reducer = BucketReducer(self)  # the decision sequence; this hook is its stage adapter
         self.reporter = Reporter(engine, cfg, self.decision.schedule)
         self._pipelines: Dict[int, CompressedAllreduce] = {}
         self._round = None  # (step, micro step) of the ordinals being counted
@@ -88,6 +93,18 @@ class HookBase(FollowsOptimizer, HookState):
                 schedule = self.decision.schedule
                 self.variance_freeze = VarianceFreeze(engine, schedule.warmup_steps, refresh=schedule.refresh,
                                                       refresh_steps=schedule.refresh_steps)
+
+    def install(self) -> "HookBase":
+        """Patch DeepSpeed's reduction (:meth:`_patch`), carry the residuals in ``engine.save_checkpoint`` /
+        ``load_checkpoint`` and log the start-up line. The transport of the data-parallel group is built first,
+        so that a wrong launch (e.g. an MPI world that is not the data-parallel group) fails at initialize,
+        not after the warm-up steps."""
+        self.pipeline(self._dp_group())
+        self._patch()
+        self.engine.dragonn = self
+        install_checkpointing(self)
+        self.reporter.start(self.hook_name, self.compressor.name, self._scheme())
+        return self
 
     @property
     def policy(self) -> AutoPolicy:
@@ -210,6 +227,13 @@ class ZeroPartitionHook(HookBase):
     nodes, whose node sum then gives each owner its slices."""
 
     supports_hierarchy = True  # engine/pipelines.py: owners take their slices of the node-aware result
+
+    def __init__(self, engine: Any, cfg: DragonnConfig):
+        super().__init__(engine, cfg)
+        self.optimizer = engine.optimizer
+
+    def _dp_group(self) -> Any:
+        return self.optimizer.dp_process_group
 
     @property
     def exchange_name(self) -> str:

@@ -6,7 +6,7 @@ fields it reads (``engine``, ``decision``, ``momentum``, ``variance_freeze``, ``
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Hashable, Optional
+from typing import TYPE_CHECKING, Callable, Hashable, Optional
 
 import torch
 from deepspeed.utils.logging import print_dist
@@ -21,14 +21,11 @@ if TYPE_CHECKING:
 class FollowsOptimizer:
     """The optimizer-following methods of :class:`~ds_dragonn.engine.base.HookBase` (module docstring)."""
 
-    def _carries_momentum(self, step: int) -> bool:
+    def _sends_momentum(self, step: int) -> bool:
         """Momentum mode after the dense warm-up: every reduction of this step, dense ones included, sends
-        the local momentum (the optimizer applies what arrives as the momentum itself)."""
-        if self.momentum is None or self.decision.schedule.dense(step):
-            return False
-        if self.variance_freeze is not None:
-            self.variance_freeze.arm()
-        return True
+        the local momentum (the optimizer applies what arrives as the momentum itself). No side effect: the
+        reducer arms the variance freeze (``engine/reducer.py``)."""
+        return self.momentum is not None and not self.decision.schedule.dense(step)
 
     def _refreshes(self, step: int) -> bool:
         """Momentum mode: ``step`` refreshes Adam's frozen variance (``schedule.refresh``): every bucket is
@@ -62,11 +59,15 @@ class FollowsOptimizer:
         if beta1 is not None and 0.0 < beta1 < 1.0:
             self.momentum.beta = beta1
 
-    def _track_momentum(self, pipeline: "CompressedAllreduce", key: Hashable, tensors, dtype: torch.dtype,
-                        prescale: float) -> None:
-        """Momentum mode, dense warm-up: fold the local gradients into the local momentum (sent from the
-        first compressed step on, so that it does not start from zero)."""
-        if self.momentum is not None and tensors:
+    def _track_momentum(self, pipeline: "CompressedAllreduce", key: Hashable, dtype: torch.dtype,
+                        local: Callable[[], tuple]) -> None:
+        """Momentum mode, dense warm-up: fold the local gradients (``local()``: ``(tensors, prescale)``, built
+        in this mode only) into the local momentum (sent from the first compressed step on, so that it does
+        not start from zero)."""
+        if self.momentum is None:
+            return
+        tensors, prescale = local()
+        if tensors:
             skey, tensors, prescale = _shard_view(pipeline, key, tensors, prescale)
             self.momentum.update(skey, tensors, dtype, prescale)
 

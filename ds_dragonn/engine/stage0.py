@@ -17,14 +17,12 @@ from __future__ import annotations
 import hashlib
 from typing import Any, NamedTuple, Optional
 
-from ..constants import SEED
 from ..exchange.dense_quantized import quantized_allreduce_bytes
 from ..exchange.wire import dense_allreduce_bytes
 from ..exchange.quantize import value_codec
-from ..pipeline import PhaseClock
 from .base import HookBase
-from .bucket import ALLREDUCE, DENSE, BucketKey, bucket_seed
-from .checkpoint import install as install_checkpointing
+from .bucket import ALLREDUCE, DENSE, BucketKey
+from .reducer import Bucket, Send
 
 
 class Scales(NamedTuple):
@@ -55,22 +53,21 @@ class Stage0Hook(HookBase):
         codec = value_codec(cfg.dense_values)
         self.dense_codec = codec if codec.quantized else None  # advanced.dense_values
 
-    def install(self) -> "Stage0Hook":
-        # build the transport for the engine's data-parallel group now, so a wrong launch (e.g. an MPI
-        # world that is not the data-parallel group) fails at initialize, not after the warm-up steps
+    def _dp_group(self):
         from deepspeed.utils import groups
-        self.pipeline(groups._get_sequence_data_parallel_group())
+        return groups._get_sequence_data_parallel_group()
+
+    def _patch(self) -> None:
         self.engine.allreduce_bucket = self.allreduce_bucket
         self.engine.allreduce_and_copy = self.allreduce_and_copy
-        self.engine.dragonn = self
-        install_checkpointing(self)  # engine.save_checkpoint / load_checkpoint carry the residuals
-        self.reporter.start(self.hook_name, self.compressor.name, self.cfg.exchange.value)
-        return self
+
+    def _scheme(self) -> str:
+        return self.cfg.exchange.value
 
     # -- the hook -----------------------------------------------------------------------------------
     def allreduce_bucket(self, bucket, dp_group, dp_world_size=None):
         """Drop-in for ``DeepSpeedEngine.allreduce_bucket``: returns the reduced flat tensor."""
-        return self._reduce(bucket, dp_group, dp_world_size, into_bucket=False)
+        return self.reducer.reduce((bucket, dp_group, dp_world_size, False))
 
     def allreduce_and_copy(self, small_bucket, dp_group, dp_world_size=None):
         """Drop-in for ``DeepSpeedEngine.allreduce_and_copy``: reduces and writes the gradients.
@@ -79,71 +76,58 @@ class Stage0Hook(HookBase):
         compensation pass), which saves DeepSpeed's copy of a flat result back into them; otherwise the
         flat result is copied exactly as DeepSpeed does.
         """
-        out = self._reduce(small_bucket, dp_group, dp_world_size, into_bucket=True)
+        out = self.reducer.reduce((small_bucket, dp_group, dp_world_size, True))
         if out is not None:
             for buf, synced in zip(small_bucket, self.engine.unflatten(out, small_bucket)):
                 buf.copy_(synced)
 
-    def _reduce(self, bucket, dp_group, dp_world_size, into_bucket: bool):
-        """One bucket: dense (warm-up, small, auto) or compressed; None when decoded into ``bucket``."""
-        engine = self.engine
-        step = int(engine.global_steps)
-        self.steps.begin(step)  # settles the last step (applied or skipped) and follows the loss scale
-        self._follow_optimizer()  # momentum mode: the optimizer's β1 and this step's residual weight
+    # -- the stage adapter (engine/reducer.py) ------------------------------------------------------
+    def describe(self, call, step: int) -> Bucket:
+        """``call``: (the bucket's gradients, the data-parallel group, DeepSpeed's ``dp_world_size``, whether the
+        result may be decoded into the gradients)."""
+        bucket, dp_group, dp_world_size, into = call
         ordinal = self._next_ordinal(step)
         numel = sum(t.numel() for t in bucket)
-        comm_dtype = engine.communication_data_type
+        dt = self.engine.communication_data_type
         pipeline = self.pipeline(dp_group)
         world = pipeline.backend.world_size
         if dp_world_size is None:
             dp_world_size = world
-        key = BucketKey(ALLREDUCE, ordinal, str(comm_dtype), numel, self._layout(bucket))
-        quantized = self._quantized_bytes(numel, world, comm_dtype.itemsize)  # None: DeepSpeed's allreduce
-        codec = self.dense_codec if quantized is not None else None
-        if self._refreshes(step):  # momentum mode: the raw gradient, densely, refreshes Adam's variance
-            clock = PhaseClock(bucket[0].device)
-            self._hold_momentum(key, bucket, comm_dtype, reduction_scales(engine, dp_world_size).prescale, pipeline)
-            out = self._raw_dense(key, bucket, dp_group, dp_world_size, comm_dtype, pipeline, codec)
-            self._record_dense(key, numel, comm_dtype.itemsize, world, clock.lap(), True, quantized_bytes=quantized)
-            return out
-        dense, fixed = self.decision.choose(key, numel, step, pipeline, comm_dtype, quantized)
-        if dense:
-            clock = PhaseClock(bucket[0].device)
-            scales = reduction_scales(engine, dp_world_size)
-            if key in self.pending or self._carries_momentum(step):  # the residual (and momentum) go out now
-                out = pipeline.reduce_dense(bucket, key, *scales, comm_dtype, codec)
-                self._flushed(key)
-            else:
-                self._track_momentum(pipeline, key, bucket, comm_dtype, scales.prescale)
-                out = self._raw_dense(key, bucket, dp_group, dp_world_size, comm_dtype, pipeline, codec)
-            self._record_dense(key, numel, comm_dtype.itemsize, world, clock.lap(), fixed, quantized_bytes=quantized)
-            return out
+        key = BucketKey(ALLREDUCE, ordinal, str(dt), numel, self._layout(bucket))
+        quantized = self._quantized_bytes(numel, world, dt.itemsize)  # None: DeepSpeed's allreduce
+        return Bucket(key, ordinal, numel, dt, pipeline, bucket[0].device, (bucket, dp_group, dp_world_size, into),
+                      quantized_bytes=quantized, local=reduction_scales(self.engine, dp_world_size))
 
-        self._carries_momentum(step)
-        self.reporter.announce(step)
-        self.decision.set_density(self.compressor, step)
-        scales = reduction_scales(engine, dp_world_size)
-        # no flatten: the pipeline compensates the bucket's gradients straight into the persistent
-        # residual; it decodes into the gradients themselves (from allreduce_and_copy, where it can), or
-        # returns its persistent decode buffer, which is unflattened and copied into them
-        into = into_bucket and pipeline.can_reduce_into(bucket, comm_dtype)
-        out, stats = pipeline.reduce(bucket, key, bucket_seed(SEED, step, ordinal), scales.prescale,
-                                     scales.postscale, comm_dtype, into_inputs=into,
-                                     age_step=self.age_clock(step))
-        self._record_compressed(key, stats, pipeline, ordinal, step, bucket[0].device)
+    def momentum_input(self, b: Bucket) -> tuple:
+        return b.call[0], b.local.prescale
+
+    def prepare(self, b: Bucket, step: int) -> Send:
+        """No flatten: the pipeline compensates the gradients straight into the persistent residual; it decodes
+        into the gradients themselves (from ``allreduce_and_copy``, where it can), or returns its persistent
+        decode buffer, which is unflattened and copied into them."""
+        bucket, _, _, into = b.call
+        return Send(bucket, *b.local, into=into and b.pipeline.can_reduce_into(bucket, b.dtype), codec=self._codec(b))
+
+    def write(self, b: Bucket, out):
         return out
 
-    def _raw_dense(self, key: BucketKey, bucket, dp_group, dp_world_size, dtype, pipeline, codec):
-        """The raw gradients, densely: DeepSpeed's allreduce (``codec`` None), or quantized (``advanced.dense_values``)
+    def _codec(self, b: Bucket):
+        """The value codec of the dense steps (``advanced.dense_values``), or None: the communication dtype."""
+        return self.dense_codec if b.quantized_bytes is not None else None
+
+    def dense(self, b: Bucket):
+        """The raw gradients, densely: DeepSpeed's allreduce (no codec), or quantized (``advanced.dense_values``)
         with their rounding kept in a residual: the bucket's own in the gradient mode (where it is gradient too,
         and goes out with the next reduction), one of its own (:data:`DENSE`) in the momentum mode (where the
         bucket's holds momentum, which these steps do not send)."""
+        bucket, dp_group, dp_world_size, _ = b.call
+        codec = self._codec(b)
         if codec is None:
             return self._dense_allreduce_bucket(bucket, dp_group, dp_world_size)
-        rkey = key._replace(hook=DENSE) if self.momentum is not None else key
-        out = pipeline.reduce_dense(bucket, rkey, *reduction_scales(self.engine, dp_world_size), dtype, codec, raw=True)
-        if rkey == key:
-            self._flushed(key)
+        rkey = b.key._replace(hook=DENSE) if self.momentum is not None else b.key
+        out = b.pipeline.reduce_dense(bucket, rkey, *b.local, b.dtype, codec, raw=True)
+        if rkey == b.key:
+            self._flushed(b.key)
         return out
 
     def _quantized_bytes(self, numel: int, world: int, itemsize: int) -> Optional[int]:

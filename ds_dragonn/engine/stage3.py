@@ -36,13 +36,11 @@ from typing import Any, List, NamedTuple, Optional
 
 import torch
 
-from ..constants import SEED
 from ..exchange.reduce_scatter import RangeOwnership
 from ..exchange.wire import dense_reduce_scatter_bytes
-from ..pipeline import PhaseClock
 from .base import ZeroPartitionHook
-from .bucket import ZERO3, BucketKey, bucket_seed
-from .checkpoint import install as install_checkpointing
+from .bucket import ZERO3, BucketKey
+from .reducer import Bucket, Send
 
 #: DeepSpeed's private method, as Python mangles its name on the class
 HOOKED = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
@@ -84,75 +82,65 @@ class Stage3Hook(ZeroPartitionHook):
 
     def __init__(self, engine: Any, cfg):
         super().__init__(engine, cfg)
-        self.optimizer = engine.optimizer
         self._dense = getattr(self.optimizer, HOOKED)  # DeepSpeed's bound method
         self._names: Optional[dict] = None
 
-    def install(self) -> "Stage3Hook":
-        self.pipeline(self.optimizer.dp_process_group)  # a wrong launch fails at initialize
+    def _patch(self) -> None:
         setattr(self.optimizer, HOOKED, self.avg_scatter_grads)
-        self.engine.dragonn = self
-        install_checkpointing(self)
-        self.reporter.start(self.hook_name, self.compressor.name, "reduce_scatter (ZeRO-3 partitions)" if self.layout
-                            is None else f"node-aware {self.cfg.exchange.value} across nodes, each rank its chunks")
-        return self
+
+    def _scheme(self) -> str:
+        return ("reduce_scatter (ZeRO-3 partitions)" if self.layout is None else
+                f"node-aware {self.cfg.exchange.value} across nodes, each rank its chunks")
 
     def avg_scatter_grads(self, params: List[Any], communication_data_type: torch.dtype) -> List[torch.Tensor]:
         """Drop-in for DeepSpeed's ``__avg_scatter_grads``: this rank's chunk of each parameter's averaged
         gradient, in the optimizer's gradient accumulation dtype."""
-        opt, engine = self.optimizer, self.engine
         import deepspeed.comm as dist
+        opt = self.optimizer
         group = opt._get_param_partition_group(params[0])
         if dist.get_world_size(group) != dist.get_world_size(opt.dp_process_group):
-            if self.momentum is not None and not self.decision.schedule.dense(int(engine.global_steps)):
+            if self.momentum is not None and not self.decision.schedule.dense(int(self.engine.global_steps)):
                 raise RuntimeError("'dragonn.compress': 'momentum' cannot carry the momentum of gradients reduced "
                                    "outside the data-parallel group (MoE experts); use 'compress': 'gradient'")
             return self._dense(params, communication_data_type)  # MoE expert groups: dense
-        step = int(engine.global_steps)
-        self.steps.begin(step)
-        self._follow_optimizer()  # momentum mode: the optimizer's β1
-        ordinal = self._next_ordinal((step, int(engine.micro_steps)))
-        pipeline = self.pipeline(opt.dp_process_group)
+        return self.reducer.reduce((params, communication_data_type))
+
+    # -- the stage adapter (engine/reducer.py) ------------------------------------------------------
+    def describe(self, call, step: int) -> Bucket:
+        """``call``: (the bucket's parameters, the communication dtype). The key counts the rank-major
+        layout's padded length (the residual's); the decision and the records, the gradients' elements."""
+        params, dt = call
+        ordinal = self._next_ordinal((step, int(self.engine.micro_steps)))
+        pipeline = self.pipeline(self.optimizer.dp_process_group)
         world = pipeline.backend.world_size
-        dt = communication_data_type
         numels = [p.grad.numel() for p in params]
         numel, chunks = sum(numels), chunk_lengths(numels, world)
-        per = sum(chunks)
-        key = BucketKey(ZERO3, ordinal, str(dt), world * per, self._layout(params))  # the residual's (padded) length
-        dense_bytes = dense_reduce_scatter_bytes(numel, dt.itemsize, world)
-        clock = PhaseClock(params[0].grad.device)
-        if self._refreshes(step):  # momentum mode: the raw gradient, densely, refreshes Adam's variance
-            self._hold_momentum(key, [self._flat(params, world, dt, chunks)], dt, 1.0 / world, pipeline)
-            out = self._dense(params, dt)
-            self._record_dense(key, numel, dt.itemsize, world, clock.lap(), True, dense_bytes)
-            return out
-        dense, fixed = self.decision.choose(key, numel, step, pipeline, dt, dense_bytes)
-        flush = dense and (key in self.pending or self._carries_momentum(step))  # residual (and momentum) go out
-        if dense and not flush:
-            if self.momentum is not None:  # the warm-up's gradients start the local momentum
-                self._track_momentum(pipeline, key, [self._flat(params, world, dt, chunks)], dt, 1.0 / world)
-            out = self._dense(params, dt)
-            self._record_dense(key, numel, dt.itemsize, world, clock.lap(), fixed, dense_bytes)
-            return out
-        flat = self._flat(params, world, dt, chunks)
-        rank = pipeline.backend.rank
-        if flush:  # compressed before, dense now: the residual goes out with this reduction
-            out = pipeline.reduce_dense([flat], key, 1.0 / world, 1.0, dt)
-            self._flushed(key)
-            self._record_dense(key, numel, dt.itemsize, world, clock.lap(), fixed, dense_bytes)
-        else:
-            self._carries_momentum(step)
-            self.reporter.announce(step)
-            self.decision.set_density(self.compressor, step)
-            ranges = [(r * per, per, r) for r in range(world)]
-            out, stats = pipeline.reduce([flat], key, bucket_seed(SEED, step, ordinal), 1.0 / world, 1.0,
-                                         dt, ownership=RangeOwnership(flat.numel(), ranges, world),
-                                         age_step=self.age_clock(step))
-            self._record_compressed(key, stats, pipeline, ordinal, step, flat.device)
+        key = BucketKey(ZERO3, ordinal, str(dt), world * sum(chunks), self._layout(params))
+        return Bucket(key, ordinal, numel, dt, pipeline, params[0].grad.device, call,
+                      dense_bytes=dense_reduce_scatter_bytes(numel, dt.itemsize, world), local=chunks)
+
+    def momentum_input(self, b: Bucket) -> tuple:
+        params, dt = b.call
+        return [self._flat(params, b.world, dt, b.local)], 1.0 / b.world  # in the units DeepSpeed divides to
+
+    def dense(self, b: Bucket) -> List[torch.Tensor]:
+        return self._dense(*b.call)
+
+    def prepare(self, b: Bucket, step: int) -> Send:
+        """The rank-major bucket; rank ``r`` owns its chunks, the range ``[r·per, (r+1)·per)``."""
+        params, dt = b.call
+        world, per = b.world, sum(b.local)
+        flat = self._flat(params, world, dt, b.local)
+        ranges = [(r * per, per, r) for r in range(world)]
+        return Send([flat], 1.0 / world, 1.0, ownership=RangeOwnership(flat.numel(), ranges, world))
+
+    def write(self, b: Bucket, out: torch.Tensor) -> List[torch.Tensor]:
+        """This rank's chunk of each gradient, in the accumulation dtype (what ``partition_grads`` takes)."""
+        params, chunks, rank, per = b.call[0], b.local, b.pipeline.backend.rank, sum(b.local)
         mine, parts, offset = out[rank * per:(rank + 1) * per], [], 0
         for p, c in zip(params, chunks):
             length = max(0, min(c, p.grad.numel() - rank * c))  # the last ranks' chunks may be short or empty
-            parts.append(mine[offset:offset + length].to(opt.gradient_accumulation_dtype))
+            parts.append(mine[offset:offset + length].to(self.optimizer.gradient_accumulation_dtype))
             offset += c
         return parts
 

@@ -36,13 +36,11 @@ from typing import Any, List, NamedTuple, Optional
 
 import torch
 
-from ..constants import SEED
 from ..exchange.reduce_scatter import RangeOwnership
 from ..exchange.wire import dense_allreduce_bytes, dense_reduce_scatter_bytes
-from ..pipeline import PhaseClock
 from .base import ZeroPartitionHook
-from .bucket import REDUCE_SCATTER, BucketKey, bucket_seed
-from .checkpoint import install as install_checkpointing
+from .bucket import REDUCE_SCATTER, BucketKey
+from .reducer import Bucket, Send
 
 _RECORDED = ("allreduce_no_retain", "allreduce_and_scatter")
 
@@ -61,78 +59,65 @@ class Stage12Hook(ZeroPartitionHook):
 
     def __init__(self, engine: Any, cfg):
         super().__init__(engine, cfg)
-        self.optimizer = engine.optimizer
         self._dense_average_tensor = self.optimizer.average_tensor  # DeepSpeed's bound method
 
-    def install(self) -> "Stage12Hook":
-        self.pipeline(self.optimizer.dp_process_group)  # a wrong launch fails at initialize
+    def _patch(self) -> None:
         self.optimizer.average_tensor = self.average_tensor
-        self.engine.dragonn = self
-        install_checkpointing(self)  # engine.save_checkpoint / load_checkpoint carry the residuals
-        scheme = ("reduce_scatter (ZeRO partitions)" if self.layout is None else
-                  f"node-aware {self.cfg.exchange.value} across nodes, ZeRO partitions from the node's sum")
-        self.reporter.start(self.hook_name, self.compressor.name, scheme)
-        return self
+
+    def _scheme(self) -> str:
+        return ("reduce_scatter (ZeRO partitions)" if self.layout is None else
+                f"node-aware {self.cfg.exchange.value} across nodes, ZeRO partitions from the node's sum")
 
     # -- the hook -----------------------------------------------------------------------------------
     def average_tensor(self, tensor: torch.Tensor, communication_data_type: torch.dtype):
         """Drop-in for ``DeepSpeedZeroOptimizer.average_tensor``: averages ``tensor`` (the flattened IPG
         bucket, (n,)) over the data-parallel group into the slices this rank owns."""
-        opt, engine = self.optimizer, self.engine
         if tensor.numel() == 0:  # ZeRO-1 flushes an empty bucket at the boundary: nothing to reduce or count
             return self._dense_average_tensor(tensor, communication_data_type)
-        step = int(engine.global_steps)
-        self.steps.begin(step)  # settles the last step (applied or skipped) and follows the loss scale
-        self._follow_optimizer()  # momentum mode: the optimizer's β1 and this step's residual weight
-        ordinal = self._next_ordinal((step, int(engine.micro_steps)))
+        return self.reducer.reduce((tensor, communication_data_type))
+
+    # -- the stage adapter (engine/reducer.py) ------------------------------------------------------
+    def describe(self, call, step: int) -> Bucket:
+        """``call``: (the flattened IPG bucket, the communication dtype)."""
+        tensor, dt = call
+        ordinal = self._next_ordinal((step, int(self.engine.micro_steps)))
         numel = tensor.numel()
-        pipeline = self.pipeline(opt.dp_process_group)
-        world = pipeline.backend.world_size
-        dt = communication_data_type
+        pipeline = self.pipeline(self.optimizer.dp_process_group)
         key = BucketKey(REDUCE_SCATTER, ordinal, str(dt), numel, self._layout(dt))
-        if self._refreshes(step):  # momentum mode: the raw gradient, densely, refreshes Adam's variance
-            clock = PhaseClock(tensor.device)
-            self._hold_momentum(key, [tensor], dt, 1.0 / world, pipeline)  # in the units DeepSpeed divides to
-            self._dense_average_tensor(tensor, dt)
-            dense_bytes = self._dense_bytes(numel, dt.itemsize, world)
-            return self._record_dense(key, numel, dt.itemsize, world, clock.lap(), True, dense_bytes)
-        dense, fixed = self.decision.choose(key, numel, step, pipeline, dt, self._dense_bytes(numel, dt.itemsize, world))
-        flush = dense and (key in self.pending or self._carries_momentum(step))  # residual (and momentum) go out
-        clock = PhaseClock(tensor.device)
+        return Bucket(key, ordinal, numel, dt, pipeline, tensor.device, call,
+                      dense_bytes=self._dense_bytes(numel, dt.itemsize, pipeline.backend.world_size))
 
-        def done_dense() -> None:
-            self._record_dense(key, numel, dt.itemsize, world, clock.lap(), fixed,
-                               self._dense_bytes(numel, dt.itemsize, world))
+    def momentum_input(self, b: Bucket) -> tuple:
+        return [b.call[0]], 1.0 / b.world  # in the units DeepSpeed divides to
 
-        if dense and not flush:
-            self._track_momentum(pipeline, key, [tensor], dt, 1.0 / world)  # in the units DeepSpeed divides to
-            self._dense_average_tensor(tensor, dt)
-            return done_dense()
+    def dense(self, b: Bucket):
+        return self._dense_average_tensor(*b.call)
 
-        calls = self._record_reductions(tensor, dt)  # DeepSpeed divides the bucket and names the owners
-        mine, ranges, other = self._owners(tensor, calls, pipeline.backend.rank)
-        if other:  # slices this hook does not model: DeepSpeed's own dense reductions, unchanged
+    def prepare(self, b: Bucket, step: int) -> Optional[Send]:
+        """DeepSpeed divides the bucket and names the owners (its reductions recorded, not run); slices this
+        hook does not model go through DeepSpeed's own dense reductions, unchanged (None)."""
+        tensor, dt = b.call
+        calls = self._record_reductions(tensor, dt)
+        mine, ranges, other = self._owners(tensor, calls, b.pipeline.backend.rank)
+        if other:
             if self.momentum is not None and not self.decision.schedule.dense(step):
                 raise RuntimeError("'dragonn.compress': 'momentum' cannot carry the momentum of gradient slices "
                                    "reduced outside the data-parallel group or owned by several ranks (MoE "
                                    "experts, Muon); use 'compress': 'gradient'")
             for call in calls:
-                getattr(opt, call.method)(*call.args, **call.kwargs)
-            return done_dense()
-        if flush:  # compressed before, dense now: the residual goes out with this reduction
-            out = pipeline.reduce_dense([tensor], key, 1.0, 1.0, dt)
-            self._flushed(key)
-            self._write_owned(tensor, out, mine)
-            return done_dense()
+                getattr(self.optimizer, call.method)(*call.args, **call.kwargs)
+            return None
+        b.local = mine
+        return Send([tensor], 1.0, 1.0, ownership=RangeOwnership(b.numel, ranges, b.world))
 
-        self._carries_momentum(step)
-        self.reporter.announce(step)
-        self.decision.set_density(self.compressor, step)
-        out, stats = pipeline.reduce(tensor, key, bucket_seed(SEED, step, ordinal), 1.0, 1.0, dt,
-                                     ownership=RangeOwnership(numel, ranges, world),
-                                     age_step=self.age_clock(step))
-        self._write_owned(tensor, out, mine)
-        self._record_compressed(key, stats, pipeline, ordinal, step, tensor.device)
+    def write(self, b: Bucket, out: torch.Tensor) -> None:
+        """What DeepSpeed's ``allreduce_and_copy`` does on the owner: the compact partition gets the
+        reduced slice added, the bucket slice gets it copied."""
+        opt = self.optimizer
+        for start, buf, output in b.local:
+            synced = out[start:start + buf.numel()].view_as(buf)
+            opt._add_to_grad_partition_buffer(output, synced)
+            buf.copy_(synced)
 
     def _dense_bytes(self, numel: int, itemsize: int, world: int) -> int:
         """Bytes DeepSpeed's own reduction of a bucket sends per rank: an allreduce
@@ -192,15 +177,6 @@ class Stage12Hook(ZeroPartitionHook):
                 if int(owner) == rank:
                     mine.append((start, buf, output))
         return mine, ranges, other
-
-    def _write_owned(self, tensor: torch.Tensor, out: torch.Tensor, mine) -> None:
-        """What DeepSpeed's ``allreduce_and_copy`` does on the owner: the compact partition gets the
-        reduced slice added, the bucket slice gets it copied."""
-        opt = self.optimizer
-        for start, buf, output in mine:
-            synced = out[start:start + buf.numel()].view_as(buf)
-            opt._add_to_grad_partition_buffer(output, synced)
-            buf.copy_(synced)
 
     def _layout(self, dt: torch.dtype) -> str:
         """Digest of the IPG bucket's parameters (ids and shapes), part of the residual's key."""
