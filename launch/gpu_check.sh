@@ -133,6 +133,9 @@ step train_lm_local_steps_cuda "$OUTDIR/train_lm_local_steps_cuda.log" \
 # per-phase step cost on the GPU; its +pt rows run per-tensor selection (Triton, one launch set per tensor)
 step bench_step_cuda "$OUTDIR/phases_gpu.log" \
   python launch/bench_step.py --device cuda --steps 20 --json "$OUTDIR/phases_gpu.json" || rc=1
+# device syncs of one compressed reduction per exchange (torch's sync debug mode; CPU twin: tests/test_syncs.py)
+step sync_count "$OUTDIR/sync_count.log" \
+  python tests/gpu/sync_count.py --numel $((1 << 24)) --out "$OUTDIR/sync_count.json" || rc=1
 echo "outputs in $OUTDIR:" >&2
 cat "$STATUS" >&2
 exit $rc
