@@ -20,6 +20,9 @@ import ds_dragonn
 PACKAGE = os.path.dirname(os.path.abspath(ds_dragonn.__file__)) + os.sep
 # CPU-only kernel wrappers never run on a CUDA tensor (their Triton counterparts do, and are counted)
 CPU_ONLY = (os.path.join(PACKAGE, "compress", "kernels", "cpu_table.py"),)
+# reads of tensors that stay on the host when the model is on a GPU: torch's Adam keeps ``state["step"]`` on the
+# CPU (unless ``capturable``/``fused``, where this read is a sync: docs/design.md, "Device syncs per bucket")
+HOST_RESIDENT = {(os.path.join(PACKAGE, "engine", "variance.py"), "_step_count")}
 SYNCING_METHODS = ("item", "tolist", "nonzero", "__bool__", "__int__", "__float__", "__index__", "cpu")
 
 
@@ -66,7 +69,7 @@ def _caller_in_package() -> str | None:
     f = sys._getframe(2)
     if f is not None and f.f_code.co_filename.startswith(PACKAGE):
         name = f.f_code.co_filename
-        if name.startswith(CPU_ONLY):
+        if name.startswith(CPU_ONLY) or (name, f.f_code.co_name) in HOST_RESIDENT:
             return None
         return f"{os.path.relpath(name, os.path.dirname(PACKAGE))}:{f.f_lineno}"
     return None

@@ -105,3 +105,23 @@ def test_decode_still_rejects_out_of_range_indices():
     with pytest.raises(ValueError, match="outside the bucket"):
         SparseDecoder().decode("k", 10, [torch.tensor([0, 10])], [torch.ones(2)], torch.float32,
                                torch.device("cpu"))
+
+
+# -- one training step per ZeRO stage (2 gloo ranks) ------------------------------------------------------
+from tests.multiproc import ranks_fixture  # noqa: E402
+from tests.syncs_cases import RUNS  # noqa: E402
+
+#: read-backs per compressed bucket of a whole step (the per-step ones included: one bucket per step)
+ENGINE_LIMITS = {"zero0_allgather": 1, "zero0_partitioned": 2, "zero1": 2, "zero2": 2, "zero3": 2,
+                 "zero0_momentum": 1, "zero2_momentum": 2}
+engine_runs = ranks_fixture("tests.syncs_cases:engine_syncs", "syncs", timeout=400)
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_engine_read_backs_per_bucket(engine_runs, name):
+    for rank in engine_runs:
+        run = rank[name]
+        assert run["reductions"] >= 1, f"{name}: no compressed reduction in the counted step"
+        assert run["frozen"] or "momentum" not in name, f"{name}: Adam's variance never frozen"
+        per_bucket = sum(run["counts"].values()) / run["reductions"]
+        assert per_bucket <= ENGINE_LIMITS[name], f"{name}: {per_bucket} per bucket: {run['counts']}"
