@@ -125,3 +125,15 @@ def test_engine_read_backs_per_bucket(engine_runs, name):
         assert run["frozen"] or "momentum" not in name, f"{name}: Adam's variance never frozen"
         per_bucket = sum(run["counts"].values()) / run["reductions"]
         assert per_bucket <= ENGINE_LIMITS[name], f"{name}: {per_bucket} per bucket: {run['counts']}"
+
+
+def test_gpu_scripts_dry_run(tmp_path):
+    """``launch/gpu_check.sh``'s Python parts run on CPU (``--dry-run``) and write their records."""
+    import json
+    from tests.gpu import sync_count, user_cost
+    assert user_cost.main(["--dry-run", "--outdir", str(tmp_path), "--parts", "step_cost", "syncs"]) == 0
+    syncs = json.loads((tmp_path / "syncs.json").read_text())["records"]
+    assert {r["exchange"]: r["instrumented"] for r in syncs} == {"allgather": 1, "partitioned": 2, "reduce_scatter": 1}
+    assert len(json.loads((tmp_path / "step_cost.json").read_text())["records"]) == 2
+    sync_count.main(["--dry-run", "--out", str(tmp_path / "s.json")])
+    assert [r["syncs"] for r in json.loads((tmp_path / "s.json").read_text())["records"]] == [1, 2, 1]

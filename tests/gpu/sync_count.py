@@ -51,12 +51,12 @@ def one(name: str, n: int, device: torch.device, dry: bool) -> dict:
                 return {"exchange": name, "numel": n, "syncs": len(where), "where": where}
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--numel", type=int, default=1 << 24)
     ap.add_argument("--dry-run", action="store_true", help="CPU, small, instrumented calls instead of CUDA's")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     dry = a.dry_run or not torch.cuda.is_available()
     n = min(a.numel, 1 << 16) if dry else a.numel
     device = torch.device("cpu" if dry else "cuda")
