@@ -63,10 +63,10 @@ def mirrored(world: int = 2):
         torch_backend.dist = saved
 
 
-def _caller_in_package() -> str | None:
+def _caller_in_package(skip: int = 0) -> str | None:
     """``file:line`` of the innermost caller frame inside ``ds_dragonn/`` (skipping CPU-only wrappers), or None
     when the call came from elsewhere (tests, torch, deepspeed)."""
-    f = sys._getframe(2)
+    f = sys._getframe(2 + skip)
     if f is not None and f.f_code.co_filename.startswith(PACKAGE):
         name = f.f_code.co_filename
         if name.startswith(CPU_ONLY) or (name, f.f_code.co_name) in HOST_RESIDENT:
@@ -79,16 +79,16 @@ def _caller_in_package() -> str | None:
 def count_syncs():
     """Counts, in the yielded :class:`collections.Counter` keyed ``"file:line method"``, every call from
     ``ds_dragonn/`` (its direct caller) that reads a CUDA device back: the methods in ``SYNCING_METHODS`` and
-    ``torch.cuda.synchronize``. A ``__bool__``/``__int__``/``__float__`` reached through ``item`` is counted once."""
+    ``torch.cuda.synchronize``, and indexing with a boolean mask (``"mask_index"``). A ``__bool__``/``__int__``/``__float__`` reached through ``item`` is counted once."""
     counts: Counter = Counter()
     saved = {m: getattr(torch.Tensor, m) for m in SYNCING_METHODS}
     saved_sync = torch.cuda.synchronize
     depth = [0]
 
-    def wrap(name, fn):
+    def wrap(name, fn, skip=0):
         def counted(*args, **kwargs):
             if depth[0] == 0:
-                where = _caller_in_package()
+                where = _caller_in_package(skip)
                 if where is not None:
                     counts[f"{where} {name}"] += 1
             depth[0] += 1
@@ -100,10 +100,21 @@ def count_syncs():
 
     for m, fn in saved.items():
         setattr(torch.Tensor, m, wrap(m, fn))
+    # indexing with a boolean mask sizes its result from the mask: an implicit nonzero, a sync on CUDA
+    getitem = torch.Tensor.__getitem__
+    masked = wrap("mask_index", getitem, skip=1)
+
+    def index(self, key):
+        keys = key if isinstance(key, tuple) else (key,)
+        if any(isinstance(k, torch.Tensor) and k.dtype == torch.bool for k in keys):
+            return masked(self, key)
+        return getitem(self, key)
+    torch.Tensor.__getitem__ = index
     torch.cuda.synchronize = wrap("synchronize", lambda *a, **k: None)
     try:
         yield counts
     finally:
         for m, fn in saved.items():
             setattr(torch.Tensor, m, fn)
+        torch.Tensor.__getitem__ = getitem
         torch.cuda.synchronize = saved_sync

@@ -137,3 +137,21 @@ def test_gpu_scripts_dry_run(tmp_path):
     assert len(json.loads((tmp_path / "step_cost.json").read_text())["records"]) == 2
     sync_count.main(["--dry-run", "--out", str(tmp_path / "s.json")])
     assert [r["syncs"] for r in json.loads((tmp_path / "s.json").read_text())["records"]] == [1, 2, 1]
+
+
+def test_triton_selection_read_backs(tmp_path):
+    """The CUDA selection path (the Triton kernels, interpreted on CPU): the compaction of the hash table into
+    pairs (``table[table != EMPTY_SLOT]``, an implicit nonzero) is its one read-back; nothing else."""
+    import os
+    import subprocess
+    import sys
+    pytest.importorskip("triton")
+    code = ("import torch, json\nfrom tests.syncs_harness import count_syncs\n"
+            "from ds_dragonn.compress import DragonnCompressor\n"
+            "c = DragonnCompressor(0.01, kernel='triton'); g = torch.randn(1 << 14); c.compress(g, 1)\n"
+            "with count_syncs() as n:\n    c.compress(g, 2)\nprint(json.dumps(dict(n)))\n")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "DS_ACCELERATOR": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    counts = __import__("json").loads(out.stdout.strip().splitlines()[-1])
+    assert sum(counts.values()) <= 1 and all("mask_index" in k for k in counts), counts
