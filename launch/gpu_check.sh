@@ -105,6 +105,8 @@ if [[ "$SCOPE" == user ]]; then
   cat "$STATUS" >&2
   exit $rc
 fi
+# the full scope's records report per-phase ms (train.py's summaries): time every reduction's phases
+export DS_DRAGONN_PHASE_TIMING=1
 # also the project's compressor tests on this machine (CPU tensors, reference + cpu kernel)
 step test_compress "$OUTDIR/test_compress.log" \
   python -m pytest tests/test_compress.py -q -p no:cacheprovider || rc=1
