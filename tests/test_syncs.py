@@ -155,3 +155,28 @@ def test_triton_selection_read_backs(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     counts = __import__("json").loads(out.stdout.strip().splitlines()[-1])
     assert sum(counts.values()) <= 1 and all("mask_index" in k for k in counts), counts
+
+
+def test_reporter_times_the_reductions_it_logs():
+    """With ``log_interval`` 3 the reporter asks for phase timing before the 3rd, 6th, ... compressed
+    reduction only; the telemetry's phase means count timed reductions alone."""
+    from ds_dragonn.config import DragonnConfig
+    from ds_dragonn.engine.reporting import Reporter
+    from ds_dragonn.pipeline import ReduceStats, timing_requested
+    from tests.fakes import fake_engine
+    cfg = DragonnConfig(enabled=True, log_interval=3)
+    rep = Reporter(fake_engine(monitor=None, global_samples=0, train_batch_size=lambda: 8), cfg, None)
+    asked = []
+    try:
+        for i in range(7):
+            asked.append(timing_requested())
+            timed = asked[-1]
+            rep.compressed(ReduceStats(numel=10, k=1, kept=1, capacity=2, bytes_sent=8, dense_bytes=40,
+                                       compress_ms=3.0 if timed else 0.0, select_ms=2.0 if timed else 0.0,
+                                       timed=timed), i)
+    finally:
+        pipeline.request_timing(False)
+    assert asked == [False, False, True, False, False, True, False]
+    t = rep.telemetry
+    assert t.compressed_reductions == 7 and t.timed_reductions == 2
+    assert t.phase_means()["select_ms_mean"] == 2.0 and t.compress_ms_mean == 3.0

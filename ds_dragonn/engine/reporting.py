@@ -29,6 +29,7 @@ class Reporter:
         self.schedule = schedule
         self.telemetry = Telemetry()
         self._announced = False  # the switch to compression was logged
+        request_timing(cfg.log_interval == 1)  # the first compressed reduction is logged: time it
 
     def start(self, hook_name: str, compressor_name: str, exchange: str) -> None:
         """The start-up line: every setting that shapes the run."""
