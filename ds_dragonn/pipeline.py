@@ -20,6 +20,7 @@ Measured: ``launch/bench_step.py``, ``docs/results/step/phases_24m_1thread.txt``
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import Hashable, NamedTuple, Sequence, Union
 
@@ -53,6 +54,8 @@ class ReduceStats(NamedTuple):
             the partitioned exchange the owners' reduction and re-selection.
         bytes_received: bytes this rank took off the wire.
         imbalance: partitioned exchange: max over owners of the pairs received ÷ their mean (0 otherwise).
+        timed: the ``*_ms`` fields hold this reduction's times (False: an untimed CUDA reduction, all 0.0;
+            see :class:`PhaseClock`).
     """
     numel: int
     k: int
@@ -68,6 +71,7 @@ class ReduceStats(NamedTuple):
     decode_ms: float = 0.0
     bytes_received: int = 0
     imbalance: float = 0.0
+    timed: bool = True
 
 
 class Reduced(NamedTuple):
@@ -76,20 +80,48 @@ class Reduced(NamedTuple):
     stats: ReduceStats
 
 
-class PhaseClock:
-    """Phase timer; synchronises the device at each mark so that the times are the device's."""
+TIMING_ENV = "DS_DRAGONN_PHASE_TIMING"  # "1": time every reduction (benchmarks, profiling)
+_timing = {"forced": os.environ.get(TIMING_ENV, "") not in ("", "0"), "next": False}
 
-    def __init__(self, device: torch.device):
+
+def request_timing(on: bool) -> None:
+    """Time (device-synchronised) the phases of the reductions that follow, until called again with False:
+    the reporter asks for it before a reduction it will log (``log_interval``), benchmarks for all."""
+    _timing["next"] = bool(on)
+
+
+def timing_requested() -> bool:
+    """Whether phases are timed now: :func:`request_timing`, or ``DS_DRAGONN_PHASE_TIMING=1`` in the
+    environment."""
+    return _timing["forced"] or _timing["next"]
+
+
+class PhaseClock:
+    """Phase timer. Timed (``timed``, default :func:`timing_requested`), it synchronises a CUDA device at each
+    mark so that the times are the device's; untimed, a CUDA clock never synchronises and every lap is 0.0
+    (a CPU clock reads the host's time, which is the device's, either way).
+
+    Args:
+        device: the device whose work is timed.
+        timed: time this clock's laps (None: :func:`timing_requested`).
+    """
+
+    def __init__(self, device: torch.device, timed: bool | None = None):
         self.cuda = device.type == "cuda"
         self.device = device
+        self.timed = timing_requested() if timed is None else bool(timed)
         self.last = self._now()
 
     def _now(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
+        if not self.cuda:
+            return time.perf_counter()
+        if not self.timed:
+            return 0.0
+        torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
     def lap(self) -> float:
+        """ms since the previous mark (0.0 on an untimed CUDA clock)."""
         now = self._now()
         ms, self.last = (now - self.last) * 1e3, now
         return ms
@@ -177,10 +209,12 @@ class CompressedAllreduce:
         # quantized values: what every rank decodes differs from wire_values; its rounding stays in the residual
         sent_values = gathered.sent if gathered.sent is not None else wire_values
         self.error_feedback.commit(key, sel.indices, sel.values, sent_values)
-        # a buffer with a NaN/Inf sends at least one of them (they rank first), so finite sent values
-        # prove a finite buffer without a full pass; otherwise clear what stayed in the residual
-        if self.error_feedback.enabled:
-            self.error_feedback.clear_non_finite(key, sel.values, getattr(self.compressor, "sends_non_finite", False))
+        # a buffer with a NaN/Inf sends at least one of them (they rank first), so finite sent values (their
+        # flag came with the exchange's header: no read-back of its own) prove a finite buffer without a full
+        # pass; otherwise clear what stayed in the residual
+        if self.error_feedback.enabled and not (
+                gathered.finite and getattr(self.compressor, "sends_non_finite", False)):
+            self.error_feedback.clear_non_finite(key)
         residual_ms = clock.lap()
 
         postscale = postscale / gathered.scale  # values the exchange already scaled
@@ -196,7 +230,7 @@ class CompressedAllreduce:
                             compress_ms=compensate_ms + select_ms + residual_ms, compensate_ms=compensate_ms,
                             select_ms=select_ms, exchange_ms=exchange_ms, residual_ms=residual_ms,
                             decode_ms=decode_ms, bytes_received=gathered.bytes_received,
-                            imbalance=_imbalance(gathered.owner_pairs))
+                            imbalance=_imbalance(gathered.owner_pairs), timed=clock.timed or not clock.cuda)
         return Reduced(out, stats)
 
     def can_reduce_into(self, tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> bool:

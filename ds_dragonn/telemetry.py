@@ -41,6 +41,7 @@ class Telemetry:
     kept: int = 0
     target_k: int = 0
     compressed_numel: int = 0
+    timed_reductions: int = 0  # compressed reductions whose phases were timed (the ms totals are over these)
     compress_ms_total: float = 0.0
     compensate_ms_total: float = 0.0
     select_ms_total: float = 0.0
@@ -101,11 +102,13 @@ class Telemetry:
         self.kept += s.kept
         self.target_k += s.k
         self.compressed_numel += s.numel
-        self.compress_ms_total += s.compress_ms
         self.bytes_received += s.bytes_received
         self.max_imbalance = max(self.max_imbalance, s.imbalance)
-        for p in PHASES:
-            setattr(self, f"{p}_ms_total", getattr(self, f"{p}_ms_total") + getattr(s, f"{p}_ms"))
+        if getattr(s, "timed", True):  # an untimed CUDA reduction's laps are 0.0, not times
+            self.timed_reductions += 1
+            self.compress_ms_total += s.compress_ms
+            for p in PHASES:
+                setattr(self, f"{p}_ms_total", getattr(self, f"{p}_ms_total") + getattr(s, f"{p}_ms"))
 
     @property
     def kept_over_k(self) -> float:
@@ -118,15 +121,15 @@ class Telemetry:
 
     @property
     def compress_ms_mean(self) -> float:
-        return self.compress_ms_total / self.compressed_reductions if self.compressed_reductions else 0.0
+        return self.compress_ms_total / self.timed_reductions if self.timed_reductions else 0.0
 
     @property
     def bytes_ratio(self) -> float:
         return self.bytes_sent / self.dense_bytes_equivalent if self.dense_bytes_equivalent else 0.0
 
     def phase_means(self) -> dict:
-        """Mean ms per compressed reduction of each phase, and per dense reduction (``dense_ms_mean``)."""
-        c = self.compressed_reductions
+        """Mean ms per timed compressed reduction of each phase, and per dense reduction (``dense_ms_mean``)."""
+        c = self.timed_reductions
         d = {f"{p}_ms_mean": getattr(self, f"{p}_ms_total") / c if c else 0.0 for p in PHASES}
         d["dense_ms_mean"] = self.dense_ms_total / self.dense_reductions if self.dense_reductions else 0.0
         return d

@@ -21,6 +21,7 @@ import platform
 
 import torch
 
+os.environ.setdefault("DS_DRAGONN_PHASE_TIMING", "1")  # every reduction's phases timed (device-synchronised)
 from bench.common import DTYPES, MLP_LAYERS, free_port, median, mlp_shapes, parse_layers, timed_ms, write_json
 
 # -- defaults (units in comments) -----------------------------------------------------------------------

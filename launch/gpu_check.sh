@@ -3,7 +3,14 @@
 # against the PyTorch reference, element by element) and the compression benchmark, and write everything
 # to one folder.
 #
-#   bash launch/gpu_check.sh [OUTDIR]        # OUTDIR defaults to $OUT, else runs/gpu_check
+#   bash launch/gpu_check.sh [OUTDIR]        # OUTDIR defaults to $OUT, else docs/gpu/$(date +%F)
+#
+# GPU_CHECK_SCOPE=user (default; ~8 min on one H200) runs what a user pays: the kernel tests, selection
+# against one read pass, torch.topk and DGC at 2^20..2^28 fp32 (selection_gpu.*), the whole compressed step
+# per bucket against the read pass, the device syncs per reduction (torch.profiler and the sync debug mode)
+# and the peak memory dense against DRAGONN at ZeRO 0-3 (tests/gpu/user_cost.py: step_cost.json,
+# syncs.json, memory.json; its --dry-run runs on CPU), and sync_count.json. GPU_CHECK_SCOPE=full adds the
+# steps below (test_compress, test_wire, the training runs, fp16, the LM, bench_step).
 #
 # Writes: env.txt (nvidia-smi, versions), test_kernels.log, test_wire.log, bench.log and selection_gpu.{json,png,md} (the
 # compression benchmark), train_cuda.{log,json} (the main job's DRAGONN run on CUDA, world size 1 over
@@ -15,7 +22,9 @@
 # GPU_CHECK_STEP_S to bound each step (default 900 s; rc 124 in status.txt = timed out).
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-OUTDIR="${1:-${OUT:-$REPO/runs/gpu_check}}"
+OUTDIR="${1:-${OUT:-$REPO/docs/gpu/$(date +%F)}}"
+SCOPE="${GPU_CHECK_SCOPE:-user}"
+[[ "$SCOPE" == user ]] && : "${GPU_CHECK_STEP_S:=240}"  # each step bounded so the whole fits in ~8 min
 mkdir -p "$OUTDIR"
 OUTDIR="$(cd "$OUTDIR" && pwd)"
 STATUS="$OUTDIR/status.txt"
@@ -82,6 +91,22 @@ python -c "import triton; print('triton', triton.__version__)" >> "$OUTDIR/env.t
 rc=0
 step test_kernels "$OUTDIR/test_kernels.log" \
   python -m pytest tests/test_kernels.py -q -p no:cacheprovider -rs || rc=1
+# what a user pays per bucket: the whole step against one read pass, syncs, peak memory at ZeRO 0-3
+step user_cost "$OUTDIR/user_cost.log" \
+  python tests/gpu/user_cost.py --outdir "$OUTDIR" --sizes 20 22 24 26 || rc=1
+step sync_count "$OUTDIR/sync_count.log" \
+  python tests/gpu/sync_count.py --numel $((1 << 24)) --out "$OUTDIR/sync_count.json" || rc=1
+if [[ "$SCOPE" == user ]]; then
+  # selection against one read pass, torch.topk and DGC, fp32 at density 0.01, 2^20..2^28
+  step bench_gpu "$OUTDIR/bench.log" python launch/bench_compress.py --device cuda --dtypes fp32 \
+    --densities 0.01 --sizes 20 22 24 26 28 --budget-s 2 --repeat 5 --max-reference-exp 20 \
+    --json "$OUTDIR/selection_gpu.json" --plot "$OUTDIR/selection_gpu.png" --markdown "$OUTDIR/selection_gpu.md" || rc=1
+  echo "outputs in $OUTDIR:" >&2
+  cat "$STATUS" >&2
+  exit $rc
+fi
+# the full scope's records report per-phase ms (train.py's summaries): time every reduction's phases
+export DS_DRAGONN_PHASE_TIMING=1
 # also the project's compressor tests on this machine (CPU tensors, reference + cpu kernel)
 step test_compress "$OUTDIR/test_compress.log" \
   python -m pytest tests/test_compress.py -q -p no:cacheprovider || rc=1

@@ -33,8 +33,11 @@ class CommBackend(ABC):
         ...
 
     @abstractmethod
-    def all_gather_ints(self, values: Sequence[int], device: torch.device) -> List[List[int]]:
-        """Gather a short list of ints (same length on every rank) from every rank: result[r] is rank r's."""
+    def all_gather_ints(self, values: Sequence[int] | torch.Tensor, device: torch.device) -> List[List[int]]:
+        """Gather a short list of ints (same length on every rank) from every rank: result[r] is rank r's.
+
+        ``values`` may be a (m,) integer tensor on ``device``: ints computed on the device (a count, a flag)
+        then travel without a read-back of their own, and the gathered rows are the one read-back."""
 
     @abstractmethod
     def all_gather_bytes(self, payload: torch.Tensor) -> torch.Tensor:

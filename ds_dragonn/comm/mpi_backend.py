@@ -99,13 +99,13 @@ class MPICommBackend(CommBackend):
         return self._world_size
 
     # -- primitives ---------------------------------------------------------------------------------
-    def all_gather_ints(self, values: Sequence[int], device: torch.device) -> List[List[int]]:
+    def all_gather_ints(self, values: Sequence[int] | torch.Tensor, device: torch.device) -> List[List[int]]:
         """Gather ``len(values)`` int64s from every rank: ``result[r]`` is rank r's list.
 
         ``device`` is ignored (the ints travel through host memory). Every rank must pass the same
         number of values.
         """
-        local = np.asarray(list(values), dtype=np.int64)
+        local = np.asarray(values.tolist() if torch.is_tensor(values) else list(values), dtype=np.int64)
         out = np.empty((self._world_size, local.size), dtype=np.int64)
         self._call("Allgather(ints)", self.comm.Iallgather, local, out)
         return out.tolist()

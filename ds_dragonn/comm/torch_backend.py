@@ -29,14 +29,15 @@ class TorchCommBackend(CommBackend):
     def world_size(self) -> int:
         return dist.get_world_size(group=self.group)
 
-    def all_gather_ints(self, values: Sequence[int], device: torch.device) -> List[List[int]]:
-        local = torch.tensor(list(values), dtype=torch.int64, device=device)
+    def all_gather_ints(self, values: Sequence[int] | torch.Tensor, device: torch.device) -> List[List[int]]:
+        local = (values.to(device=device, dtype=torch.int64).reshape(-1) if torch.is_tensor(values)
+                 else torch.tensor(list(values), dtype=torch.int64, device=device))
         out = torch.empty(self.world_size * local.numel(), dtype=torch.int64, device=device)
         try:
             dist.all_gather_into_tensor(out, local, group=self.group)
         except Exception as err:  # noqa: BLE001 - re-raised with the rank
             raise self._fail("all_gather_into_tensor(header)", err) from err
-        return out.view(self.world_size, -1).tolist()
+        return out.view(self.world_size, -1).tolist()  # the one read-back: the sizes the payload needs
 
     def all_gather_bytes(self, payload: torch.Tensor) -> torch.Tensor:
         out = torch.empty(self.world_size * payload.numel(), dtype=torch.uint8, device=payload.device)

@@ -10,7 +10,7 @@ from deepspeed.utils.logging import print_dist
 
 from .. import constants
 from ..config import DragonnConfig, Policy
-from ..pipeline import ReduceStats
+from ..pipeline import ReduceStats, request_timing
 from ..schedule import DensitySchedule
 from ..telemetry import Telemetry, log_reduction, monitor_events
 
@@ -30,6 +30,7 @@ class Reporter:
         self.schedule = schedule
         self.telemetry = Telemetry()
         self._announced = False  # the switch to compression was logged
+        request_timing(cfg.log_interval == 1)  # the first compressed reduction is logged: time it
 
     def start(self, hook_name: str, compressor_name: str, exchange: str) -> None:
         """The start-up line: every setting that shapes the run."""
@@ -71,6 +72,9 @@ class Reporter:
             # 1-based like DeepSpeed's own step logs (global_steps is incremented after engine.step())
             log_reduction(step + 1, stats)
         self._monitor(stats)
+        # time (device-synchronised) only the next reduction that will be logged
+        every = self.cfg.log_interval
+        request_timing(bool(every) and (self.telemetry.compressed_reductions + 1) % every == 0)
 
     def local_step(self, numel: int, itemsize: int, world: int) -> None:
         """``sync: local_steps``: an optimizer step that exchanged nothing (counted against dense training)."""

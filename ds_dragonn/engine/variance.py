@@ -26,7 +26,7 @@ the residual (``engine/base.py``): nothing is lost.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from deepspeed.utils.logging import print_dist
@@ -80,6 +80,8 @@ class VarianceFreeze:
         self.known: List[torch.Tensor] = []  # bool mask per entry: the elements V̂ is an estimate for
         self.params: List[torch.nn.Parameter] = []
         self._index: Dict[int, int] = {}
+        # (any, all) of each known mask, read back once after it changes (not at every step)
+        self._cover: Dict[int, Tuple[bool, bool]] = {}
         self.armed = False
         self.handle = None
         if self.optimizer is not None and hasattr(self.optimizer, "register_step_pre_hook"):
@@ -125,9 +127,12 @@ class VarianceFreeze:
                     joined += refresh_(self.frozen[i], self.known[i], p.grad.detach(),
                                        _own_vhat(state, beta2, corrected), self.decay(beta2), self.fraction)
                     no_update_(state, self.frozen[i], self.known[i], p.grad, beta2, corrected, t)
-                elif t is not None and "exp_avg_sq" in state and bool(self.known[i].any()):
+                elif t is not None and "exp_avg_sq" in state and self._coverage(i)[0]:
                     momentum_step_(state, p.grad, self.frozen[i], self.known[i], beta1, beta2,
-                                   bias_correction2(beta2, t + 1.0, corrected), float(group.get("eps", 1e-8)))
+                                   bias_correction2(beta2, t + 1.0, corrected), float(group.get("eps", 1e-8)),
+                                   all_known=self._coverage(i)[1])
+        if refreshing:  # refresh_ may have grown the known masks
+            self._cover.clear()
         self._log(step, refreshing, new, joined)
 
     def _log(self, step: int, refreshing: bool, new: int, joined: int) -> None:
@@ -146,7 +151,16 @@ class VarianceFreeze:
             print_dist(f"DRAGONN: Adam's variance frozen at step {step + 1} for {joined} element(s) that started "
                        f"training after the freeze ({self.unknown()} still on Adam's own update)", ranks=[0])
 
+    def _coverage(self, i: int) -> Tuple[bool, bool]:
+        """(any, all) of entry ``i``'s known mask; one read-back, cached until the mask changes."""
+        cover = self._cover.get(i)
+        if cover is None:
+            k = self.known[i]
+            cover = self._cover[i] = tuple(torch.stack([k.any(), k.all()]).tolist())
+        return cover
+
     def _append(self, p: torch.Tensor, frozen: torch.Tensor, known: Any) -> int:
+        self._cover.pop(len(self.params), None)
         self.params.append(p)
         self.frozen.append(frozen)
         self.known.append(known if torch.is_tensor(known) else torch.full_like(frozen, bool(known), dtype=torch.bool))
@@ -157,6 +171,7 @@ class VarianceFreeze:
         """Record ``V̂ = v / (1 − β2^t)`` and its known elements for every parameter with Adam state (every
         sub-group's at ZeRO-3, whose groups hold one sub-group at a time: ``adam.optimizer_params``)."""
         self.params, self.frozen, self.known, self._index = [], [], [], {}
+        self._cover.clear()
         for group, params in zip(optimizer.param_groups, optimizer_params(self.engine, optimizer)):
             beta2, corrected = float(group["betas"][1]), group.get("bias_correction", True)
             for p in params:
@@ -175,6 +190,7 @@ class VarianceFreeze:
     def reset(self) -> None:
         """Record ``V̂`` again at the next step (a checkpoint load replaced the optimizer state)."""
         self.frozen, self.params, self.known, self._index = None, [], [], {}
+        self._cover.clear()
 
     def state_dict(self) -> dict:
         """The frozen ``V̂`` and known masks (None before the freeze), in the optimizer's parameter order, and

@@ -56,7 +56,7 @@ def bias_correction2(beta2: float, t: float, corrected: bool) -> float:
 
 
 def momentum_step_(state: dict, g: torch.Tensor, frozen: torch.Tensor, known: torch.Tensor, beta1: float,
-                   beta2: float, c2: float, eps: float) -> None:
+                   beta2: float, c2: float, eps: float, all_known: Optional[bool] = None) -> None:
     """Set Adam's moments of the ``known`` elements so that its update is ``lr · (g / c1) / (sqrt(V̂) + eps)``:
     ``g`` (the averaged momentum) divided by the frozen denominator. The variance lands on
     ``V̂·c2 + (1 − β2)·g²`` (never below ``V̂·c2``: no cancellation, no negative variance however large a
@@ -67,13 +67,14 @@ def momentum_step_(state: dict, g: torch.Tensor, frozen: torch.Tensor, known: to
         state: Adam's per-parameter state (``exp_avg``, ``exp_avg_sq``), changed in place.
         g: the gradient Adam is about to apply (the averaged momentum), ``frozen``'s shape.
         c2: ``1 − β2^(t+1)`` of the step Adam is about to take.
+        all_known: ``known.all()`` where the caller already holds it on the host (None: read it back here).
     """
     v, m = state["exp_avg_sq"], state["exp_avg"]
     new_v = frozen.mul(c2 / beta2)
     denom = frozen.mul(c2).addcmul_(g, g, value=1.0 - beta2).div_(c2).sqrt_().add_(eps)
     denom.div_(frozen.sqrt().add_(eps))  # Adam's denominator over the frozen one (>= 1)
     new_m = g.mul(denom).sub_(g, alpha=1.0 - beta1).div_(beta1)
-    if bool(known.all()):
+    if (bool(known.all()) if all_known is None else all_known):
         v.copy_(new_v)
         m.copy_(new_m)
     else:

@@ -21,7 +21,7 @@ scheme does not.
 """
 from __future__ import annotations
 
-from typing import Hashable, List, NamedTuple, Optional
+from typing import Hashable, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -31,7 +31,7 @@ from .base import Exchange, BufferMismatchError, Gathered, check_agreement
 from .quantize import PLAIN, ValueCodec, unpermute
 from .wire import align, dtype_code, index_block_bytes, read_indices, write_indices
 
-HEADER_INTS = 4  # [count, numel, dtype code, whole]
+HEADER_INTS = 5  # [count, numel, dtype code, whole, all sent values finite]
 
 
 class GatheredPairs(NamedTuple):
@@ -49,16 +49,29 @@ class GatheredPairs(NamedTuple):
     sent: Optional[torch.Tensor]
 
 
+def header_row(ints: List[int], values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``ints + [all of values finite]`` as a (len(ints)+1,) int64 tensor on ``device``; the flag is computed
+    on the device and travels in the header's allgather, so it costs no read-back of its own."""
+    row = torch.tensor(list(ints) + [1], dtype=torch.int64, device=device)
+    if values.numel():
+        row[-1:].copy_(torch.isfinite(values).all().reshape(1))
+    return row
+
+
 def exchange_header(count: int, numel: int, wire_dtype: torch.dtype, backend: CommBackend,
-                    device: torch.device, whole: int = 0, values: ValueCodec = PLAIN) -> List[int]:
-    """Allgather ``[count, numel, dtype, whole]``; check every rank reduces the same buffer in the same value
-    format (and sends the same whole tensors); return the counts."""
-    header = backend.all_gather_ints([count, numel, dtype_code(wire_dtype, values.code), whole], device)
+                    device: torch.device, whole: int = 0, values: ValueCodec = PLAIN,
+                    sent: Optional[torch.Tensor] = None) -> Tuple[List[int], bool]:
+    """Allgather ``[count, numel, dtype, whole, finite]``; check every rank reduces the same buffer in the same
+    value format (and sends the same whole tensors); return the counts and whether this rank's ``sent``
+    values (None: none) are all finite (the error feedback then skips its non-finite pass)."""
+    row = header_row([count, numel, dtype_code(wire_dtype, values.code), whole],
+                     sent if sent is not None else torch.empty(0), device)
+    header = backend.all_gather_ints(row, device)
     check_agreement([h[1] for h in header], [h[2] for h in header], backend.rank)
     if len({h[3] for h in header}) > 1:
         raise BufferMismatchError(f"rank {backend.rank}: ranks send different whole tensors in one bucket "
                                   f"({[h[3] for h in header]} elements per rank): their per-tensor segments differ")
-    return [h[0] for h in header]
+    return [h[0] for h in header], bool(header[backend.rank][4])
 
 
 def gather_pairs(indices: torch.Tensor, values: torch.Tensor, counts: List[int], numel: int,
@@ -114,12 +127,13 @@ def allgather_exchange(selection: Selection, numel: int, wire_dtype: torch.dtype
     Raises:
         BufferMismatchError: on every rank, when ranks disagree on ``numel``, ``wire_dtype`` or the value format.
     """
-    counts = exchange_header(selection.count, numel, wire_dtype, backend, selection.values.device, selection.whole,
-                             codec)
+    counts, finite = exchange_header(selection.count, numel, wire_dtype, backend, selection.values.device,
+                                     selection.whole, codec, selection.values)
     got = gather_pairs(selection.indices, selection.values, counts, numel, index_dtype(numel), wire_dtype, backend,
                        selection.whole, codec)
     moved = (backend.world_size - 1) * (HEADER_INTS * 8 + got.payload_bytes)
-    return Gathered(got.indices, got.values, counts, moved, moved, sent=got.sent if codec.quantized else None)
+    return Gathered(got.indices, got.values, counts, moved, moved, sent=got.sent if codec.quantized else None,
+                    finite=finite)
 
 
 class AllgatherExchange(Exchange):

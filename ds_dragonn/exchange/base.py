@@ -46,6 +46,8 @@ class Gathered(NamedTuple):
         sent: (c,) wire dtype: this rank's selection as every rank decodes it, in the selection's order,
             where that differs from the values given (quantized values, ``exchange/quantize.py``): the
             residual keeps ``kept − sent``. None: the values given were sent unchanged.
+        finite: every value this rank sent was finite (read with the exchange's header, no read-back of its
+            own): the sender's buffer then holds no NaN/Inf where its compressor sends them first.
     """
     indices: List[torch.Tensor]
     values: List[torch.Tensor]
@@ -55,6 +57,7 @@ class Gathered(NamedTuple):
     owner_pairs: Sequence[int] = ()
     scale: float = 1.0
     sent: Optional[torch.Tensor] = None
+    finite: bool = False
 
 
 class BufferMismatchError(ValueError):

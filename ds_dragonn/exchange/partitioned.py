@@ -40,7 +40,7 @@ from .. import sparse_ops
 from ..comm.base import CommBackend
 from ..compress.base import Compressor, Selection, index_dtype, max_pairs, target_k
 from ..feedback import ErrorFeedback
-from .allgather import HEADER_INTS, exchange_header, gather_pairs
+from .allgather import HEADER_INTS, exchange_header, gather_pairs, header_row
 from .base import Exchange, Gathered, check_agreement
 from .quantize import PLAIN, ValueCodec, unpermute
 from .wire import (ALIGN, align, chunk_counts_bytes, counts_header_bytes, dtype_code, index_block_bytes,
@@ -61,6 +61,7 @@ class Scattered(NamedTuple):
             model, plus the all-to-all blocks addressed to / from other ranks).
         sent: (c,) wire dtype: this rank's selection as its owners decode it (dequantized where the values
             are quantized), in the selection's order.
+        finite: every value this rank sent was finite (read with the counts header).
     """
     slots: List[torch.Tensor]
     values: List[torch.Tensor]
@@ -68,6 +69,7 @@ class Scattered(NamedTuple):
     bytes_sent: int
     bytes_received: int
     sent: Optional[torch.Tensor] = None
+    finite: bool = False
 
     @property
     def owner_pairs(self) -> List[int]:
@@ -104,10 +106,14 @@ def sparse_reduce_scatter(selection: Selection, numel: int, wire_dtype: torch.dt
     owner, slot = ownership.owner_and_slot(selection.indices)
     # group the pairs by owner; torch sorts 1-byte keys by radix (~8x faster than int64 at k = 2.4e5)
     owner, order = torch.sort(owner.to(torch.uint8 if world <= 256 else torch.int32), stable=True)
-    counts = torch.bincount(owner.long(), minlength=world).tolist() if owner.numel() else [0] * world
-    header = backend.all_gather_ints(counts + [numel, dtype_code(wire_dtype, codec.code)], device)
+    # the counts stay on the device and travel in the header: its rows are this scatter's one read-back
+    row = header_row([0] * world + [numel, dtype_code(wire_dtype, codec.code)], selection.values, device)
+    if owner.numel():
+        row[:world].copy_(torch.bincount(owner.long(), minlength=world))
+    header = backend.all_gather_ints(row, device)
     check_agreement([h[world] for h in header], [h[world + 1] for h in header], rank)
     matrix = [h[:world] for h in header]
+    counts, finite = matrix[rank], bool(header[rank][world + 2])
 
     sdt = index_dtype(numel)  # slots < numel; a block's slots travel packed where smaller (wire.write_indices)
     send_sizes = [pair_block_bytes(c, numel, sdt, wire_dtype, codec) for c in counts]
@@ -137,7 +143,7 @@ def sparse_reduce_scatter(selection: Selection, numel: int, wire_dtype: torch.dt
     sent = header_bytes + sum(s for d, s in enumerate(send_sizes) if d != rank)
     received = header_bytes + sum(s for d, s in enumerate(recv_sizes) if d != rank)
     as_sent = unpermute(torch.cat(decoded), order) if codec.quantized and decoded else None
-    return Scattered(slots, vals, matrix, sent, received, as_sent)
+    return Scattered(slots, vals, matrix, sent, received, as_sent, finite)
 
 
 def max_scatter_bytes(numel: int, pairs: int, wire_dtype: torch.dtype, world_size: int,
@@ -213,15 +219,17 @@ class PartitionedExchange(Exchange):
         wire = to_wire(sel.values * scale if scale != 1.0 else sel.values, wire_dtype)
 
         # quantized values: the owner re-quantizes its selection, and its rounding stays in its server residual
-        counts = exchange_header(sel.count, numel, wire_dtype, backend, device, values=self.values)
+        counts, server_finite = exchange_header(sel.count, numel, wire_dtype, backend, device, values=self.values,
+                                                sent=sel.values)
         idx, val, moved, wire = self._gather(own, sel.indices, wire, counts, numel, wire_dtype)
         self._save(key, part, sel.indices)
         self.server.commit(key, sel.indices, sel.values, wire if scale == 1.0 else wire.float() / scale)
-        if self.server.enabled:
-            self.server.clear_non_finite(key, sel.values, getattr(self.compressor, "sends_non_finite", False))
+        if self.server.enabled and not (server_finite and getattr(self.compressor, "sends_non_finite", False)):
+            self.server.clear_non_finite(key)
         header = (backend.world_size - 1) * HEADER_INTS * 8
         return Gathered(idx, val, counts, scattered.bytes_sent + header + moved,
-                        scattered.bytes_received + header + moved, scattered.owner_pairs, scale, scattered.sent)
+                        scattered.bytes_received + header + moved, scattered.owner_pairs, scale, scattered.sent,
+                        scattered.finite)
 
     def max_bytes(self, numel: int, pairs: int, wire_dtype: torch.dtype, world_size: int) -> int:
         """Phase 1 (:func:`max_scatter_bytes`) plus the owners' allgather of at most ``max_pairs`` of

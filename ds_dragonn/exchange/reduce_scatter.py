@@ -87,7 +87,7 @@ class ReduceScatterExchange(Exchange):
             raise ValueError(f"[rank {self.backend.rank}] no owner ranges given for a bucket of {numel} elements")
         s = sparse_reduce_scatter(selection, numel, wire_dtype, ownership, self.backend, self.values)
         return Gathered(s.slots, s.values, [v.numel() for v in s.values], s.bytes_sent, s.bytes_received,
-                        s.owner_pairs, sent=s.sent)
+                        s.owner_pairs, sent=s.sent, finite=s.finite)
 
     def max_bytes(self, numel: int, pairs: int, wire_dtype: torch.dtype, world_size: int) -> int:
         return max_scatter_bytes(numel, pairs, wire_dtype, world_size, self.values)

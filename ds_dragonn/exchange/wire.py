@@ -44,8 +44,9 @@ def dense_reduce_scatter_bytes(numel: int, itemsize: int, world_size: int) -> in
 
 
 def counts_header_bytes(world: int) -> int:
-    """Bytes each rank sends in the counts-header allgather of a sparse reduce-scatter (ring model)."""
-    return (world - 1) * (world + 2) * 8
+    """Bytes each rank sends in the counts-header allgather of a sparse reduce-scatter (ring model):
+    ``[counts to each rank, numel, dtype code, finite]``."""
+    return (world - 1) * (world + 3) * 8
 
 
 def block_bytes(count: int, idx_dtype: torch.dtype, wire_dtype: torch.dtype) -> int:

@@ -221,6 +221,17 @@ def isa_in_use(isa: Optional[str] = None) -> str:
     return next(name for name, c in ISA_CODES.items() if c == code)
 
 
+def check_bounds(indices, numel: int) -> None:
+    """Raise ValueError when a rank's CPU indices (a sequence of (c_r,) integer tensors) fall outside
+    [0, numel): this library writes through raw addresses, so the host checks before any write."""
+    for r, idx in enumerate(indices):
+        if idx.numel():
+            lo, hi = int(idx.min()), int(idx.max())
+            if lo < 0 or hi >= numel:
+                raise ValueError(f"rank {r} sent indices in [{lo}, {hi}], outside the bucket's [0, {numel}): "
+                                 f"a corrupt exchange, or ranks reducing different buckets")
+
+
 def supports(flat: torch.Tensor) -> bool:
     return flat.device.type == "cpu" and flat.dtype in DTYPE_CODES
 
