@@ -131,13 +131,13 @@ def budget(compress: str, wire: torch.dtype, transactional: bool, stage: int = 0
         per_node: ranks per node of the node-aware layout (1: flat); the residual, momentum and decode
             buffer hold the rank's 1/per_node shard.
         exchange: "allgather", "partitioned" or "reduce_scatter".
-        decode_into: the decode lands in the gradients (no decode buffer); None: where it does (flat ZeRO 0,
-            CPU fp32/bf16 gradients).
+        decode_into: the decode lands in the gradients or the node's shard (no decode buffer); None: where it
+            does (flat ZeRO 0 with CPU fp32/bf16 gradients; node-aware with an fp32 wire, the shard's dtype).
     Returns:
         {component name (:data:`COMPONENTS`): bytes per parameter}; absent components are 0.
     """
     if decode_into is None:
-        decode_into = stage == 0 and per_node == 1
+        decode_into = (stage == 0 and per_node == 1) or (per_node > 1 and wire == torch.float32)
     copies = 2 if transactional else 1
     out = {"residual": 4.0 / per_node}
     if transactional:

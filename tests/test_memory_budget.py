@@ -106,7 +106,7 @@ def _engine_rows(layout: str, stages, dtypes, tmp_path) -> list:
 def test_engine_buckets_hold_to_budget(layout, tmp_path):
     """Every (stage, dtype, mode) of the layout: each component at most its budget, nothing unbudgeted beyond
     O(k), and the residual present (the count is not vacuous)."""
-    stages, dtypes = ([0, 1, 2, 3], ["bf16", "fp32"]) if layout == "flat" else ([0, 2], ["bf16"])
+    stages, dtypes = ([0, 1, 2, 3], ["bf16", "fp32"]) if layout == "flat" else ([0, 2], ["bf16", "fp32"])
     results, world = _engine_rows(layout, stages, dtypes, tmp_path)
     assert len(results) == len(stages) * len(dtypes) * 2
     for r in results:
