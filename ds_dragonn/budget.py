@@ -6,7 +6,8 @@ the hook object (``engine.dragonn``) and every ds_dragonn object reachable from 
 storage with the model's parameters, gradients or optimizer state are DeepSpeed's and are not counted.
 
 :func:`budget` states, per component, the bytes per parameter of the compressed buckets that a rank may keep
-in a given mode and layout. The stated budget is the ceiling a change must not exceed (``tests/test_memory_budget.py``); ``docs/design.md``
+in a given mode and layout. The stated budget is the ceiling a change must not exceed
+(``tests/test_memory_budget.py``); ``docs/design.md``
 ("Memory budget per bucket") gives the table.
 """
 from __future__ import annotations

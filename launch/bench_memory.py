@@ -47,7 +47,8 @@ def ds_config(case: dict, warmup: int) -> dict:
     if case["dtype"] == "bf16":
         cfg["bf16"] = {"enabled": True}
     if case["mode"] != "dense":
-        cfg["dragonn"] = {"enabled": True, "policy": "always", "min_compress_numel": 1, "log_interval": 0, "compress": case["mode"], "warmup_steps": warmup,
+        cfg["dragonn"] = {"enabled": True, "policy": "always", "min_compress_numel": 1, "log_interval": 0,
+                          "compress": case["mode"], "warmup_steps": warmup,
                           "density_warmup_steps": 0, "hierarchy": "node" if case["layout"] == "node" else "flat"}
     return cfg
 
