@@ -8,7 +8,8 @@ With N nodes of L ranks (``comm/topology.py``), per bucket of n elements, on eve
    over the N ranks that share this local index): selection work and residuals shrink to 1/L per rank;
 3. exchange the shard's pairs among those N ranks (``allgather`` or ``partitioned``): what crosses the slow
    link is one shard's pairs per rank, a node's L shards together one bucket's;
-4. decode into the shard and gather the L shards back inside the node.
+4. decode into the shard (in place where the wire dtype is the shard's, fp32) and gather the L shards back
+   inside the node.
 
 HiTopKComm (Shi et al., MLSys'21) and ZeRO++ qgZ (DeepSpeed ``runtime/comm/coalesced_collectives.py``
 ``all_to_all_quant_reduce``: an all-to-all inside the node, then one across nodes among ranks of the same
@@ -110,8 +111,11 @@ class NodeAllreduce:
         clock = PhaseClock(tensors[0].device if tensors else torch.device("cpu"))
         shard, per, n = self._node_shard(tensors, prescale)
         node_ms = clock.lap()
+        # the shard is this reduction's own: decoded into where it can (no decode buffer per shard)
+        into = self.cross.can_reduce_into([shard], dtype)
         out, stats = self.cross.reduce([shard], shard_key(key, self.layout, per), seed, 1.0, postscale, dtype,
-                                      age_step=age_step)
+                                      into_inputs=into, age_step=age_step)
+        out = shard if into else out
         clock.lap()
         full = self._gather(out, n)
         node_ms += clock.lap()  # the node's collectives count as exchange time, with the cross-node exchange

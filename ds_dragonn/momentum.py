@@ -47,7 +47,7 @@ class LocalMomentum:
         self._open: set = set()  # keys already updated in the open step
 
     def update(self, key: Hashable, tensors: Sequence[torch.Tensor], dtype: torch.dtype,
-               prescale: float = 1.0) -> tuple:
+               prescale: float = 1.0, zero_inputs: bool = False) -> tuple:
         """Fold this reduction's gradients into the key's momentum; returns ``(tensors, prescale)`` for
         :meth:`ErrorFeedback.compensate_ <ds_dragonn.feedback.ErrorFeedback.compensate_>`: ``([M], 1.0)`` on
         the step's first reduction of ``key``, ``(tensors, (1 − β1)·prescale)`` on later ones.
@@ -56,6 +56,9 @@ class LocalMomentum:
             tensors: the bucket's gradients in bucket order (their concatenation is the (n,) bucket).
             dtype: the wire dtype (the momentum is kept in its :func:`residual_dtype`).
             prescale: the factor DeepSpeed's averaging applies to the gradients before the sum.
+            zero_inputs: on the step's first reduction of ``key`` (the gradients are then folded into ``M``
+                and not needed again), also set them to 0, for a decode straight into them; later reductions
+                return the gradients themselves, which the compensation zeroes.
         Raises:
             ValueError: the key's momentum has another length, dtype or device.
         """
@@ -85,6 +88,8 @@ class LocalMomentum:
                 m.mul_(self.beta)
         if tensors:
             torch._foreach_add_(segment_views(m, tensors), tensors, alpha=c)
+            if zero_inputs and first:
+                torch._foreach_zero_(tensors)
         return ([m], 1.0) if first else (tensors, c)
 
     def end_step(self, applied: bool) -> None:

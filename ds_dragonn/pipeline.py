@@ -191,10 +191,11 @@ class CompressedAllreduce:
             self._agreed.add((key, n, dtype))
 
         clock = PhaseClock(device)
+        inputs = tensors
         if self.momentum is not None:  # the residual accumulates the local momentum, not the gradient
-            into_inputs = False
-            tensors, prescale = self.momentum.update(key, tensors, dtype, prescale)
-        compensated = self.error_feedback.compensate_(key, tensors, dtype, prescale, zero_inputs=into_inputs)
+            tensors, prescale = self.momentum.update(key, tensors, dtype, prescale, zero_inputs=into_inputs)
+        zero = into_inputs and bool(tensors) and tensors[0] is inputs[0]  # (else the momentum's update zeroed them)
+        compensated = self.error_feedback.compensate_(key, tensors, dtype, prescale, zero_inputs=zero)
         compensate_ms = clock.lap()
         sel = self.compressor.compress(compensated, seed)
         if self.max_age and age_step is not None:
@@ -220,7 +221,7 @@ class CompressedAllreduce:
         postscale = postscale / gathered.scale  # values the exchange already scaled
         if into_inputs:
             out = None
-            self.decoder.decode_into(tensors, gathered.indices, gathered.values, postscale)
+            self.decoder.decode_into(inputs, gathered.indices, gathered.values, postscale)
         else:
             out = self.decoder.decode(key, n, gathered.indices, gathered.values, dtype, device, postscale)
         decode_ms = clock.lap()
@@ -235,8 +236,8 @@ class CompressedAllreduce:
 
     def can_reduce_into(self, tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> bool:
         """Whether :meth:`reduce` can decode into ``tensors`` (CPU fp32/bf16 contiguous, wire dtype equal to
-        theirs, error feedback on: the zeroing rides on the compensation pass)."""
-        return (self.error_feedback.enabled and self.momentum is None and bool(tensors)
+        theirs, error feedback on: the zeroing rides on the compensation pass, or the momentum's update)."""
+        return (self.error_feedback.enabled and bool(tensors)
                 and tensors[0].dtype == dtype and sparse_ops.can_decode_into(tensors))
 
     def reduce_dense(self, tensors: Sequence[torch.Tensor], key: Hashable, prescale: float = 1.0,

@@ -506,3 +506,37 @@ def test_a_changed_refresh_setting_is_reported_on_load():
     saved = {**now, "dragonn": DragonnConfig(enabled=True).model_dump(mode="json")}
     _, _, kept = compare(saved, now)
     assert any("dragonn.variance_refresh_steps 100 (now 50)" in k for k in kept), kept
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("micro", [1, 3])
+@pytest.mark.parametrize("transactional", [False, True])
+def test_the_momentum_decodes_into_the_gradients_bit_identically(dtype, micro, transactional):
+    """The momentum mode decoded straight into the gradients (no decode buffer) equals the decode buffer, bit
+    for bit, with micro steps (later reductions zero the gradients in the compensation, the first in the
+    momentum's update), and the momenta and residuals match."""
+    from ds_dragonn.compress import DragonnCompressor
+    from ds_dragonn.pipeline import CompressedAllreduce
+    from tests.test_policy import LocalBackend
+
+    def pipe():
+        return CompressedAllreduce(DragonnCompressor(0.05), LocalBackend(), ErrorFeedback(True, transactional),
+                                   momentum=LocalMomentum(0.9, transactional))
+
+    a, b = pipe(), pipe()
+    gen = torch.Generator().manual_seed(micro)
+    shapes = [(40, 50), (50,), (7, 3)]
+    assert b.can_reduce_into([torch.zeros(s, dtype=dtype) for s in shapes], dtype)
+    for step in range(4):
+        for _ in range(micro):
+            grads = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+            into = [g.clone() for g in grads]
+            out, _ = a.reduce(grads, "b", step, 0.5, 0.25, dtype)
+            none, _ = b.reduce(into, "b", step, 0.5, 0.25, dtype, into_inputs=True)
+            assert none is None
+            assert torch.equal(torch.cat([t.flatten() for t in into]), out)
+        for p in (a, b):
+            p.error_feedback.end_step(True)
+            p.momentum.end_step(True)
+    assert torch.equal(a.momentum.momenta["b"], b.momentum.momenta["b"])
+    assert torch.equal(a.error_feedback.residuals["b"], b.error_feedback.residuals["b"])
