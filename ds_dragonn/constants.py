@@ -1,13 +1,11 @@
-"""Internal settings: once keys of the ``"dragonn"`` block, now fixed (issue 35). Each names what backs it.
-
-``DragonnConfig`` still answers ``cfg.seed``, ``cfg.sample_ratio`` ... with these values, and a checkpoint's
-description records them, so engine code and saved runs read them as before; benchmarks that need another
-value pass it to the compressor or the policy directly.
+"""Internal settings of the selection, the policy and the seeds: fixed values, not keys of the ``"dragonn"``
+block. Each names what backs it; benchmarks that need another value pass it to the compressor or the policy
+directly.
 """
 
 #: Fraction of a bucket sampled for the threshold; the sample is at least MIN_SAMPLE and 256 / density elements
-#: (>= 256 expected hits: ~6 % spread of the candidate count; docs/kernels.md). At 2^24 fp32, density 0.01 it
-#: keeps 0.973 of exact top-k's squared mass with kept/k 0.99 (docs/results.md#selection-kernels).
+#: (>= 256 expected hits: ~6 % spread of the candidate count; docs/kernels.md; its quality against exact top-k
+#: is in docs/results.md#selection-kernels).
 SAMPLE_RATIO = 0.001
 
 #: Lower bound on the threshold sample, in elements (capped at the bucket size, where it gives the exact one).

@@ -25,8 +25,8 @@ from typing import Optional, Union
 #: engine/warmup.py): every step is dense until the end is set.
 UNDECIDED = 1 << 62
 
-#: ``"density_warmup_steps": "auto"`` is this many times the dense warm-up (300 after the LM/GPT's 100: on the
-#: 1.85 M GPT at lr 2e-3 that cut the final gap to dense from +2.75 % to +1.6 % over 3 seeds, docs/results.md) ...
+#: ``"density_warmup_steps": "auto"`` is this many times the dense warm-up (300 after the LM/GPT's 100; the
+#: measurements behind it are in docs/results.md) ...
 AUTO_DENSITY_FACTOR = 3
 #: ... and never shorter than this (the fixed default before ``"auto"``).
 AUTO_DENSITY_MIN_STEPS = 100

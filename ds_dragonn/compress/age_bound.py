@@ -2,7 +2,7 @@
 compressed steps.
 
 At density 0.001 an entry whose accumulated residual stays below the threshold waits ~1/density = 1000 steps
-for its turn, and then arrives as one burst (issue 38 item 4; DGC's answer at that density is a density warm-up
+for its turn, and then arrives as one burst (DGC's answer at that density is a density warm-up
 and momentum correction, not a bound). The bound here costs no memory and no extra pass: the bucket is cut into
 ``max_age`` contiguous blocks of ``ceil(n / max_age)`` entries, and the compressed step of index ``c`` also sends
 block ``c mod max_age`` whole, whatever its magnitudes. Every rank sends the same block, so the block rides as the

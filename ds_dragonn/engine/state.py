@@ -15,8 +15,8 @@ differs, none is silent):
   ``gradient_predivide_factor`` or ``prescale_gradients``: they are in other units. They are **reset**
   (start empty);
 * another ``compress`` mode (``gradient`` / ``momentum``) or ``sync`` mode: the residuals hold unsent gradients
-  in one and unsent momenta (or pseudo-gradients) in the other; reused, they moved the weights by 12–42
-  learning rates in one step (issue 34). They are **reset**, with a warning naming both modes;
+  in one and unsent momenta (or pseudo-gradients) in the other; reused, they would move the weights by many
+  learning rates in one step (docs/results.md). They are **reset**, with a warning naming both modes;
 * another exchange scheme: the partitioned exchange's server residuals are **folded** into this rank's
   worker residuals at the indices it owned (exact: the same unsent sum goes out with the next
   compressed reduction);

@@ -5,8 +5,8 @@ Per parameter tensor the freeze keeps ``V̂`` (Adam's bias-corrected variance, r
 dense warm-up, then moved by variance refreshes) and ``known``, a bool mask of the elements that had gradient
 before the freeze (``V̂ > 0``; floored at :data:`VARIANCE_FLOOR` of the tensor's mean ``sqrt(V̂)``). The other
 elements had none (a rare token's embedding row, a layer or expert that first gets gradient later): they have
-no variance to divide by. Dividing their momentum by the floor moved them by hundreds to thousands of
-learning rates per step (issue 34: 79–8758·lr where dense AdamW stays under 1.2·lr). They keep Adam's own
+no variance to divide by. Dividing their momentum by the floor would move them by hundreds of learning rates
+per step, where Adam's own update stays near one (docs/results.md). They keep Adam's own
 update instead, its own moments following what arrives (bounded like Adam's), until a variance refresh gives
 them an estimate (:func:`refresh_`).
 """
@@ -22,7 +22,7 @@ import torch
 VARIANCE_FLOOR = 0.01
 
 #: the least weight the frozen variance keeps at a refresh: one step's g² is a one-sample estimate, so it gets
-#: at most 10 % (measured: the LM with β2 0.95, 500 steps, ends +2.7 % of dense with 0.5, +1.7 % with 0.9)
+#: at most 10 % (a smaller floor measured worse on the LM: docs/results.md)
 DEFAULT_DECAY_FLOOR = 0.9
 
 

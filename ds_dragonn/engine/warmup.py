@@ -2,9 +2,8 @@
 
 The momentum mode freezes Adam's variance at the end of the dense warm-up, and from then on an element waits
 ~1/density steps for its turn. Both cost most while the loss falls fastest, inside and just after the
-learning-rate warm-up. On the 1.85 M GPT at a tuned learning rate (2e-3, a 50-step warm-up) a 100-step dense
-warm-up instead of 30 cut the final gap to dense from +9.1 % to +3.7 % (docs/results.md, "At a better-tuned
-learning rate"). So ``auto`` is ``max(AUTO_MIN_STEPS, AUTO_FACTOR * w)``, where ``w`` is the
+learning-rate warm-up, so a dense warm-up that outlasts the learning-rate warm-up closes most of the gap to
+dense (docs/results.md, "At a better-tuned learning rate"). So ``auto`` is ``max(AUTO_MIN_STEPS, AUTO_FACTOR * w)``, where ``w`` is the
 engine's learning-rate warm-up, read from:
 
 * DeepSpeed's ``WarmupLR`` / ``WarmupDecayLR`` / ``WarmupCosineLR`` (``warmup_num_steps``,
