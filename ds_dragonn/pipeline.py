@@ -20,9 +20,10 @@ Measured: ``launch/bench_step.py``, ``docs/results/step/phases_24m_1thread.txt``
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from typing import Hashable, NamedTuple, Sequence, Union
+from typing import Hashable, Iterator, NamedTuple, Sequence, Union
 
 import torch
 
@@ -91,9 +92,20 @@ def request_timing(on: bool) -> None:
 
 
 def timing_requested() -> bool:
-    """Whether phases are timed now: :func:`request_timing`, or ``DS_DRAGONN_PHASE_TIMING=1`` in the
-    environment."""
-    return _timing["forced"] or _timing["next"]
+    """Whether phases are timed now: :func:`request_timing`, :func:`timed_scope`, or
+    ``DS_DRAGONN_PHASE_TIMING=1`` in the environment."""
+    return _timing["forced"] or _timing["next"] or _timing.get("scope", False)
+
+
+@contextlib.contextmanager
+def timed_scope(on: bool) -> Iterator[None]:
+    """Time the reductions inside (``on``): the auto policy's probes, whose times decide a bucket's path."""
+    before = _timing.get("scope", False)
+    _timing["scope"] = before or bool(on)
+    try:
+        yield
+    finally:
+        _timing["scope"] = before
 
 
 class PhaseClock:

@@ -74,6 +74,14 @@ class AutoPolicy:
             return st.compress
         return st.phase is Phase.probe_compressed
 
+    def probing(self, key: Hashable, dense: bool) -> bool:
+        """Whether the next ``dense`` (else compressed) reduction of ``key`` is one of the timed probes: its
+        phases must then be timed on the device (``pipeline.PhaseClock``), which syncs a CUDA device."""
+        if self.always:
+            return False
+        phase = self._state(key).phase
+        return phase is (Phase.probe_dense if dense else Phase.probe_compressed)
+
     def record_dense(self, key: Hashable, ms: float) -> None:
         """A dense reduction of ``key`` took ``ms`` (warm-up reductions count as probes)."""
         if self.always:

@@ -137,3 +137,43 @@ def test_a_variance_refresh_holds_the_momentum_and_reduces_the_raw_gradient():
     assert hook.reducer.reduce((torch.ones(8), "a")) == "deepspeed"
     assert hook.events == ["describe", "momentum_input", "dense"] and hook.fake.calls == []
     assert "a" in hook.pending and hook.variance_freeze.armed
+
+
+def test_only_the_auto_policys_probes_are_timed_on_the_device(monkeypatch):
+    """An untimed clock on CUDA reads 0.0 (no sync): the auto policy's probes must be timed, or it would
+    compare zeros; every other reduction stays untimed (no device sync)."""
+    from ds_dragonn import constants
+    from ds_dragonn.engine import reducer as reducer_module
+    from ds_dragonn.pipeline import PhaseClock, timing_requested
+    from ds_dragonn.policy import Phase
+
+    clocks = []
+
+    class Recording(PhaseClock):
+        def __init__(self, device, timed=None):
+            super().__init__(device, timed)
+            clocks.append(self.timed)
+
+    monkeypatch.setattr(reducer_module, "PhaseClock", Recording)
+    p = torch.nn.Parameter(torch.zeros(8))
+    hook = RecordingHook(fake_engine(optimizer=torch.optim.SGD([p], lr=0.1)),
+                         DragonnConfig(enabled=True, policy="auto", min_compress_numel=4, warmup_steps=0,
+                                       density_warmup_steps=0), False)
+    seen = []
+    inner = hook.fake.reduce
+    hook.fake.reduce = lambda *a, **k: (seen.append(timing_requested()), inner(*a, **k))[1]
+    g = torch.arange(8.0)
+    probes = constants.AUTO_PROBE_STEPS
+    for step in range(probes):  # the dense probes
+        hook.engine.global_steps = step
+        assert hook.reducer.reduce((g, "a")) == "deepspeed"
+    assert clocks == [True] * probes and seen == []
+    for step in range(probes, 2 * probes - 1):  # compressed probes (not the last: its decision is a collective)
+        hook.engine.global_steps = step
+        hook.reducer.reduce((g, "a"))
+    assert seen == [True] * (probes - 1) and not timing_requested()  # the scope ends with the reduction
+    hook.decision.policy.buckets["a"].phase = Phase.decided  # decided: compressed, untimed
+    clocks.clear()
+    hook.engine.global_steps = 2 * probes
+    hook.reducer.reduce((g, "a"))
+    assert seen[-1] is False and clocks == [False]

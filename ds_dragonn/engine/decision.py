@@ -89,6 +89,14 @@ class BucketDecision:
         if d is not None and d != compressor.density:
             compressor.density = d
 
+    def times(self, key: Hashable, step: int, dense: bool) -> bool:
+        """Whether the auto policy records the time of this reduction of ``key`` (a ``dense`` one, else a
+        compressed one at ``step``): only then is it timed on the device. A compressed one counts only after
+        the density warm-up (:meth:`record_compressed`)."""
+        if not dense and self.schedule.warming(step):
+            return False
+        return self.policy.probing(key, dense)
+
     def record_dense(self, key: Hashable, ms: float, fixed: bool) -> None:
         """A dense reduction of ``key`` took ``ms`` (timed by the auto policy unless ``fixed``)."""
         if not fixed:

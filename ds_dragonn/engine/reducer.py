@@ -24,7 +24,7 @@ from typing import Any, Hashable, NamedTuple, Optional, Protocol, Sequence
 import torch
 
 from ..constants import SEED
-from ..pipeline import PhaseClock
+from ..pipeline import PhaseClock, timed_scope
 from .bucket import bucket_seed
 
 
@@ -119,7 +119,7 @@ class BucketReducer:
         # 2. Refresh (momentum mode): the raw gradient, densely, refreshes Adam's variance; the step's
         #    momentum is held in the residual, unsent.
         if hook._refreshes(step):
-            clock = self._clock(b)
+            clock = PhaseClock(b.device)  # fixed: the policy does not record it
             tensors, prescale = hook.momentum_input(b)
             hook._hold_momentum(b.key, tensors, b.dtype, prescale, b.pipeline)
             return self._dense_done(b, hook.dense(b), clock, fixed=True)
@@ -131,7 +131,9 @@ class BucketReducer:
         if sends_momentum and hook.variance_freeze is not None:
             hook.variance_freeze.arm()
         flush = dense and (b.key in hook.pending or sends_momentum)
-        clock = self._clock(b)
+        # timed on the device (a CUDA sync) only where the auto policy records this reduction's time
+        timed = hook.decision.times(b.key, step, dense=dense) and not (dense and fixed)
+        clock = PhaseClock(b.device, timed=timed or None)
 
         # 4. Dense: DeepSpeed's own path (the momentum mode's warm-up folds the gradients into the momentum).
         if dense and not flush:
@@ -150,17 +152,13 @@ class BucketReducer:
         # 6. Compressed: the pipeline at this step's density.
         hook.reporter.announce(step)
         hook.decision.set_density(hook.compressor, step)
-        out, stats = b.pipeline.reduce(send.inputs, b.key, bucket_seed(SEED, step, b.ordinal),
-                                       send.prescale, send.postscale, b.dtype, into_inputs=send.into,
-                                       ownership=send.ownership, age_step=hook.age_clock(step))
+        with timed_scope(timed):
+            out, stats = b.pipeline.reduce(send.inputs, b.key, bucket_seed(SEED, step, b.ordinal),
+                                           send.prescale, send.postscale, b.dtype, into_inputs=send.into,
+                                           ownership=send.ownership, age_step=hook.age_clock(step))
         result = hook.write(b, out)
         hook._record_compressed(b.key, stats, b.pipeline, b.ordinal, step, b.device)
         return result
-
-    @staticmethod
-    def _clock(b: Bucket) -> PhaseClock:
-        """The timer of a dense reduction (the auto policy compares it with the compressed one)."""
-        return PhaseClock(b.device)
 
     def _dense_done(self, b: Bucket, result: Any, clock: PhaseClock, fixed: bool) -> Any:
         self.hook._record_dense(b.key, b.numel, b.dtype.itemsize, b.world, clock.lap(), fixed, b.dense_bytes,
