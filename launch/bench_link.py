@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from bench.link import link_gbit, tx_bytes
 from bench.common import (MICRO_BATCH, MLP_LAYERS, batches, build_mlp, cell, dgc_select, format_table,
                           load_mnist, pyplot, save_figure, write_json)
 from ds_dragonn.compress import target_k
@@ -355,20 +356,6 @@ def setup(mode: str, model, args, world) -> Runner:
 
 
 # -- a run ----------------------------------------------------------------------------------------------
-def tx_bytes(iface: Optional[str]) -> Optional[int]:
-    path = Path(f"/sys/class/net/{iface}/statistics/tx_bytes")
-    return int(path.read_text()) if iface and path.exists() else None
-
-
-def link_gbit(link: str) -> Optional[float]:
-    """'1gbit' -> 1, '500mbit' -> 0.5, 'unthrottled' -> None (tc's rate units, bits per second)."""
-    m = re.fullmatch(r"([\d.]+)([kmg]?)bit", link.lower())
-    if not m:
-        return None
-    gbit = float(m.group(1)) * {"": 1e-9, "k": 1e-6, "m": 1e-3, "g": 1.0}[m.group(2)]
-    return int(gbit) if gbit == int(gbit) else gbit
-
-
 def train(args) -> Optional[dict]:
     """Run one mode; return rank 0's record (None on other ranks)."""
     import deepspeed

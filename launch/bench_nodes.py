@@ -43,6 +43,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # launch/bench, beside this script
+from bench import link as netlink  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 #: local steps (uncompressed DiLoCo): an outer step every TASKS' local steps (classifier 10: a 40-step
 #: difference holds 4; LM 30, as its quality runs: a 60-step difference holds 2)
@@ -71,38 +74,18 @@ MODES = {
 }
 
 
-def sh(*cmd: str) -> None:
-    subprocess.run(cmd, check=True)
-
-
 def netns_down() -> None:
-    for ns in NS:
-        subprocess.run(["ip", "netns", "del", ns], stderr=subprocess.DEVNULL)
-    # DeepSpeed's CPU shm allreduce never unlinks its buffers; ours carry the namespaces' addresses
-    for f in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*_198.51.100.2*"):
-        f.unlink(missing_ok=True)
+    netlink.netns_down(NS, IF, ADDR)
 
 
-def netns_up(link: str) -> None:
-    """Two namespaces joined by a veth pair, both ends throttled to ``link`` (or unthrottled)."""
-    netns_down()
-    for ns in NS:
-        sh("ip", "netns", "add", ns)
-    sh("ip", "link", "add", IF[0], "netns", NS[0], "type", "veth", "peer", "name", IF[1], "netns", NS[1])
-    for ns, dev, addr in zip(NS, IF, ADDR):
-        sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-        sh("ip", "-n", ns, "link", "set", "lo", "up")
-        sh("ip", "-n", ns, "link", "set", dev, "up")
-        if link != "unthrottled":
-            sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", link, "burst", "1mbit",
-               "latency", "400ms")
+def netns_up(rate: str) -> None:
+    """Two namespaces joined by a veth pair, both ends throttled to ``rate`` (or unthrottled)."""
+    netlink.netns_up(rate, NS, IF, ADDR)
 
 
 def tx_bytes(i: int) -> int:
     """Bytes node ``i`` sent on the inter-node link (the veth's own counter, read inside its namespace)."""
-    out = subprocess.run(["ip", "netns", "exec", NS[i], "cat", f"/sys/class/net/{IF[i]}/statistics/tx_bytes"],
-                         check=True, capture_output=True, text=True).stdout
-    return int(out)
+    return netlink.tx_bytes(IF[i], netns=NS[i])
 
 
 #: task -> (script, config, its extra arguments, DeepSpeed keys every mode adds, "dragonn" keys every DRAGONN mode

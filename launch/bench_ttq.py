@@ -66,6 +66,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
+from bench.link import link_mbit, tx_bytes
+
 REPO = Path(__file__).resolve().parents[1]
 BASE_CONFIG = REPO / "configs" / "lm_dense.json"
 
@@ -326,12 +328,6 @@ class Context:
 
 
 # -- one rank of one run --------------------------------------------------------------------------------
-def tx_bytes(iface: Optional[str]) -> Optional[int]:
-    """The interface's transmitted bytes (None when unknown): a veth in its namespace."""
-    path = Path(f"/sys/class/net/{iface}/statistics/tx_bytes")
-    return int(path.read_text()) if iface and path.exists() else None
-
-
 def _telemetry(engine) -> Optional[dict]:
     d = getattr(engine, "dragonn", None) if engine is not None else None
     if d is None:
@@ -625,12 +621,6 @@ def seconds_at(step: float, ms: float, dense_ms: Optional[float] = None, dense_s
                 dj = s0 * (d / s0) ** (j / w)
                 extra += f * (dense_ms - ms) * min(1.0, max(0.0, (dj - d) / (s0 - d)))
     return (dense * dense_ms + (step - dense) * ms + extra) / 1e3
-
-
-def link_mbit(link: Optional[str]) -> Optional[float]:
-    """'100mbit' -> 100, '1gbit' -> 1000, 'unthrottled' or None -> None (tc's rate units)."""
-    m = re.fullmatch(r"([\d.]+)([kmg]?)bit", (link or "").lower())
-    return float(m.group(1)) * {"": 1e-6, "k": 1e-3, "m": 1.0, "g": 1e3}[m.group(2)] if m else None
 
 
 def _check_same_setup(records: Sequence[dict]) -> None:
