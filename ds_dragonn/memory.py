@@ -21,7 +21,7 @@ COMPONENTS = (
     (".error_feedback._work", "residual working copy"), (".error_feedback.residuals", "residual"),
     (".momentum._work", "momentum working copy"), (".momentum.momenta", "momentum"),
     ("decoder._acc", "decode accumulator"), ("decoder._out", "decode buffer"),
-    (".frozen", "frozen variance"), (".known", "known mask"),
+    (".frozen", "frozen variance"),
     (".server._work", "server residual working copy"), (".server.residuals", "server residual"),
     ("._undo", "server undo log"),
 )
@@ -149,7 +149,6 @@ def budget(compress: str, wire: torch.dtype, transactional: bool, stage: int = 0
             out["momentum working copy"] = 4.0 / per_node
         zero_parts = world if stage >= 1 else 1
         out["frozen variance"] = 4.0 / zero_parts
-        out["known mask"] = 1.0 / zero_parts
     if not decode_into:
         out["decode buffer"] = torch.empty(0, dtype=wire).element_size() / per_node
     if wire == torch.float16:

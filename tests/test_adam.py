@@ -90,3 +90,55 @@ def test_hook_freezes_only_in_the_momentum_mode(block, active):
     engine = fake_engine(optimizer=torch.optim.Adam([p]))
     hook = HookBase(engine, DragonnConfig(enabled=True, **block))
     assert (hook.variance_freeze is not None) == active
+
+
+class FusedAdam(torch.optim.Optimizer):
+    """DeepSpeed's FusedAdam as it counts steps (deepspeed/ops/adam/fused_adam.py, 0.19.8): a new state starts at
+    the group's count (0), only the last parameter's ``state["step"]`` is incremented, and that count is the bias
+    correction of the whole group (checked against the real one: ``[0, 0, 3]`` after 3 steps of 3 tensors)."""
+
+    def __init__(self, params, lr=0.01, betas=(0.9, 0.999), eps=1e-8):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, bias_correction=True))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            ps = [p for p in group["params"] if p.grad is not None]
+            for p in ps:
+                if not self.state[p]:
+                    self.state[p].update(step=group.get("step", 0), exp_avg=torch.zeros_like(p),
+                                         exp_avg_sq=torch.zeros_like(p))
+            if not ps:
+                continue
+            self.state[ps[-1]]["step"] += 1
+            t = self.state[ps[-1]]["step"]
+            (b1, b2), lr, eps = group["betas"], group["lr"], group["eps"]
+            for p in ps:
+                m, v = self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"]
+                m.mul_(b1).add_(p.grad, alpha=1 - b1)
+                v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                p.addcdiv_(m / (1 - b1 ** t), (v / (1 - b2 ** t)).sqrt().add_(eps), value=-lr)
+
+
+def test_fused_adams_shared_step_count_freezes_every_tensor():
+    """FusedAdam leaves every count but the last tensor's at 0: the freeze reads the group's count, so every
+    tensor with gradient gets its variance frozen (bias-corrected with the count the kernel used), none keeps
+    Adam's own update."""
+    a, b = torch.nn.Parameter(torch.randn(4, dtype=torch.float64)), torch.nn.Parameter(torch.randn(3, dtype=torch.float64))
+    opt = FusedAdam([a, b], betas=(0.9, 0.99))
+    engine = SimpleNamespace(optimizer=opt, global_steps=0)
+    freeze = VarianceFreeze(engine, freeze_step=3)
+    freeze.arm()
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        for p in (a, b):
+            p.grad = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+        opt.step()
+        engine.global_steps += 1
+    assert [opt.state[p]["step"] for p in (a, b)] == [0, 3]  # as DeepSpeed's
+    for p in (a, b):
+        p.grad = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+    opt.step()  # the freeze records V̂ before this step
+    assert [tuple(p.shape) for p in freeze.params] == [(4,), (3,)] and freeze.unknown() == 0
+    # the momentum step sets Adam's moments so that its update divides by the frozen V̂, whose count is 3
+    assert [tuple(v.shape) for v in freeze.frozen] == [(4,), (3,)]

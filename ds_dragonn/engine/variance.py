@@ -45,9 +45,21 @@ def _step_count(state: dict) -> Optional[float]:
     return float(step.item() if torch.is_tensor(step) else step)
 
 
-def _own_vhat(state: dict, beta2: float, corrected: bool) -> Optional[torch.Tensor]:
-    """Adam's own bias-corrected variance of a parameter (None without Adam state)."""
-    t = _step_count(state)
+def _group_steps(optimizer: Any, params) -> Optional[float]:
+    """The step count DeepSpeed's ``FusedAdam`` applies to every parameter of a group, or None for an optimizer
+    that counts per parameter (``torch.optim.Adam``/``AdamW``). FusedAdam increments ``state["step"]`` of the last
+    parameter of each dtype list only and passes that count to its kernel for the whole list
+    (deepspeed/ops/adam/fused_adam.py); the other parameters' counts stay where they started."""
+    if type(optimizer).__name__ != "FusedAdam":
+        return None
+    counts = [_step_count(optimizer.state.get(p, {})) for p in params]
+    return max((c for c in counts if c is not None), default=None)
+
+
+def _own_vhat(state: dict, beta2: float, corrected: bool, t: Optional[float] = None) -> Optional[torch.Tensor]:
+    """Adam's own bias-corrected variance of a parameter (None without Adam state); ``t``: its step count
+    (None: ``state["step"]``)."""
+    t = _step_count(state) if t is None and "exp_avg_sq" in state else t
     if "exp_avg_sq" not in state or not t:
         return None
     return state["exp_avg_sq"].detach() / bias_correction2(beta2, t, corrected)
@@ -76,8 +88,9 @@ class VarianceFreeze:
         self.refreshed = 0  # refreshes applied (this process)
         self._refreshed_at: Optional[int] = None  # the step of the last refresh (ZeRO-3 calls the hook per sub-group)
         self.optimizer = base_optimizer(engine)
-        self.frozen: Optional[List[torch.Tensor]] = None  # V̂ per entry of self.params (None: not frozen yet)
-        self.known: List[torch.Tensor] = []  # bool mask per entry: the elements V̂ is an estimate for
+        # V̂ per entry of self.params (None: not frozen yet); exactly 0 where the element is not known (no
+        # variance yet): the known mask is derived from it (``variance_math.known_mask``), not stored
+        self.frozen: Optional[List[torch.Tensor]] = None
         self.params: List[torch.nn.Parameter] = []
         self._index: Dict[int, int] = {}
         # (any, all) of each known mask, read back once after it changes (not at every step)
@@ -95,6 +108,11 @@ class VarianceFreeze:
     def arm(self) -> None:
         """A bucket sent the momentum this step: from now on the variance may be frozen."""
         self.armed = True
+
+    @property
+    def known(self) -> List[torch.Tensor]:
+        """Bool mask per entry: the elements V̂ is an estimate for (``V̂ > 0``; derived, a transient)."""
+        return [known_mask(v) for v in self.frozen or []]
 
     def unknown(self) -> int:
         """Elements that keep Adam's own update (no frozen variance yet)."""
@@ -115,22 +133,25 @@ class VarianceFreeze:
         for group in optimizer.param_groups:
             beta1, beta2 = float(group["betas"][0]), float(group["betas"][1])
             corrected = group.get("bias_correction", True)  # DeepSpeed's FusedAdam may turn it off
+            shared = _group_steps(optimizer, group["params"])
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 i = self._index.get(id(p))
                 if i is None:  # first gradient after the freeze: Adam's own update until a refresh
-                    i, new = self._append(p, torch.zeros_like(p, dtype=residual_dtype(p.dtype)), known=False), new + 1
+                    i, new = self._append(p, torch.zeros_like(p, dtype=residual_dtype(p.dtype))), new + 1
                 state = optimizer.state.get(p, {})
-                t = _step_count(state)
+                t = shared if shared is not None and "exp_avg_sq" in state else _step_count(state)
                 if refreshing:
-                    joined += refresh_(self.frozen[i], self.known[i], p.grad.detach(),
-                                       _own_vhat(state, beta2, corrected), self.decay(beta2), self.fraction)
-                    no_update_(state, self.frozen[i], self.known[i], p.grad, beta2, corrected, t)
+                    known = known_mask(self.frozen[i])
+                    joined += refresh_(self.frozen[i], known, p.grad.detach(),
+                                       _own_vhat(state, beta2, corrected, t), self.decay(beta2), self.fraction)
+                    no_update_(state, self.frozen[i], known, p.grad, beta2, corrected, t)
                 elif t is not None and "exp_avg_sq" in state and self._coverage(i)[0]:
-                    momentum_step_(state, p.grad, self.frozen[i], self.known[i], beta1, beta2,
-                                   bias_correction2(beta2, t + 1.0, corrected), float(group.get("eps", 1e-8)),
-                                   all_known=self._coverage(i)[1])
+                    every = self._coverage(i)[1]  # all known: no mask needed
+                    momentum_step_(state, p.grad, self.frozen[i], None if every else known_mask(self.frozen[i]),
+                                   beta1, beta2, bias_correction2(beta2, t + 1.0, corrected),
+                                   float(group.get("eps", 1e-8)), all_known=every)
         if refreshing:  # refresh_ may have grown the known masks
             self._cover.clear()
         self._log(step, refreshing, new, joined)
@@ -155,31 +176,33 @@ class VarianceFreeze:
         """(any, all) of entry ``i``'s known mask; one read-back, cached until the mask changes."""
         cover = self._cover.get(i)
         if cover is None:
-            k = self.known[i]
+            k = known_mask(self.frozen[i])
             cover = self._cover[i] = tuple(torch.stack([k.any(), k.all()]).tolist())
         return cover
 
-    def _append(self, p: torch.Tensor, frozen: torch.Tensor, known: Any) -> int:
+    def _append(self, p: torch.Tensor, frozen: torch.Tensor) -> int:
+        """Add ``p`` with its frozen ``V̂`` (0 where it has none: not known)."""
         self._cover.pop(len(self.params), None)
         self.params.append(p)
         self.frozen.append(frozen)
-        self.known.append(known if torch.is_tensor(known) else torch.full_like(frozen, bool(known), dtype=torch.bool))
         self._index[id(p)] = len(self.params) - 1
         return self._index[id(p)]
 
     def _record(self, optimizer) -> None:
         """Record ``V̂ = v / (1 − β2^t)`` and its known elements for every parameter with Adam state (every
         sub-group's at ZeRO-3, whose groups hold one sub-group at a time: ``adam.optimizer_params``)."""
-        self.params, self.frozen, self.known, self._index = [], [], [], {}
+        self.params, self.frozen, self._index = [], [], {}
         self._cover.clear()
         for group, params in zip(optimizer.param_groups, optimizer_params(self.engine, optimizer)):
             beta2, corrected = float(group["betas"][1]), group.get("bias_correction", True)
+            shared = _group_steps(optimizer, params)
             for p in params:
-                vhat = _own_vhat(optimizer.state.get(p, {}), beta2, corrected) if 0.0 < beta2 < 1.0 else None
+                vhat = (_own_vhat(optimizer.state.get(p, {}), beta2, corrected, shared) if 0.0 < beta2 < 1.0
+                        else None)
                 if vhat is None:
                     continue
-                known = known_mask(vhat)
-                self._append(p, floor_variance_(vhat.clone(), self.fraction, known), known)
+                # the floor raises the known elements only: the others stay exactly 0 (not known)
+                self._append(p, floor_variance_(vhat.clone(), self.fraction, known_mask(vhat)))
         total = sum(v.numel() for v in self.frozen)
         quiet = self.unknown()
         extra = (f"; {quiet} element(s) without gradient in the warm-up keep Adam's own update until a variance refresh"
@@ -189,24 +212,23 @@ class VarianceFreeze:
 
     def reset(self) -> None:
         """Record ``V̂`` again at the next step (a checkpoint load replaced the optimizer state)."""
-        self.frozen, self.params, self.known, self._index = None, [], [], {}
+        self.frozen, self.params, self._index = None, [], {}
         self._cover.clear()
 
     def state_dict(self) -> dict:
-        """The frozen ``V̂`` and known masks (None before the freeze), in the optimizer's parameter order, and
-        whether armed: saved with this rank's DRAGONN state, so that a resumed run divides by exactly the same
+        """The frozen ``V̂`` (None before the freeze; its zeros are the elements not known), in the optimizer's
+        parameter order, and whether armed: saved with this rank's DRAGONN state, so that a resumed run divides by exactly the same
         values (recomputing them from ``exp_avg_sq`` would round differently)."""
         if self.frozen is None or self.optimizer is None:
             return {"armed": self.armed, "frozen": None}
         where = {id(p): (gi, pi) for gi, ps in enumerate(optimizer_params(self.engine, self.optimizer))
                  for pi, p in enumerate(ps)}
         return {"armed": self.armed, "frozen": [v.detach().clone() for v in self.frozen],
-                "known": [k.clone() for k in self.known], "positions": [where.get(id(p)) for p in self.params]}
+                "positions": [where.get(id(p)) for p in self.params]}
 
     def load_state_dict(self, state: Optional[dict]) -> None:
         """Restore :meth:`state_dict` onto the optimizer's parameters; where they do not match (another model
-        or partitioning) ``V̂`` is recorded again at the next step. A state without masks (saved before they
-        existed) knows every element."""
+        or partitioning) ``V̂`` is recorded again at the next step."""
         self.reset()
         if not state:
             return
@@ -215,18 +237,15 @@ class VarianceFreeze:
         if frozen is None or self.optimizer is None:
             return
         groups = optimizer_params(self.engine, self.optimizer)
-        known = state.get("known") or [torch.ones(v.shape, dtype=torch.bool) for v in frozen]
         try:
             params = [groups[gi][pi] for gi, pi in state.get("positions") or []]
         except (IndexError, TypeError, ValueError, KeyError):
             return
-        if len(params) != len(frozen) or len(known) != len(frozen) or any(
-                v.shape != p.shape or k.shape != p.shape for v, k, p in zip(frozen, known, params)):
+        if len(params) != len(frozen) or any(v.shape != p.shape for v, p in zip(frozen, params)):
             return
         self.frozen = []
-        for p, v, k in zip(params, frozen, known):  # copies: refreshes change V̂ in place
-            self._append(p, v.to(device=p.device, dtype=residual_dtype(p.dtype), copy=True),
-                         k.to(device=p.device, dtype=torch.bool, copy=True))
+        for p, v in zip(params, frozen):  # copies: refreshes change V̂ in place
+            self._append(p, v.to(device=p.device, dtype=residual_dtype(p.dtype), copy=True))
 
 
 __all__ = ["VarianceFreeze"]

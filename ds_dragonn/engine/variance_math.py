@@ -55,7 +55,7 @@ def bias_correction2(beta2: float, t: float, corrected: bool) -> float:
     return (1.0 - beta2 ** t) if corrected else 1.0
 
 
-def momentum_step_(state: dict, g: torch.Tensor, frozen: torch.Tensor, known: torch.Tensor, beta1: float,
+def momentum_step_(state: dict, g: torch.Tensor, frozen: torch.Tensor, known: Optional[torch.Tensor], beta1: float,
                    beta2: float, c2: float, eps: float, all_known: Optional[bool] = None) -> None:
     """Set Adam's moments of the ``known`` elements so that its update is ``lr · (g / c1) / (sqrt(V̂) + eps)``:
     ``g`` (the averaged momentum) divided by the frozen denominator. The variance lands on
@@ -67,6 +67,7 @@ def momentum_step_(state: dict, g: torch.Tensor, frozen: torch.Tensor, known: to
         state: Adam's per-parameter state (``exp_avg``, ``exp_avg_sq``), changed in place.
         g: the gradient Adam is about to apply (the averaged momentum), ``frozen``'s shape.
         c2: ``1 − β2^(t+1)`` of the step Adam is about to take.
+        known: the known mask (may be None where ``all_known`` is True).
         all_known: ``known.all()`` where the caller already holds it on the host (None: read it back here).
     """
     v, m = state["exp_avg_sq"], state["exp_avg"]
