@@ -79,9 +79,15 @@ def disable(engine: Any = None) -> None:
             optimizer and overflow checker is removed (``engine/teardown.py`` ``unhook``), so its next
             steps reduce densely; the hook's residuals are dropped. Call it between steps, on every rank.
             Without it, engines built meanwhile keep their compression.
+
+    Raises:
+        TypeError: ``engine`` is not a DeepSpeed engine (no ``module`` and ``optimizer``).
     """
     global _DEEPSPEED_INITIALIZE
     import deepspeed
+    if engine is not None and not (hasattr(engine, "module") and hasattr(engine, "optimizer")):
+        raise TypeError(f"ds_dragonn.disable(engine): expected the DeepSpeed engine that ds_dragonn.initialize "
+                        f"returned, got {type(engine).__name__}")
     if engine is not None:
         from deepspeed.utils import logger
 
@@ -192,11 +198,14 @@ def _engine_facts(engine: Any, facts: plan_mod.Facts, cfg: DragonnConfig) -> pla
     hooked = {0: True, 1: hasattr(opt, "average_tensor"), 2: hasattr(opt, "average_tensor"),
               3: hasattr(opt, HOOKED)}.get(stage, False)
     reduce_scatter = bool(getattr(opt, "reduce_scatter", True)) if stage in (1, 2, 3) and hooked else True
+    contiguous = bool(getattr(opt, "contiguous_gradients", True)) if stage in (1, 2) and hooked else True
     serves = cfg.compress != CompressTarget.gradient and cfg.sync != SyncMode.local_steps
     return facts.updated(stage=stage, optimizer=type(opt).__name__, hooked_optimizer=hooked,
-                         reduce_scatter=reduce_scatter, momentum_refusal=(momentum_refusal(engine) or "") if serves
-                         else None, bf16_optimizer=isinstance(opt, BF16_Optimizer),
-                         may_skip_steps=may_skip_steps(engine))
+                         reduce_scatter=reduce_scatter, contiguous_gradients=contiguous,
+                         momentum_refusal=(momentum_refusal(engine) or "") if serves else None,
+                         bf16_optimizer=isinstance(opt, BF16_Optimizer),
+                         may_skip_steps=may_skip_steps(engine),
+                         device=getattr(engine.device, "type", str(engine.device).split(":")[0]))
 
 
 def _install(engine: Any, cfg: DragonnConfig, facts: plan_mod.Facts) -> None:
@@ -295,6 +304,15 @@ _LOCAL_KEYS = {"dragonn.log_interval", "dragonn.comm_timeout_s"}
 _DS_AGREED = ("gradient_accumulation_steps", "train_micro_batch_size_per_gpu", "train_batch_size")
 
 
+def _flat(d: dict, prefix: str):
+    """(dotted key, value) of a nested dict: a mismatch names ``dragonn.advanced.kernel``, not the whole object."""
+    for k, v in d.items():
+        if isinstance(v, dict):
+            yield from _flat(v, f"{prefix}.{k}")
+        else:
+            yield f"{prefix}.{k}", v
+
+
 def check_ranks_agree(cfg: Optional[DragonnConfig], zero_stage: int, group: Any = None,
                       refusal: Optional[BaseException] = None, ds_config: Optional[dict] = None) -> None:
     """Compare every rank's DRAGONN settings (one ``all_gather_object``); raise on every rank when they differ
@@ -317,8 +335,8 @@ def check_ranks_agree(cfg: Optional[DragonnConfig], zero_stage: int, group: Any 
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group=group) == 1:
         return
-    mine = {"settings": None if cfg is None else {f"dragonn.{k}": v for k, v in cfg.model_dump(mode="json").items()
-                                                  if f"dragonn.{k}" not in _LOCAL_KEYS},
+    mine = {"settings": None if cfg is None else {k: v for k, v in _flat(cfg.model_dump(mode="json"), "dragonn")
+                                                  if k not in _LOCAL_KEYS},
             "enabled": bool(cfg is not None and cfg.enabled), "stage": zero_stage,
             "ds": {k: (ds_config or {}).get(k) for k in _DS_AGREED},
             "refusal": None if refusal is None else f"{type(refusal).__name__}: {refusal}"}

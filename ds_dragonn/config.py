@@ -168,13 +168,24 @@ def _json(value: Any) -> str:
 
 
 def _refuse_misplaced_keys(data: Any) -> Any:
-    """``data``, or ValueError naming the first advanced key it sets at the top level (and where it belongs)."""
+    """``data``, or ValueError naming the first key that is not a string, the first advanced key it sets at the
+    top level, or the first top-level key set under ``advanced`` (and where each belongs)."""
     if not isinstance(data, Mapping):
         return data
     for key in data:
+        if not isinstance(key, str):
+            raise ValueError(f"'{DRAGONN_KEY}' keys are strings; got the key {key!r} ({type(key).__name__})")
         if key in ADVANCED_KEYS:
             raise ValueError(f"'{DRAGONN_KEY}.{key}' belongs under 'advanced': write \"advanced\": "
                              f"{{{json.dumps(key)}: {_json(data[key])}}} (docs/config.md#advanced)")
+    advanced = data.get("advanced")
+    if isinstance(advanced, Mapping):
+        for key in advanced:
+            if not isinstance(key, str):
+                raise ValueError(f"'{DRAGONN_KEY}.advanced' keys are strings; got the key {key!r}")
+            if key in DragonnConfig.model_fields and key != "advanced":
+                raise ValueError(f"'{DRAGONN_KEY}.advanced.{key}' is a top-level key of the block: write "
+                                 f"\"{key}\": {_json(advanced[key])} beside \"enabled\" (docs/config.md)")
     return data
 
 
@@ -315,6 +326,11 @@ class DragonnConfig(DeepSpeedConfigModel):
         """
         cfg = load_ds_config(ds_config)
         if DRAGONN_KEY not in cfg:
+            near = [k for k in cfg if isinstance(k, str) and difflib.get_close_matches(k.lower(), [DRAGONN_KEY], 1, 0.8)]
+            if near:  # e.g. "Dragonn", "dragon": DeepSpeed ignores it, so the run would be silently dense
+                from deepspeed.utils import logger
+                logger.warning(f"DRAGONN: the DeepSpeed config has a key {near[0]!r} but no {DRAGONN_KEY!r}: "
+                               f"compression is off. Did you mean {DRAGONN_KEY!r}?")
             return cls()
         block = cfg[DRAGONN_KEY]
         if block is None:
@@ -322,6 +338,9 @@ class DragonnConfig(DeepSpeedConfigModel):
                                      f'{{"enabled": false}} or {{"enabled": true, "density": 0.01}}, or remove the key')
         if not isinstance(block, Mapping):
             raise DragonnConfigError(f"'{DRAGONN_KEY}' must be a JSON object, got {type(block).__name__}: {block!r}")
+        odd = [k for k in block if not isinstance(k, str)]
+        if odd:
+            raise DragonnConfigError(f"'{DRAGONN_KEY}' keys are strings; got the key {odd[0]!r} ({type(odd[0]).__name__})")
         try:
             return cls(strict=True, **dict(block))
         except ValidationError as err:

@@ -21,6 +21,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
+from pydantic import TypeAdapter, ValidationError
+
 #: the momentum mode's own settings (refused or ignored where that mode does not run)
 MOMENTUM_KEYS = ("variance_refresh_steps",)
 #: the local-steps mode's own settings
@@ -30,6 +32,20 @@ _OFFLOAD_KEYS = {1: ("offload_optimizer", "offload_param", "cpu_offload"),
                  2: ("offload_optimizer", "offload_param", "cpu_offload"),
                  3: ("offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_param")}
 PHASES = ("config", "start", "engine", "layout")
+
+
+_BOOL = TypeAdapter(bool)
+
+
+def flag(value: Any, default: bool) -> bool:
+    """A DeepSpeed config switch as DeepSpeed reads it (its config models are pydantic: ``"false"``, ``0``,
+    ``"off"`` are false); ``default`` where it is absent (None) or not a boolean (DeepSpeed refuses that itself)."""
+    if value is None:
+        return default
+    try:
+        return _BOOL.validate_python(value)
+    except ValidationError:
+        return default
 
 
 class DragonnUnsupportedError(ValueError):
@@ -47,13 +63,14 @@ class Facts:
         zero: the ``zero_optimization`` dict ({} for the legacy bool/int form).
         ds_config: the whole DeepSpeed config.
         pipeline_model: the model is a ``deepspeed.pipe.PipelineModule``.
-        reduce_scatter: whether ZeRO reduces with a reduce-scatter (the config's key at start; the
-            optimizer's attribute once built: a string "false" is true-ish in JSON but not there).
+        reduce_scatter / contiguous_gradients: ZeRO's switches (the config's keys at start, read as DeepSpeed
+            reads them: :func:`flag`; the optimizer's attributes once built).
         optimizer: the class name of the engine's optimizer (the ZeRO wrapper where there is one).
         hooked_optimizer: the optimizer has the methods the stage's hook replaces.
         momentum_refusal: why the momentum mode cannot serve the optimizer ("" where it can).
         bf16_optimizer: DeepSpeed runs its ``BF16_Optimizer`` (bf16 with fp32 gradient accumulation).
         may_skip_steps: DeepSpeed may skip a step on overflow (fp16, or bf16 with overflow checks).
+        device: the engine's device type (``"cuda"``, ``"cpu"``, ...).
         hook_name / supports_hierarchy / dp_world / world: the hook and its data-parallel group (layout phase).
     """
     stage: int = 0
@@ -61,11 +78,13 @@ class Facts:
     ds_config: Mapping[str, Any] = field(default_factory=dict)
     pipeline_model: bool = False
     reduce_scatter: Optional[bool] = None
+    contiguous_gradients: Optional[bool] = None
     optimizer: Optional[str] = None
     hooked_optimizer: Optional[bool] = None
     momentum_refusal: Optional[str] = None
     bf16_optimizer: Optional[bool] = None
     may_skip_steps: Optional[bool] = None
+    device: Optional[str] = None
     hook_name: Optional[str] = None
     supports_hierarchy: Optional[bool] = None
     dp_world: Optional[int] = None
@@ -75,10 +94,10 @@ class Facts:
     def from_ds_config(cls, ds_config: Mapping[str, Any], pipeline_model: bool = False) -> "Facts":
         """The facts known before DeepSpeed starts."""
         zero = ds_config.get("zero_optimization") or {}
-        return cls(stage=zero_stage(zero), zero=zero if isinstance(zero, Mapping) else {}, ds_config=ds_config,
-                   pipeline_model=pipeline_model,
-                   reduce_scatter=(zero.get("reduce_scatter", True) is not False) if isinstance(zero, Mapping)
-                   else True)
+        zero = zero if isinstance(zero, Mapping) else {}
+        return cls(stage=zero_stage(ds_config.get("zero_optimization") or {}), zero=zero, ds_config=ds_config,
+                   pipeline_model=pipeline_model, reduce_scatter=flag(zero.get("reduce_scatter"), True),
+                   contiguous_gradients=flag(zero.get("contiguous_gradients"), True))
 
     def updated(self, **changes: Any) -> "Facts":
         return dataclasses.replace(self, **changes)
@@ -116,8 +135,11 @@ def _offload(f: Facts) -> Optional[Tuple[str, Any]]:
 
 
 def _bf16_fp32_accum(f: Facts) -> bool:
-    bf16 = (f.ds_config.get("bf16") or {}).get("enabled") is True
-    accum = str((f.ds_config.get("data_types") or {}).get("grad_accum_dtype", "")).lower()
+    if f.stage == 1 and f.bf16_optimizer:  # the engine phase: what DeepSpeed built
+        return True
+    block = f.ds_config.get("bf16") or {}
+    bf16 = flag(block.get("enabled"), False) if isinstance(block, Mapping) else False
+    accum = str((f.ds_config.get("data_types") or {}).get("grad_accum_dtype", "")).lower().replace("torch.", "")
     return f.stage == 1 and bf16 and accum in ("fp32", "float32", "float") and not f.zero.get("offload_optimizer")
 
 
@@ -140,6 +162,11 @@ class Rule:
     phases: Tuple[str, ...]
     when: Callable[[Any, Facts], Any]
     message: Callable[[Any, Facts], str]
+
+
+def _triton_interpret() -> bool:
+    import os
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _given_local(cfg: Any) -> List[str]:
@@ -206,13 +233,13 @@ RULES: Tuple[Rule, ...] = (
          lambda c, f: f"'dragonn' with ZeRO stage {f.stage} compresses the gradient reduce-scatter, but "
                       f"'zero_optimization.reduce_scatter' is false (a dense allreduce the hook does not see); "
                       f"remove the key or set it to true"),
-    Rule("zero1_bf16_fp32_accum", ("start",),
+    Rule("zero1_bf16_fp32_accum", ("start", "engine"),
          lambda c, f: _bf16_fp32_accum(f),
          lambda c, f: "'dragonn' with ZeRO stage 1, bf16 and 'data_types.grad_accum_dtype': 'fp32': DeepSpeed runs "
                       "its BF16_Optimizer there, whose gradient reduction ds_dragonn does not hook. Use ZeRO stage 2 "
                       "(which supports fp32 accumulation) or drop 'grad_accum_dtype'"),
-    Rule("contiguous_gradients_off", ("start",),
-         lambda c, f: f.stage in (1, 2) and f.zero.get("contiguous_gradients", True) is False,
+    Rule("contiguous_gradients_off", ("start", "engine"),
+         lambda c, f: f.stage in (1, 2) and f.contiguous_gradients is False,
          lambda c, f: f"'dragonn' with ZeRO stage {f.stage} compresses the contiguous gradient buckets; "
                       f"'zero_optimization.contiguous_gradients' is false (DeepSpeed then reduces gradient lists "
                       f"through another path, which would stay dense). Remove the key or set it to true"),
@@ -235,6 +262,11 @@ RULES: Tuple[Rule, ...] = (
          lambda c, f: (f"'dragonn' at ZeRO stage 3 hooks DeepSpeedZeroOptimizer_Stage3; the engine runs {f.optimizer}"
                        if f.stage == 3 else f"'dragonn' supports ZeRO stages 0-3; the engine runs stage {f.stage} "
                                             f"with {f.optimizer}")),
+    Rule("kernel_device", ("engine",),
+         lambda c, f: _v(c.kernel) == "triton" and f.device is not None and f.device != "cuda"
+         and not (f.device == "cpu" and _triton_interpret()),
+         lambda c, f: f"'dragonn.advanced.kernel': 'triton' needs a CUDA device (or TRITON_INTERPRET=1 on CPU); "
+                      f"the engine runs on {f.device}. Use 'auto' (the C++ library on CPU) or 'cpu'"),
     Rule("momentum_optimizer", ("engine",),
          lambda c, f: c.compress == "momentum" and c.sync != "local_steps" and f.momentum_refusal,
          lambda c, f: f"'dragonn.compress': 'momentum' {f.momentum_refusal}. Use 'compress': 'gradient' with it"),
@@ -355,4 +387,4 @@ def resolve(cfg: Any, facts: Facts) -> Plan:
 
 
 __all__ = ["DragonnUnsupportedError", "Facts", "LOCAL_STEPS_KEYS", "MOMENTUM_KEYS", "PHASES", "Plan", "RULES",
-           "Rule", "check", "node_unsupported", "refusal", "resolve", "resolve_compress", "zero_stage"]
+           "Rule", "check", "flag", "node_unsupported", "refusal", "resolve", "resolve_compress", "zero_stage"]

@@ -189,7 +189,7 @@ def print_table(rows: list, measure: str) -> None:
     for r in rows:
         head = [str(r["stage"]), r["dtype"], r["layout"], r["mode"]]
         if "error" in r:
-            body.append(head + ["", r["error"][:60]] + [""] * (len(header) - 6))
+            body.append(head + ["", " ".join(r["error"].split())[-120:]] + [""] * (len(header) - 6))
             continue
         body.append(head + [str(r["transactional"])[0], f"{r['exact_bpp']:.2f}"]
                     + ([f"{r.get('dense_steady_mb', float('nan')):.0f}", f"{r.get('extra_steady_bpp', 0):+.1f}",
@@ -216,24 +216,46 @@ def plot(rows: list, measure: str, path: Path) -> None:
     save_figure(fig, path)
 
 
+def _choices(allowed, kind=str):
+    """An argparse type: a comma-separated list, each item one of ``allowed``."""
+    def parse(text: str) -> list:
+        items = [kind(v) if kind is not int or v.strip().isdigit() else v for v in text.split(",") if v.strip()]
+        bad = [v for v in items if v not in allowed]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"{text!r}: each of {', '.join(map(str, allowed))} (comma-separated)")
+        return items
+    return parse
+
+
+def _layers(text: str) -> tuple:
+    from launch.bench.common import parse_layers
+    try:
+        layers = parse_layers(text)
+    except ValueError:
+        layers = ()
+    if len(layers) < 2 or min(layers) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: MLP widths, at least two positive ints (e.g. 64,256,10)")
+    return layers
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--measure", choices=("exact", "rss"), default="exact")
-    ap.add_argument("--layers", default=None, help="MLP widths (exact: 64,256,10; rss: 784,4096,3072,10 = 15.8 M)")
+    ap.add_argument("--layers", type=_layers, default=None, help="MLP widths (exact: 64,256,10; rss: 784,4096,3072,10 = 15.8 M)")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2, help="dense warm-up steps (the momentum mode freezes after)")
-    ap.add_argument("--stages", default="0,1,2,3")
-    ap.add_argument("--dtypes", default="bf16,fp32")
-    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--stages", type=_choices((0, 1, 2, 3), int), default=[0, 1, 2, 3], help="ZeRO stages, e.g. 0,2")
+    ap.add_argument("--dtypes", type=_choices(("bf16", "fp32")), default=["bf16", "fp32"])
+    ap.add_argument("--modes", type=_choices(MODES), default=list(MODES))
     ap.add_argument("--node", action="store_true", help="also 2 x 2 node-aware (4 ranks)")
     ap.add_argument("--out", default=str(REPO / "docs/results/memory"))
     ap.add_argument("--tag", default="", help="suffix of the output files (e.g. _before)")
     ap.add_argument("--timeout", type=float, default=1800)
     args = ap.parse_args()
-    from launch.bench.common import parse_layers
-    layers = parse_layers(args.layers or ("64,256,10" if args.measure == "exact" else "784,4096,3072,10"))
-    stages = [int(s) for s in args.stages.split(",")]
-    dtypes, modes = args.dtypes.split(","), tuple(args.modes.split(","))
+    if args.steps < 1 or args.warmup < 0:
+        ap.error(f"--steps must be >= 1 and --warmup >= 0 (got {args.steps}, {args.warmup})")
+    layers = args.layers or _layers("64,256,10" if args.measure == "exact" else "784,4096,3072,10")
+    stages, dtypes, modes = args.stages, args.dtypes, tuple(args.modes)
     out = Path(args.out)
     tmp = Path(tempfile.mkdtemp(prefix="bench_memory_"))
     results = []

@@ -14,6 +14,8 @@ DISAGREE = {  # name -> per-rank "dragonn" blocks (rank r takes entry r % 2)
     "warmup_steps": [{"enabled": True, "warmup_steps": 0}, {"enabled": True, "warmup_steps": 3}],
     "zero_stage": [{"enabled": True}, {"enabled": True}],  # stage 0 on rank 0, stage 2 on the others
     "gradient_accumulation_steps": [{"enabled": True}, {"enabled": True}],  # 1 on rank 0, 2 on the others
+    # a nested key is named by its dotted path, not as the whole "advanced" object
+    "advanced.max_age": [{"enabled": True, "advanced": {"max_age": 0}}, {"enabled": True, "advanced": {"max_age": 50}}],
 }
 REFUSED_ON_ONE_RANK = {  # rank 0 fine, the others refuse: every rank must stop at once, none may hang
     "invalid_key": [{"enabled": True}, {"enabled": True, "densty": 0.1}],

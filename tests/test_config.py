@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -159,3 +160,25 @@ def test_null_block_is_an_error_not_silently_off():
     with pytest.raises(DragonnConfigError, match="'dragonn' is null"):
         DragonnConfig.from_ds_config({"train_batch_size": 1, "dragonn": None})
     assert DragonnConfig.from_ds_config({"train_batch_size": 1}).enabled is False  # absent: off
+
+
+@pytest.mark.parametrize("block, piece", [
+    ({1: 2}, "'dragonn' keys are strings; got the key 1"),
+    ({"enabled": True, "advanced": {"density": 0.1}}, "'dragonn.advanced.density' is a top-level key"),
+    ({"enabled": True, "advanced": {3: 1}}, "'dragonn.advanced' keys are strings"),
+])
+def test_misplaced_and_non_string_keys_are_named(block, piece):
+    with pytest.raises(DragonnConfigError, match=re.escape(piece)):
+        DragonnConfig.from_ds_config({"dragonn": block})
+
+
+def test_a_near_miss_block_name_warns_that_compression_is_off(caplog):
+    import logging
+    from deepspeed.utils import logger
+    logger.propagate, before = True, logger.propagate
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert not DragonnConfig.from_ds_config({"Dragonn": {"enabled": True}}).enabled
+    finally:
+        logger.propagate = before
+    assert "'Dragonn' but no 'dragonn'" in caplog.text

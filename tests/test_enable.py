@@ -79,3 +79,10 @@ def test_python_m_ds_dragonn_prints_the_environment_report():
     assert proc.returncode == 0, proc.stderr
     rows = {line.split()[0] for line in proc.stdout.splitlines() if line.strip()}
     assert {"python", "ds_dragonn", "torch", "deepspeed", "cpu", "triton", "mpi", "transformers"} <= rows, proc.stdout
+
+
+@pytest.mark.parametrize("engine", ["x", object(), 3])
+def test_disable_of_something_that_is_not_an_engine_says_what_it_expected(engine):
+    import ds_dragonn
+    with pytest.raises(TypeError, match="expected the DeepSpeed engine that ds_dragonn.initialize returned"):
+        ds_dragonn.disable(engine)

@@ -71,6 +71,8 @@ REFUSED = {
                                                            momentum_refusal="needs Adam's update (SGD)"),
                            "engine", "'dragonn.compress': 'momentum' needs Adam's update (SGD)"),
     "local_steps_bf16_optimizer": ({"sync": "local_steps"}, Facts(bf16_optimizer=True), "engine", "BF16_Optimizer"),
+    "kernel_device": ({"advanced": {"kernel": "triton"}}, Facts(device="cpu"), "engine",
+                      "'dragonn.advanced.kernel': 'triton' needs a CUDA device"),
     "node_layout": ({"hierarchy": "node", "advanced": {"ranks_per_node": 2}},
                     Facts(hook_name="ZeRO stage 0", supports_hierarchy=True, dp_world=4, world=8), "layout",
                     "'dragonn.hierarchy': 'node': the data-parallel group (4 ranks) is not the world (8)"),
@@ -108,8 +110,9 @@ def test_reduce_scatter_false_is_one_row_at_every_stage_and_read_from_the_built_
     for stage in (1, 2, 3):
         found = refusal(_cfg({}), _ds(zero_optimization={"stage": stage, "reduce_scatter": False}), "start")
         assert found[0].name == "reduce_scatter_off" and f"ZeRO stage {stage}" in found[1]
-    # a string "false" passes the key check; the optimizer DeepSpeed built says False
-    assert refusal(_cfg({}), _ds(zero_optimization={"stage": 2, "reduce_scatter": "false"}), "start") is None
+    # a string "false" is false to DeepSpeed, and so to the row; the optimizer DeepSpeed built says False too
+    assert refusal(_cfg({}), _ds(zero_optimization={"stage": 2, "reduce_scatter": "false"}), "start")[0].name == \
+        "reduce_scatter_off"
     built = Facts(stage=2, reduce_scatter=False, hooked_optimizer=True)
     assert refusal(_cfg({}), built, "engine")[0].name == "reduce_scatter_off"
 
@@ -224,3 +227,30 @@ def test_initialize_warns_on_an_untested_deepspeed_version(monkeypatch):
     with pytest.raises(AssertionError, match="requires a model"):
         ds_dragonn.initialize(model=None, config=cfg)
     assert [m for m in said if "DeepSpeed 0.18.0 is not a tested version (0.19.8)" in m]
+
+
+@pytest.mark.parametrize("value", ["false", 0, "off", "False"])
+def test_zero_switches_are_read_as_deepspeed_reads_them(value):
+    """DeepSpeed's config models are pydantic: "false", 0, "off" are false. So is the row's test, at start and
+    on the built optimizer."""
+    for key, row in (("contiguous_gradients", "contiguous_gradients_off"), ("reduce_scatter", "reduce_scatter_off")):
+        facts = _ds(zero_optimization={"stage": 2, key: value})
+        assert refusal(_cfg({}), facts, "start")[0].name == row
+    assert refusal(_cfg({}), _ds(zero_optimization={"stage": 2, "contiguous_gradients": "true"}), "start") is None
+    built = Facts(stage=2, optimizer="DeepSpeedZeroOptimizer", hooked_optimizer=True, contiguous_gradients=False)
+    assert refusal(_cfg({}), built, "engine")[0].name == "contiguous_gradients_off"
+
+
+def test_zero1_bf16_fp32_accumulation_is_named_for_strings_and_on_the_built_engine():
+    facts = _ds(zero_optimization={"stage": 1}, bf16={"enabled": "true"}, data_types={"grad_accum_dtype": "torch.float32"})
+    assert refusal(_cfg({}), facts, "start")[0].name == "zero1_bf16_fp32_accum"
+    built = Facts(stage=1, optimizer="BF16_Optimizer", hooked_optimizer=False, bf16_optimizer=True)
+    found = refusal(_cfg({}), built, "engine")
+    assert found[0].name == "zero1_bf16_fp32_accum" and "grad_accum_dtype" in found[1]
+
+
+def test_triton_kernel_passes_on_cuda_and_under_the_interpreter(monkeypatch):
+    cfg = _cfg({"advanced": {"kernel": "triton"}})
+    assert refusal(cfg, Facts(device="cuda"), "engine") is None
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert refusal(cfg, Facts(device="cpu"), "engine") is None
