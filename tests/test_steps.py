@@ -223,3 +223,23 @@ def test_resumed_residuals_keep_the_loss_scale_they_were_saved_in():
     dst.load_state_dict(state)
     dst.steps.begin(6)
     assert torch.equal(dst.error_feedback.residuals["b"], torch.full((4,), 1.5))
+
+
+def test_bf16_optimizer_may_skip_whatever_check_grad_overflow_says():
+    """DeepSpeed's BF16_Optimizer returns early on a non-finite gradient norm (bf16_optimizer.py ``step``) even
+    with ``"check_grad_overflow": false``: the step transaction stays on there."""
+    from types import SimpleNamespace
+
+    from ds_dragonn.engine.steps import may_skip_steps
+
+    class BF16_Optimizer:  # noqa: N801 - DeepSpeed's class name is what is checked
+        pass
+
+    off = SimpleNamespace(check_grad_overflow=False)
+    engine = SimpleNamespace(fp16_enabled=lambda: False, bfloat16_enabled=lambda: True,
+                             _config=SimpleNamespace(bfloat16_config=off), optimizer=BF16_Optimizer())
+    assert may_skip_steps(engine)
+    engine.optimizer = object()  # ZeRO 1-3: DeepSpeed's ZeRO optimizer follows check_grad_overflow
+    assert not may_skip_steps(engine)
+    off.check_grad_overflow = True
+    assert may_skip_steps(engine)

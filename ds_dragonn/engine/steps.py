@@ -21,9 +21,13 @@ from deepspeed.utils.logging import print_dist
 
 
 def may_skip_steps(engine: Any) -> bool:
-    """Whether DeepSpeed may skip a step of this engine on overflow: fp16, or bf16 with
-    ``bf16.check_grad_overflow`` (DeepSpeed 0.19.8 ``runtime/engine.py`` ``_configure_zero_optimizer``)."""
+    """Whether DeepSpeed may skip a step of this engine on overflow: fp16; DeepSpeed's ``BF16_Optimizer`` (ZeRO 0
+    with bf16), which skips a step whose gradient norm is not finite whatever ``check_grad_overflow`` says
+    (``runtime/bf16_optimizer.py`` ``step``); or bf16 with ``bf16.check_grad_overflow`` (DeepSpeed 0.19.8
+    ``runtime/engine.py`` ``_configure_zero_optimizer``)."""
     if getattr(engine, "fp16_enabled", lambda: False)():
+        return True
+    if type(getattr(engine, "optimizer", None)).__name__ == "BF16_Optimizer":
         return True
     if getattr(engine, "bfloat16_enabled", lambda: False)():
         bf16 = getattr(engine._config, "bfloat16_config", None)
