@@ -168,13 +168,11 @@ def _json(value: Any) -> str:
 
 
 def _refuse_misplaced_keys(data: Any) -> Any:
-    """``data``, or ValueError naming the first key that is not a string, the first advanced key it sets at the
-    top level, or the first top-level key set under ``advanced`` (and where each belongs)."""
+    """``data``, or ValueError naming the first advanced key it sets at the top level, or the first key of
+    ``advanced`` that is not a string or is a top-level key (and where each belongs)."""
     if not isinstance(data, Mapping):
         return data
     for key in data:
-        if not isinstance(key, str):
-            raise ValueError(f"'{DRAGONN_KEY}' keys are strings; got the key {key!r} ({type(key).__name__})")
         if key in ADVANCED_KEYS:
             raise ValueError(f"'{DRAGONN_KEY}.{key}' belongs under 'advanced': write \"advanced\": "
                              f"{{{json.dumps(key)}: {_json(data[key])}}} (docs/config.md#advanced)")

@@ -12,7 +12,8 @@ A row is checked in the phases it names:
 - ``engine``: the engine DeepSpeed built (its optimizer), before a hook is installed;
 - ``layout``: the hook's data-parallel group, when its pipeline is built (``engine/pipelines.py``).
 
-This module imports nothing from the package: ``config.py`` and ``engine/`` read it, and it reads the block
+This module imports nothing from the package when it loads (one row asks the kernels when it is checked):
+``config.py`` and ``engine/`` read it, and it reads the block
 through its attributes (the enums are ``str`` enums, compared with their values).
 """
 from __future__ import annotations
@@ -165,8 +166,8 @@ class Rule:
 
 
 def _triton_interpret() -> bool:
-    import os
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    from .compress.kernels import triton_interpret  # imported when the row is checked, not with this module
+    return triton_interpret()
 
 
 def _given_local(cfg: Any) -> List[str]:

@@ -218,12 +218,13 @@ def plot(rows: list, measure: str, path: Path) -> None:
 
 def _choices(allowed, kind=str):
     """An argparse type: a comma-separated list, each item one of ``allowed``."""
+    names = {str(a) for a in allowed}
+
     def parse(text: str) -> list:
-        items = [kind(v) if kind is not int or v.strip().isdigit() else v for v in text.split(",") if v.strip()]
-        bad = [v for v in items if v not in allowed]
-        if bad or not items:
+        items = [v.strip() for v in text.split(",") if v.strip()]
+        if not items or any(v not in names for v in items):
             raise argparse.ArgumentTypeError(f"{text!r}: each of {', '.join(map(str, allowed))} (comma-separated)")
-        return items
+        return [kind(v) for v in items]
     return parse
 
 

@@ -59,8 +59,10 @@ def _group_steps(optimizer: Any, params) -> Optional[float]:
 def _own_vhat(state: dict, beta2: float, corrected: bool, t: Optional[float] = None) -> Optional[torch.Tensor]:
     """Adam's own bias-corrected variance of a parameter (None without Adam state); ``t``: its step count
     (None: ``state["step"]``)."""
-    t = _step_count(state) if t is None and "exp_avg_sq" in state else t
-    if "exp_avg_sq" not in state or not t:
+    if "exp_avg_sq" not in state:
+        return None
+    t = _step_count(state) if t is None else t
+    if not t:
         return None
     return state["exp_avg_sq"].detach() / bias_correction2(beta2, t, corrected)
 
