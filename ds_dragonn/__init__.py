@@ -204,7 +204,7 @@ def _engine_facts(engine: Any, facts: plan_mod.Facts, cfg: DragonnConfig) -> pla
                          reduce_scatter=reduce_scatter, contiguous_gradients=contiguous,
                          momentum_refusal=(momentum_refusal(engine) or "") if serves else None,
                          bf16_optimizer=isinstance(opt, BF16_Optimizer),
-                         may_skip_steps=may_skip_steps(engine),
+                         may_skip_steps=may_skip_steps(engine), loss_scaler=bool(engine.fp16_enabled()),
                          device=getattr(engine.device, "type", str(engine.device).split(":")[0]))
 
 

@@ -141,6 +141,13 @@ class AdvancedConfig(BaseModel):
     values without positions (compress/age_bound.py). Costs ``1 / max_age`` of the bucket's values per step.
     0: no bound."""
 
+    exact_skipped_steps: Optional[bool] = Field(None, strict=True)
+    """What a step DeepSpeed skips on overflow leaves. ``true``: nothing (every residual and local momentum has a
+    working copy for the step: 4 bytes per parameter each). ``false``: what the step sent returns to the residuals
+    (an O(k) log), its finite gradient stays in them (sent later), its non-finite entries are dropped. ``None``
+    (default): ``true`` under the fp16 loss scaler, whose skips are routine; ``false`` for bf16 and fp32, which
+    skip only on a non-finite gradient (steps.py)."""
+
     @field_validator("variance_refresh_steps", "max_age")
     @classmethod
     def _zero_or_at_least_two(cls, v: int, info: ValidationInfo) -> int:
@@ -280,6 +287,7 @@ class DragonnConfig(DeepSpeedConfigModel):
     selection = _delegate("selection", "``advanced.selection``.")
     dense_values = _delegate("dense_values", "``advanced.dense_values``.")
     max_age = _delegate("max_age", "``advanced.max_age``.")
+    exact_skipped_steps = _delegate("exact_skipped_steps", "``advanced.exact_skipped_steps``.")
 
     def given(self, *keys: str) -> list:
         """Those of ``keys`` the block sets explicitly, in the order given; an advanced key as ``advanced.<key>``."""

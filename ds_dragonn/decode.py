@@ -135,12 +135,34 @@ class SparseDecoder:
                     values: Sequence[torch.Tensor], postscale: float = 1.0) -> None:
         """Decode straight into the bucket's own tensors, which must hold zeros (no buffer, no copy back).
 
-        ``tensors`` concatenated end up equal, bit for bit, to ``decode`` of the same pairs. CPU tensors of
-        fp32 or bf16 only (``sparse_ops.can_decode_into``); values are cast to their dtype.
+        ``tensors`` concatenated end up equal, bit for bit, to ``decode`` of the same pairs. Served
+        (:meth:`serves`): CPU tensors of fp32 or bf16 (``sparse_ops.can_decode_into``), or one contiguous tensor
+        on any device in a dtype that sums in itself (not fp16); values are cast to their dtype.
         """
         tensors = list(tensors)
         check_indices(indices, sum(t.numel() for t in tensors))
-        sparse_ops.decode_into(tensors, indices, values, postscale)
+        if sparse_ops.can_decode_into(tensors):
+            sparse_ops.decode_into(tensors, indices, values, postscale)
+            return
+        flat = tensors[0].view(-1)  # decode's own steps, with the bucket's tensor as the buffer
+        touched = []
+        for idx, val in zip(indices, values):
+            if idx.numel():
+                idx = idx.to(device=flat.device)
+                sparse_ops.add_(flat, idx, val)
+                touched.append(idx)
+        if touched and postscale != 1.0:
+            pos = touched[0] if len(touched) == 1 else torch.cat(touched)
+            sparse_ops.set_(flat, pos, sparse_ops.gather_scaled(flat, pos, postscale))
+
+    @staticmethod
+    def serves(tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether :meth:`decode_into` serves ``tensors``."""
+        tensors = list(tensors)
+        if sparse_ops.can_decode_into(tensors):
+            return True
+        return (len(tensors) == 1 and tensors[0].is_contiguous()
+                and accumulation_dtype(tensors[0].dtype) == tensors[0].dtype)
 
     def reset(self) -> None:
         self._out.clear()

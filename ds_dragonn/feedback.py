@@ -23,10 +23,15 @@ compensated residual is written into a second persistent buffer (``working = res
 same single pass, out of place) and becomes the residual only when the step is applied
 (:meth:`end_step`: a buffer swap, no copy); a skipped step discards it, leaving the residual exactly as it
 was before the step. Memory: two residuals per bucket instead of one.
+
+Skipped steps, O(k) (``undo_sent``: bf16 and fp32 engines, ``engine/steps.py``): the residual is updated in
+place, and each commit logs the positions and values it sent; a skipped step adds them back (the residual then
+holds ``old residual + gradient`` to its float32 rounding, so nothing sent is lost) and resets the non-finite
+entries of the residuals it touched. Memory: O(k) per bucket for the open step.
 """
 from __future__ import annotations
 
-from typing import Dict, Hashable, List, Optional, Sequence
+from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -60,11 +65,15 @@ class ErrorFeedback:
         transactional: a step's residual updates stay in a working buffer until :meth:`end_step` says
             whether DeepSpeed applied the step (module docstring); ``residuals`` always holds the state
             after the last applied step.
+        undo_sent: (not transactional) log what each commit sent, added back by ``end_step(False)``.
     """
 
-    def __init__(self, enabled: bool = True, transactional: bool = False):
+    def __init__(self, enabled: bool = True, transactional: bool = False, undo_sent: bool = False):
         self.enabled = enabled
         self.transactional = transactional and enabled
+        self.undo_sent = undo_sent and enabled and not self.transactional
+        self._sent: List[Tuple[Hashable, torch.Tensor, torch.Tensor]] = []  # undo_sent: (key, positions, values)
+        self._touched: set = set()  # undo_sent: keys compensated in the open step
         self._work: Dict[Hashable, torch.Tensor] = {}  # transactional: each bucket's working buffer
         self._open: set = set()  # transactional: keys compensated in the step not yet ended
         self.residuals: Dict[Hashable, torch.Tensor] = {}  # error feedback on: what was not sent yet
@@ -132,6 +141,8 @@ class ErrorFeedback:
         buf = self._buffer(key, numel, residual_dtype(dtype), device)
         if self.transactional:
             return self._compensate_working(key, buf, tensors, prescale, zero_inputs)
+        if self.undo_sent:
+            self._touched.add(key)
         if not tensors:
             return buf
         if self.enabled and sparse_ops.compensate_fast(buf, tensors, prescale, zero_inputs):
@@ -174,7 +185,19 @@ class ErrorFeedback:
 
     def end_step(self, applied: bool) -> None:
         """Transactional: DeepSpeed applied the step (its working buffers become the residuals, a swap)
-        or skipped it (they are discarded: the residuals stay as before the step). No-op otherwise."""
+        or skipped it (they are discarded: the residuals stay as before the step). ``undo_sent``: a skipped
+        step's sent values are added back (the finite ones) and the touched residuals' non-finite entries
+        reset to 0. No-op otherwise."""
+        if not applied:
+            for key, idx, sent in self._sent:
+                buf = self.residuals.get(key)
+                if buf is not None and buf.numel() and idx.numel():
+                    sparse_ops.add_(buf, idx, torch.nan_to_num(sent, nan=0.0, posinf=0.0, neginf=0.0))
+            for key in self._touched:
+                if key in self.residuals:
+                    self.residuals[key].masked_fill_(~torch.isfinite(self.residuals[key]), 0.0)
+        self._sent.clear()
+        self._touched.clear()
         if applied:
             for key in self._open:
                 self.residuals[key], self._work[key] = self._work[key], self.residuals[key]
@@ -204,6 +227,8 @@ class ErrorFeedback:
         diff = kept.to(buf.dtype) - sent.to(buf.dtype)
         torch.nan_to_num_(diff, nan=0.0, posinf=0.0, neginf=0.0)
         sparse_ops.set_(buf, indices, diff)
+        if self.undo_sent:
+            self._sent.append((key, indices.clone(), sent.to(buf.dtype, copy=True)))
 
     def clear_non_finite(self, key: Hashable, sent: Optional[torch.Tensor] = None,
                          sends_non_finite: bool = False) -> None:
@@ -219,11 +244,15 @@ class ErrorFeedback:
             buf.masked_fill_(~torch.isfinite(buf), 0.0)
 
     def reset(self) -> None:
+        self._sent.clear()
+        self._touched.clear()
         self.residuals.clear()
         self._scratch.clear()
         self._views.clear()
         self._work.clear()
         self._open.clear()
+        self._sent.clear()
+        self._touched.clear()
 
     def state_dict(self) -> dict:
         return {"enabled": self.enabled, "residuals": {k: v.detach().clone() for k, v in self.residuals.items()}}
@@ -235,3 +264,5 @@ class ErrorFeedback:
         self._views.clear()
         self._work.clear()
         self._open.clear()
+        self._sent.clear()
+        self._touched.clear()

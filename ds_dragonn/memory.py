@@ -125,20 +125,22 @@ def budget(compress: str, wire: torch.dtype, transactional: bool, stage: int = 0
     Args:
         compress: "gradient" or "momentum".
         wire: the buckets' wire dtype (bf16, fp32 or fp16).
-        transactional: steps may be skipped (fp16; bf16 with ``check_grad_overflow``, DeepSpeed's default):
-            the residual and the momentum keep a working copy.
+        transactional: a skipped step leaves no trace (``plan.step_transaction``: fp16, or
+            ``advanced.exact_skipped_steps``): the residual and the momentum keep a working copy.
         stage: the ZeRO stage (the frozen variance is partitioned with the optimizer state at 1-3).
         world: data-parallel ranks (ZeRO's partition count; the partitioned exchange's owners).
         per_node: ranks per node of the node-aware layout (1: flat); the residual, momentum and decode
             buffer hold the rank's 1/per_node shard.
         exchange: "allgather", "partitioned" or "reduce_scatter".
-        decode_into: the decode lands in the gradients or the node's shard (no decode buffer); None: where it
-            does (flat ZeRO 0 with CPU fp32/bf16 gradients; node-aware with an fp32 wire, the shard's dtype).
+        decode_into: the decode lands in the gradients, DeepSpeed's bucket or the node's shard (no decode
+            buffer); None: where it does (flat ZeRO 0 with CPU fp32/bf16 gradients; flat ZeRO 1-3 in bf16/fp32, into
+            DeepSpeed's bucket buffer or the rank-major copy; node-aware with an fp32 wire, the shard's dtype).
     Returns:
         {component name (:data:`COMPONENTS`): bytes per parameter}; absent components are 0.
     """
     if decode_into is None:
-        decode_into = (stage == 0 and per_node == 1) or (per_node > 1 and wire == torch.float32)
+        decode_into = ((per_node == 1 and (stage == 0 or wire != torch.float16))
+                       or (per_node > 1 and wire == torch.float32))
     copies = 2 if transactional else 1
     out = {"residual": 4.0 / per_node}
     if transactional:

@@ -16,6 +16,7 @@ residuals equals the sum over steps of the ranks' averaged momenta.
 
 Skipped steps (``transactional``): as for the residuals, the step's momentum is computed into a second
 persistent buffer and becomes the momentum only when DeepSpeed applies the step (:meth:`end_step`).
+Otherwise a skipped step's gradient stays in the momentum, its non-finite entries reset to 0.
 Memory: one fp32 buffer per bucket element (two when transactional), beside the residual.
 """
 from __future__ import annotations
@@ -94,10 +95,15 @@ class LocalMomentum:
 
     def end_step(self, applied: bool) -> None:
         """The step ended: transactional, an applied step's momenta replace the old (a swap), a skipped
-        step's are discarded. Either way the next reduction starts a new step."""
+        step's are discarded; in place, a skipped step's gradient stays in the momenta and their non-finite
+        entries are reset to 0 (one pass, skipped steps only). Either way the next reduction starts a new step."""
         if self.transactional and applied:
             for key in self._open:
                 self.momenta[key], self._work[key] = self._work[key], self.momenta[key]
+        elif not self.transactional and not applied:
+            for key in self._open:
+                if key in self.momenta:
+                    self.momenta[key].masked_fill_(~torch.isfinite(self.momenta[key]), 0.0)
         self._open.clear()
 
     def rescale_(self, factor: float) -> None:

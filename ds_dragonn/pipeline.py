@@ -247,10 +247,12 @@ class CompressedAllreduce:
         return Reduced(out, stats)
 
     def can_reduce_into(self, tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> bool:
-        """Whether :meth:`reduce` can decode into ``tensors`` (CPU fp32/bf16 contiguous, wire dtype equal to
-        theirs, error feedback on: the zeroing rides on the compensation pass, or the momentum's update)."""
+        """Whether :meth:`reduce` can decode into ``tensors`` (:meth:`SparseDecoder.serves
+        <ds_dragonn.decode.SparseDecoder.serves>`: CPU fp32/bf16 contiguous, or one contiguous tensor; wire
+        dtype equal to theirs; error feedback on: the zeroing rides on the compensation pass, or the
+        momentum's update)."""
         return (self.error_feedback.enabled and bool(tensors)
-                and tensors[0].dtype == dtype and sparse_ops.can_decode_into(tensors))
+                and tensors[0].dtype == dtype and SparseDecoder.serves(tensors))
 
     def reduce_dense(self, tensors: Sequence[torch.Tensor], key: Hashable, prescale: float = 1.0,
                      postscale: float = 1.0, dtype: torch.dtype | None = None, codec=None,

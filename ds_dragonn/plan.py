@@ -71,6 +71,7 @@ class Facts:
         momentum_refusal: why the momentum mode cannot serve the optimizer ("" where it can).
         bf16_optimizer: DeepSpeed runs its ``BF16_Optimizer`` (bf16 with fp32 gradient accumulation).
         may_skip_steps: DeepSpeed may skip a step on overflow (fp16, or bf16 with overflow checks).
+        loss_scaler: DeepSpeed runs the fp16 loss scaler (whose skipped steps are routine).
         device: the engine's device type (``"cuda"``, ``"cpu"``, ...).
         hook_name / supports_hierarchy / dp_world / world: the hook and its data-parallel group (layout phase).
     """
@@ -85,6 +86,7 @@ class Facts:
     momentum_refusal: Optional[str] = None
     bf16_optimizer: Optional[bool] = None
     may_skip_steps: Optional[bool] = None
+    loss_scaler: Optional[bool] = None
     device: Optional[str] = None
     hook_name: Optional[str] = None
     supports_hierarchy: Optional[bool] = None
@@ -318,8 +320,8 @@ class Plan:
         values / dense_values: the value formats of the compressed / the dense steps (``"auto"``: the
             communication dtype).
         warmup_steps / density_warmup_steps: an int, or ``"auto"`` (resolved by the hook from the lr schedule).
-        transactional: DeepSpeed may skip a step (fp16 loss scaler, bf16 overflow check): the hook's buffers
-            then undo the step.
+        transactional: a skipped step leaves no trace: the residuals and momenta keep working copies
+            (:func:`step_transaction`).
         reasons: field name -> short reason.
     """
     stage: int
@@ -367,6 +369,20 @@ def resolve_compress(cfg: Any, facts: Facts) -> Tuple[str, str]:
     return "gradient", (f"the momentum mode {why}" if why else "; ".join(unmet))
 
 
+def step_transaction(exact: Optional[bool], may_skip: Optional[bool], loss_scaler: Optional[bool]) -> Tuple[bool, str]:
+    """Whether a skipped step must leave no trace (working copies of the residuals and momenta), and why:
+    ``advanced.exact_skipped_steps`` where set, else only under the fp16 loss scaler, whose skips are routine
+    (bf16 and fp32 skip only on a non-finite gradient; there a skipped step's sent pairs return to the residuals
+    instead, an O(k) log: ``feedback.py``)."""
+    if not may_skip:
+        return False, "no step is skipped: no loss scaler, no overflow check"
+    if exact is not None:
+        return bool(exact), "advanced.exact_skipped_steps"
+    if loss_scaler:
+        return True, "the fp16 loss scaler skips steps: they leave no trace"
+    return False, "steps skipped on a non-finite gradient return what they sent to the residuals (O(k))"
+
+
 def resolve(cfg: Any, facts: Facts) -> Plan:
     """The plan of an enabled block on an engine that passed the ``start`` and ``engine`` rows."""
     compress, compress_why = resolve_compress(cfg, facts)
@@ -377,9 +393,8 @@ def resolve(cfg: Any, facts: Facts) -> Plan:
         reasons["density_warmup_steps"] = "follows warmup_steps"
     if _v(cfg.hierarchy) == "auto":
         reasons["layout"] = "node-aware on several nodes of several ranks, resolved with the group"
-    skip = bool(facts.may_skip_steps)
-    reasons["transactional"] = ("DeepSpeed may skip a step on overflow: fp16, or bf16 with overflow checks" if skip
-                                else "no step is skipped: no loss scaler")
+    skip, reasons["transactional"] = step_transaction(cfg.exact_skipped_steps, facts.may_skip_steps,
+                                                      facts.loss_scaler)
     exchange = "reduce_scatter" if facts.stage in (1, 2, 3) and cfg.sync != "local_steps" else _v(cfg.exchange)
     return Plan(stage=facts.stage, sync=_v(cfg.sync), compress=compress, layout=_v(cfg.hierarchy),
                 exchange=exchange, values=_v(cfg.values), dense_values=_v(cfg.dense_values),
@@ -388,4 +403,5 @@ def resolve(cfg: Any, facts: Facts) -> Plan:
 
 
 __all__ = ["DragonnUnsupportedError", "Facts", "LOCAL_STEPS_KEYS", "MOMENTUM_KEYS", "PHASES", "Plan", "RULES",
-           "Rule", "check", "flag", "node_unsupported", "refusal", "resolve", "resolve_compress", "zero_stage"]
+           "Rule", "check", "flag", "node_unsupported", "refusal", "resolve", "resolve_compress",
+           "step_transaction", "zero_stage"]

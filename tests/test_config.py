@@ -37,6 +37,8 @@ def test_reads_json_path(tmp_path):
     ({"advanced": {"kernal": "cpu"}}, ["dragonn.advanced.kernal", "did you mean 'kernel'?", "cuda_aware"]),
     ({"advanced": {"variance_refresh_steps": 1}}, ["dragonn.advanced.variance_refresh_steps", "at least 2"]),
     ({"advanced": {"compressor": "topk"}}, ["dragonn.advanced.compressor", "unknown key"]),  # baselines: launch/
+    ({"advanced": {"exact_skipped_steps": "yes"}}, ["dragonn.advanced.exact_skipped_steps", "yes"]),
+    ({"advanced": {"exact_skipped_steps": 1}}, ["dragonn.advanced.exact_skipped_steps", "1"]),
     # no lax coercion: these would otherwise silently become density 1.0, enabled, 0.5, ...
     ({"density": True}, ["dragonn.density", "True", "number"]),
     ({"density": "0.5"}, ["dragonn.density", "0.5"]),
@@ -62,7 +64,7 @@ def test_visible_keys_and_advanced():
     assert len(DragonnConfig.model_fields) == 16 and "advanced" in DragonnConfig.model_fields
     assert set(ADVANCED_KEYS) == {"kernel", "error_feedback", "density_warmup_start",
                                   "variance_refresh_steps", "cuda_aware", "ranks_per_node", "values", "selection",
-                                  "dense_values", "max_age"}
+                                  "dense_values", "max_age", "exact_skipped_steps"}
     cfg = DragonnConfig.from_ds_config({"dragonn": {"enabled": True, "advanced": {"kernel": "cpu",
                                                                                    "error_feedback": False}}})
     assert cfg.kernel == Kernel.cpu and cfg.error_feedback is False and cfg.advanced.kernel == Kernel.cpu

@@ -95,6 +95,25 @@ def test_decode_into_tensors_equals_decode(dtype, postscale):
         assert torch.equal(torch.cat([t.flatten() for t in tensors]), ref)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("postscale", [1.0, 1 / 3])
+@pytest.mark.parametrize("n", [1, 7, 5001])
+def test_decode_into_one_flat_tensor_equals_decode(dtype, postscale, n):
+    """One contiguous tensor (DeepSpeed's ZeRO 1/2 bucket, ZeRO 3's rank-major copy) on torch's own path (float64:
+    no CPU library): bit-identical to the decode buffer, overlapping ranks included; fp16 and strided tensors
+    are not served (their decode keeps a buffer)."""
+    gen = torch.Generator().manual_seed(n)
+    for density in (0.01, 1.0):
+        idx, val = _pairs(n, 3, density, dtype, gen)
+        ref = SparseDecoder().decode("b", n, idx, val, dtype, torch.device("cpu"), postscale)
+        flat = torch.zeros(n, dtype=dtype)
+        assert SparseDecoder.serves([flat])
+        SparseDecoder.decode_into([flat], idx, val, postscale)
+        assert torch.equal(flat, ref)
+    assert not SparseDecoder.serves([torch.zeros(n, dtype=torch.float16)])
+    assert not SparseDecoder.serves([torch.zeros(n + 1, 2, dtype=torch.float64).t()])
+
+
 @pytest.mark.skipif(not cpu_table.available(), reason="no C++ compiler")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("alpha", [1.0, 0.25])

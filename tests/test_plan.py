@@ -130,7 +130,17 @@ SUPPORTED = [
     ("zero0_partitioned_int8", {"exchange": "partitioned", "advanced": {"values": "int8", "dense_values": "int8"}},
      Facts(stage=0, **ADAM), {"exchange": "partitioned", "values": "int8", "dense_values": "int8"}),
     ("zero0_fp16", {"compress": "gradient"}, Facts.from_ds_config({"fp16": {"enabled": True}}).updated(
-        optimizer="FP16_Optimizer", hooked_optimizer=True, may_skip_steps=True), {"transactional": True}),
+        optimizer="FP16_Optimizer", hooked_optimizer=True, may_skip_steps=True, loss_scaler=True),
+     {"transactional": True}),
+    ("zero0_bf16", {"compress": "gradient"}, Facts.from_ds_config({"bf16": {"enabled": True}}).updated(
+        optimizer="FP16_Optimizer", hooked_optimizer=True, may_skip_steps=True, loss_scaler=False),
+     {"transactional": False}),
+    ("zero0_bf16_exact", {"compress": "gradient", "advanced": {"exact_skipped_steps": True}},
+     Facts.from_ds_config({"bf16": {"enabled": True}}).updated(optimizer="FP16_Optimizer", hooked_optimizer=True,
+                                                               may_skip_steps=True, loss_scaler=False),
+     {"transactional": True}),
+    ("zero0_fp32_exact_never_skips", {"compress": "gradient", "advanced": {"exact_skipped_steps": True}},
+     Facts(stage=0, optimizer="SGD", hooked_optimizer=True, may_skip_steps=False), {"transactional": False}),
     ("zero1", {}, Facts.from_ds_config({"zero_optimization": {"stage": 1}}).updated(**ADAM),
      {"stage": 1, "exchange": "reduce_scatter"}),
     ("zero2_offload_none", {}, Facts.from_ds_config({"zero_optimization": {

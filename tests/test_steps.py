@@ -1,4 +1,5 @@
-"""Skipped (overflow) steps leave every residual exactly as before them; the fp16 loss scale is followed.
+"""Skipped (overflow) steps: exact (no trace) where asked or under fp16, else what they sent returns to the
+residuals (O(k)); the fp16 loss scale is followed.
 
 Unit level (always): the transactional residual store against the in-place one, the partitioned
 exchange's undo log, and the step guard with a fake engine (DeepSpeed refuses fp16 engines on CPU).
@@ -12,7 +13,7 @@ import torch
 from ds_dragonn.engine.steps import StepGuard, loss_scale
 from ds_dragonn.feedback import ErrorFeedback
 from tests.multiproc import ranks_fixture
-from tests.step_cases import BAD_STEP, SKIP_RUNS, SKIP_STEPS
+from tests.step_cases import BAD_STEP, LIGHT_RUNS, SKIP_RUNS, SKIP_STEPS
 
 
 def _bucket(dtype, contiguous=True):
@@ -202,6 +203,65 @@ def test_skipped_step_leaves_every_residual_as_before(skips, name):
                                                      skips[1][name]["steps"][step]["params"]))
 
 
+@pytest.mark.parametrize("name", list(LIGHT_RUNS))
+def test_skipped_step_returns_what_it_sent_and_training_goes_on(skips, name):
+    """bf16 and fp32 (``exact_skipped_steps`` unset): no working copies; the skipped step changes no parameter, every
+    residual and momentum is finite afterwards (rank 0's gradient was all Inf/NaN: its entries were reset), rank 1's
+    residual grew by its gradient (what it sent came back: the residual is larger than before, not emptied), and the
+    next steps move on, ranks identical."""
+    for r in range(2):
+        run = skips[r][name]
+        assert not run["transactional"] and run["restored"] == 1
+        before, bad, after = (run["steps"][BAD_STEP + d] for d in (-1, 0, 1))
+        assert bad["skipped"] == 1 and before["skipped"] == 0  # DeepSpeed skipped it on every rank
+        assert all(torch.equal(a, b) for a, b in zip(before["params"], bad["params"]))
+        for rec in (bad, after, run["steps"][-1]):
+            for store in ("residuals", "momenta"):
+                assert all(bool(torch.isfinite(v).all()) for v in rec[store].values()), (r, store)
+        assert all(bool(torch.isfinite(p).all()) for p in run["steps"][-1]["params"])
+        assert not all(torch.equal(a, b) for a, b in zip(bad["params"], after["params"]))
+        assert run["steps"][-1]["skipped"] == 1  # one skip only: nothing non-finite stayed behind
+        if r == 1:  # finite gradient: what it sent came back, so its residual holds more than a sent step leaves
+            grew = sum(float(v.abs().sum()) for v in bad["residuals"].values())
+            assert grew > sum(float(v.abs().sum()) for v in before["residuals"].values())
+    for step in range(SKIP_STEPS):
+        assert all(torch.equal(a, b) for a, b in zip(skips[0][name]["steps"][step]["params"],
+                                                     skips[1][name]["steps"][step]["params"]))
+
+
+def test_light_store_returns_what_a_skipped_step_sent_in_float64():
+    """``undo_sent``: after a skipped step (two micro steps) the residual is ``old + both gradients`` (float64: to
+    its rounding), non-finite entries 0; an applied step is the in-place store's result exactly."""
+    light, plain = ErrorFeedback(True, undo_sent=True), ErrorFeedback(True)
+    for step in range(4):
+        skip = step == 2
+        before = light.residuals["b"].clone() if "b" in light.residuals else None
+        added = 0.0
+        for m in range(2):
+            grads = _bucket(torch.float64)
+            if skip and m == 1:
+                grads[2][3] = float("inf")
+            a = light.compensate_("b", [g.clone() for g in grads], torch.float64)
+            torch.manual_seed(10 * step + m)
+            _select_commit(light, "b", a)
+            added = added + torch.cat([g.flatten() for g in grads])
+            if not skip:
+                p = plain.compensate_("b", [g.clone() for g in grads], torch.float64)
+                torch.manual_seed(10 * step + m)
+                _select_commit(plain, "b", p)
+                assert torch.equal(a, p)
+        light.end_step(applied=not skip)
+        if skip:
+            want = before + added
+            bad = ~torch.isfinite(want)
+            assert bool(bad.any()) and torch.equal(light.residuals["b"][bad], torch.zeros(int(bad.sum()),
+                                                                                          dtype=torch.float64))
+            torch.testing.assert_close(light.residuals["b"][~bad], want[~bad], rtol=0, atol=1e-12)
+            plain.residuals["b"] = light.residuals["b"].clone()
+    assert torch.equal(light.residuals["b"], plain.residuals["b"])
+    assert not light._sent and not light._touched
+
+
 def test_resumed_residuals_keep_the_loss_scale_they_were_saved_in():
     """Saved right after an overflow (scale halved, residual not yet rescaled): the resumed run rescales it at
     its first reduction, as the uninterrupted run would have."""
@@ -239,7 +299,27 @@ def test_bf16_optimizer_may_skip_whatever_check_grad_overflow_says():
     engine = SimpleNamespace(fp16_enabled=lambda: False, bfloat16_enabled=lambda: True,
                              _config=SimpleNamespace(bfloat16_config=off), optimizer=BF16_Optimizer())
     assert may_skip_steps(engine)
-    engine.optimizer = object()  # ZeRO 1-3: DeepSpeed's ZeRO optimizer follows check_grad_overflow
+    engine.optimizer = object()  # ZeRO 1/2: DeepSpeed's ZeRO optimizer follows check_grad_overflow
+    engine.zero_optimization_stage = lambda: 2
     assert not may_skip_steps(engine)
     off.check_grad_overflow = True
     assert may_skip_steps(engine)
+    engine.zero_optimization_stage = lambda: 3  # ZeRO 3 skips on a non-finite norm in any dtype
+    off.check_grad_overflow = False
+    assert may_skip_steps(engine)
+
+
+@pytest.mark.parametrize("stage,compute_norm,skips", [(0, True, False), (1, True, True), (2, False, False),
+                                                       (3, False, True)])
+def test_fp32_engines_may_skip_where_deepspeed_checks_the_norm(stage, compute_norm, skips):
+    """fp32: ZeRO 1/2 skip a step whose norm is not finite when they compute it (``compute_grad_norm``, default
+    true), ZeRO 3 always, ZeRO 0 (the plain optimizer) never; none runs the step transaction by default."""
+    from types import SimpleNamespace
+
+    from ds_dragonn.engine.steps import may_skip_steps, step_transaction
+    engine = SimpleNamespace(fp16_enabled=lambda: False, bfloat16_enabled=lambda: False, optimizer=object(),
+                             zero_optimization_stage=lambda: stage,
+                             _config=SimpleNamespace(zero_config=SimpleNamespace(compute_grad_norm=compute_norm)))
+    assert may_skip_steps(engine) == skips
+    assert not step_transaction(engine, None)
+    assert step_transaction(engine, True) == skips

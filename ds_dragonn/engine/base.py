@@ -37,7 +37,7 @@ from .reducer import BucketReducer
 from .hook_state import HookState
 from .variance import VarianceFreeze
 from .reporting import Reporter
-from .steps import StepGuard, loss_scale, may_skip_steps
+from .steps import StepGuard, loss_scale, may_skip_steps, step_transaction
 from .warmup import LrWarmupTracker, resolve_warmup_steps
 
 
@@ -70,10 +70,13 @@ class HookBase(FollowsOptimizer, HookState):
         self.cfg = cfg = resolve_warmup_steps(cfg, engine, follow=self.follows_lr)
         self.warmup_tracker = LrWarmupTracker() if cfg.warmup_steps == "auto" else None
         self.compressor = build_compressor(cfg)
-        self.transactional = may_skip_steps(engine)  # fp16, bf16 + check_grad_overflow: steps may be skipped
-        self.error_feedback = ErrorFeedback(cfg.error_feedback, transactional=self.transactional)
+        self.may_skip = may_skip_steps(engine)  # DeepSpeed may skip a step on overflow
+        # skipped steps leave no trace (working copies: fp16) or return what they sent (an O(k) log): steps.py
+        self.transactional = step_transaction(engine, cfg.exact_skipped_steps)
+        self.error_feedback = ErrorFeedback(cfg.error_feedback, transactional=self.transactional, undo_sent=True)
         self.steps = StepGuard(self._stores, lambda: getattr(engine, "skipped_steps", 0), lambda: loss_scale(engine),
                                ticks=lambda step: self.decision.schedule.ticks(step))
+        self.steps.exact = self.transactional
         self.decision = BucketDecision(cfg)
         self.reducer = BucketReducer(self)  # the decision sequence; this hook is its stage adapter
         self.reporter = Reporter(engine, cfg, self.decision.schedule)
@@ -123,7 +126,7 @@ class HookBase(FollowsOptimizer, HookState):
 
     # -- pieces for the hook points ----------------------------------------------------------------
     def _build_exchange(self, backend: CommBackend) -> Exchange:
-        return build_exchange(self.cfg, backend, self.compressor, transactional=self.transactional)
+        return build_exchange(self.cfg, backend, self.compressor, transactional=self.may_skip)
 
     def _stores(self) -> list:
         """Everything whose state a skipped step must not change: the workers' store, each pipeline's

@@ -75,6 +75,12 @@ def rank_major(grads: List[torch.Tensor], world: int, dtype: torch.dtype,
     return RankMajor(flat, per, chunks)
 
 
+class _Prepared(NamedTuple):
+    """A bucket's state between :meth:`Stage3Hook.prepare` and ``write``: its chunk lengths and rank-major copy."""
+    chunks: List[int]
+    flat: torch.Tensor
+
+
 class Stage3Hook(ZeroPartitionHook):
     """ZeRO stage 3: compresses ``__avg_scatter_grads`` with a sparse reduce-scatter (module docstring)."""
 
@@ -132,11 +138,16 @@ class Stage3Hook(ZeroPartitionHook):
         world, per = b.world, sum(b.local)
         flat = self._flat(params, world, dt, b.local)
         ranges = [(r * per, per, r) for r in range(world)]
-        return Send([flat], 1.0 / world, 1.0, ownership=RangeOwnership(flat.numel(), ranges, world))
+        b.local = _Prepared(b.local, flat)  # the rank-major copy is this reduction's own: decoded into
+        return Send([flat], 1.0 / world, 1.0, ownership=RangeOwnership(flat.numel(), ranges, world),
+                    into=b.pipeline.can_reduce_into([flat], dt))
 
-    def write(self, b: Bucket, out: torch.Tensor) -> List[torch.Tensor]:
-        """This rank's chunk of each gradient, in the accumulation dtype (what ``partition_grads`` takes)."""
-        params, chunks, rank, per = b.call[0], b.local, b.pipeline.backend.rank, sum(b.local)
+    def write(self, b: Bucket, out: Optional[torch.Tensor]) -> List[torch.Tensor]:
+        """This rank's chunk of each gradient, in the accumulation dtype (what ``partition_grads`` takes);
+        ``out`` None: decoded into the rank-major copy."""
+        chunks, flat = b.local
+        out = flat if out is None else out
+        params, rank, per = b.call[0], b.pipeline.backend.rank, sum(chunks)
         mine, parts, offset = out[rank * per:(rank + 1) * per], [], 0
         for p, c in zip(params, chunks):
             length = max(0, min(c, p.grad.numel() - rank * c))  # the last ranks' chunks may be short or empty

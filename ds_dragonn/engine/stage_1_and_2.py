@@ -108,16 +108,20 @@ class Stage12Hook(ZeroPartitionHook):
                 getattr(self.optimizer, call.method)(*call.args, **call.kwargs)
             return None
         b.local = mine
-        return Send([tensor], 1.0, 1.0, ownership=RangeOwnership(b.numel, ranges, b.world))
+        # DeepSpeed's bucket buffer is ours for this reduction: decode into it (no decode buffer)
+        return Send([tensor], 1.0, 1.0, ownership=RangeOwnership(b.numel, ranges, b.world),
+                    into=b.pipeline.can_reduce_into([tensor], b.dtype))
 
-    def write(self, b: Bucket, out: torch.Tensor) -> None:
+    def write(self, b: Bucket, out: Optional[torch.Tensor]) -> None:
         """What DeepSpeed's ``allreduce_and_copy`` does on the owner: the compact partition gets the
-        reduced slice added, the bucket slice gets it copied."""
+        reduced slice added, the bucket slice gets it copied (``out`` None: decoded into the bucket itself)."""
         opt = self.optimizer
+        out = b.call[0] if out is None else out
         for start, buf, output in b.local:
             synced = out[start:start + buf.numel()].view_as(buf)
             opt._add_to_grad_partition_buffer(output, synced)
-            buf.copy_(synced)
+            if synced.data_ptr() != buf.data_ptr():
+                buf.copy_(synced)
 
     def _dense_bytes(self, numel: int, itemsize: int, world: int) -> int:
         """Bytes DeepSpeed's own reduction of a bucket sends per rank: an allreduce

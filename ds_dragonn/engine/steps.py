@@ -1,12 +1,19 @@
 """Residuals that follow the steps DeepSpeed actually applies: skipped (overflow) steps and the fp16 loss scale.
 
-DeepSpeed's fp16 optimizers, and bf16 with ``check_grad_overflow`` (its default), look for Inf/NaN in the
-reduced gradients only after every bucket is reduced, and then skip the step (``engine.skipped_steps``
-grows). A residual updated during that step would keep the unsent part of a gradient whose sent part was
-discarded: half a step applied later. :class:`StepGuard` makes the step's residual updates a transaction
-(``ErrorFeedback(transactional=True)``, the partitioned exchange's undo log) and ends it when the engine
-has moved to the next step: applied → kept, skipped → discarded, so the residuals are exactly as before
-the skipped step.
+DeepSpeed looks for Inf/NaN in the reduced gradients only after every bucket is reduced, and then skips the
+step (``engine.skipped_steps`` grows): fp16 always, bf16 and fp32 where :func:`may_skip_steps` says. A residual
+updated during that step would keep the unsent part of a gradient whose sent part was discarded.
+:class:`StepGuard` ends each step when the engine has moved to the next one and tells every store whether it was
+applied. Two ways to undo a skipped step (``plan.step_transaction``, ``advanced.exact_skipped_steps``):
+
+- exact (the fp16 loss scaler, whose skips are routine): the step's residual and momentum updates are a
+  transaction (``ErrorFeedback(transactional=True)``, ``LocalMomentum(transactional=True)``: working copies,
+  4 bytes per parameter each) and the residuals are exactly as before the skipped step;
+- O(k) (bf16 and fp32, which skip only on a non-finite gradient): what the step sent returns to the residuals
+  (``ErrorFeedback(undo_sent=True)``), so nothing sent is lost; its finite gradient stays in the residuals and
+  the momenta (sent later), and their non-finite entries are reset to 0.
+
+The partitioned exchange undoes its owners' server residuals exactly either way (an O(k) log of old values).
 
 fp16 gradients reach the hook multiplied by the dynamic loss scale S, and so do the residuals made from
 them. When S changes (halved after an overflow, doubled after ``loss_scale_window`` clean steps) the
@@ -21,18 +28,32 @@ from deepspeed.utils.logging import print_dist
 
 
 def may_skip_steps(engine: Any) -> bool:
-    """Whether DeepSpeed may skip a step of this engine on overflow: fp16; DeepSpeed's ``BF16_Optimizer`` (ZeRO 0
-    with bf16), which skips a step whose gradient norm is not finite whatever ``check_grad_overflow`` says
-    (``runtime/bf16_optimizer.py`` ``step``); or bf16 with ``bf16.check_grad_overflow`` (DeepSpeed 0.19.8
-    ``runtime/engine.py`` ``_configure_zero_optimizer``)."""
+    """Whether DeepSpeed 0.19.8 may skip a step of this engine on overflow (``engine.skipped_steps`` grows):
+    fp16 (the loss scaler); bf16 at ZeRO 0 (``BF16_Optimizer``, or the fp16 wrapper in bf16, skip a step whose
+    gradient is not finite whatever ``check_grad_overflow`` says: ``runtime/bf16_optimizer.py``,
+    ``runtime/fp16/fused_optimizer.py``); ZeRO 3 in any dtype (its ``step`` skips on a non-finite norm); ZeRO 1/2
+    with bf16 and ``bf16.check_grad_overflow``, or in fp32 with ``zero_optimization.compute_grad_norm``
+    (``runtime/zero/stage_1_and_2.py`` ``step``). Plain fp32 at ZeRO 0 never skips."""
     if getattr(engine, "fp16_enabled", lambda: False)():
         return True
     if type(getattr(engine, "optimizer", None)).__name__ == "BF16_Optimizer":
         return True
-    if getattr(engine, "bfloat16_enabled", lambda: False)():
-        bf16 = getattr(engine._config, "bfloat16_config", None)
-        return bool(getattr(bf16, "check_grad_overflow", True))
-    return False
+    bf16 = getattr(engine, "bfloat16_enabled", lambda: False)()
+    stage = getattr(engine, "zero_optimization_stage", lambda: 0)()
+    if stage == 3:
+        return True
+    if stage not in (1, 2):
+        return bool(bf16)
+    if bf16:
+        return bool(getattr(getattr(engine._config, "bfloat16_config", None), "check_grad_overflow", True))
+    return bool(getattr(getattr(engine._config, "zero_config", None), "compute_grad_norm", True))
+
+
+def step_transaction(engine: Any, exact: Optional[bool]) -> bool:
+    """Whether this engine's skipped steps must leave no trace (``plan.step_transaction``: working copies of the
+    residuals and momenta; else the O(k) log of what a step sent, ``ErrorFeedback(undo_sent=True)``)."""
+    from ..plan import step_transaction as rule
+    return rule(exact, may_skip_steps(engine), getattr(engine, "fp16_enabled", lambda: False)())[0]
 
 
 def loss_scale(engine: Any) -> float:
@@ -62,6 +83,7 @@ class StepGuard:
         self.units: Optional[float] = None  # the loss scale the residuals are in (None: not known yet)
         self.restored_steps = 0  # skipped steps whose residual changes were discarded
         self.skipped_ticks = 0  # skipped steps that had used up an index of the age clock (checkpointed)
+        self.exact = True  # the stores undo a skipped step exactly (else: ErrorFeedback's O(k) log; for the log line)
 
     def begin(self, step: int) -> None:
         """Call before every reduction of global step ``step``: ends the previous step's transaction if the
@@ -88,8 +110,10 @@ class StepGuard:
         if not applied:
             self.restored_steps += 1
             self.skipped_ticks += int(bool(self._ticks(self._step)))
-            print_dist(f"DRAGONN: step {self._step + 1} was skipped (overflow): residuals restored to their "
-                       f"state before it", ranks=[0])
+            what = ("residuals restored to their state before it" if self.exact else
+                    "what it sent returned to the residuals; its finite gradient stays in them, its non-finite "
+                    "entries were dropped (advanced.exact_skipped_steps)")
+            print_dist(f"DRAGONN: step {self._step + 1} was skipped (overflow): {what}", ranks=[0])
         self._step = None
 
     def abandon(self) -> None:
