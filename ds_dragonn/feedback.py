@@ -72,7 +72,7 @@ class ErrorFeedback:
         self.enabled = enabled
         self.transactional = transactional and enabled
         self.undo_sent = undo_sent and enabled and not self.transactional
-        self._sent: List[Tuple[Hashable, torch.Tensor, torch.Tensor]] = []  # undo_sent: (key, positions, values)
+        self._sent: List[Tuple[Hashable, Optional[torch.Tensor], torch.Tensor]] = []  # undo_sent: (key, positions, values)
         self._touched: set = set()  # undo_sent: keys compensated in the open step
         self._work: Dict[Hashable, torch.Tensor] = {}  # transactional: each bucket's working buffer
         self._open: set = set()  # transactional: keys compensated in the step not yet ended
@@ -191,8 +191,13 @@ class ErrorFeedback:
         if not applied:
             for key, idx, sent in self._sent:
                 buf = self.residuals.get(key)
-                if buf is not None and buf.numel() and idx.numel():
-                    sparse_ops.add_(buf, idx, torch.nan_to_num(sent, nan=0.0, posinf=0.0, neginf=0.0))
+                sent = torch.nan_to_num(sent, nan=0.0, posinf=0.0, neginf=0.0)
+                if buf is None or not buf.numel():
+                    continue
+                if idx is None:
+                    buf.add_(sent)
+                elif idx.numel():
+                    sparse_ops.add_(buf, idx, sent)
             for key in self._touched:
                 if key in self.residuals:
                     self.residuals[key].masked_fill_(~torch.isfinite(self.residuals[key]), 0.0)
@@ -227,8 +232,13 @@ class ErrorFeedback:
         diff = kept.to(buf.dtype) - sent.to(buf.dtype)
         torch.nan_to_num_(diff, nan=0.0, posinf=0.0, neginf=0.0)
         sparse_ops.set_(buf, indices, diff)
+        self.log_sent(key, indices.clone(), sent.to(buf.dtype, copy=True))
+
+    def log_sent(self, key: Hashable, indices: Optional[torch.Tensor], values: torch.Tensor) -> None:
+        """``undo_sent``: remember that ``values`` left ``key``'s residual at ``indices`` (None: the whole buffer, a
+        dense flush) in the open step; :meth:`end_step` adds them back if DeepSpeed skips it. No-op otherwise."""
         if self.undo_sent:
-            self._sent.append((key, indices.clone(), sent.to(buf.dtype, copy=True)))
+            self._sent.append((key, indices, values))
 
     def clear_non_finite(self, key: Hashable, sent: Optional[torch.Tensor] = None,
                          sends_non_finite: bool = False) -> None:

@@ -135,14 +135,15 @@ class NodeAllreduce:
 
     def reduce_dense(self, tensors: Sequence[torch.Tensor], key: Hashable, prescale: float = 1.0,
                      postscale: float = 1.0, dtype: torch.dtype | None = None, codec=None,
-                     raw: bool = False) -> torch.Tensor:
+                     raw: bool = False, flush: bool = False) -> torch.Tensor:
         """A dense reduction that also empties the shard's residual (the flat pipeline's ``reduce_dense``, per
         shard): the node's sum, then the shard plus its residual across nodes, gathered inside the node.
-        ``codec`` and ``raw`` as there: only the cross-node sum travels quantized (the node's is dense)."""
+        ``codec``, ``raw`` and ``flush`` as there: only the cross-node sum travels quantized (the node's is dense)."""
         tensors = list(tensors)
         dtype = dtype or tensors[0].dtype
         shard, per, n = self._node_shard(tensors, prescale)
-        out = self.cross.reduce_dense([shard], shard_key(key, self.layout, per), 1.0, postscale, dtype, codec, raw)
+        out = self.cross.reduce_dense([shard], shard_key(key, self.layout, per), 1.0, postscale, dtype, codec, raw,
+                                      flush)
         return self._gather(out, n)
 
 

@@ -1,7 +1,7 @@
 """Memory budget: the persistent bytes ds_dragonn may keep per element of a compressed bucket, and a counter.
 
-A persistent tensor is one the hook keeps between steps (residuals, momenta, decode buffers, the frozen
-variance, the partitioned exchange's server residual, ...). :func:`persistent_tensors` finds them by walking
+A persistent tensor is one the hook keeps between steps (residuals, momenta, decode buffers, the partitioned
+exchange's server residual, ...; the momentum mode's frozen variance lives in Adam's own ``exp_avg_sq``). :func:`persistent_tensors` finds them by walking
 the hook object (``engine.dragonn``) and every ds_dragonn object reachable from it; tensors that share
 storage with the model's parameters, gradients or optimizer state are DeepSpeed's and are not counted.
 
@@ -21,7 +21,6 @@ COMPONENTS = (
     (".error_feedback._work", "residual working copy"), (".error_feedback.residuals", "residual"),
     (".momentum._work", "momentum working copy"), (".momentum.momenta", "momentum"),
     ("decoder._acc", "decode accumulator"), ("decoder._out", "decode buffer"),
-    (".frozen", "frozen variance"),
     (".server._work", "server residual working copy"), (".server.residuals", "server residual"),
     ("._undo", "server undo log"),
 )
@@ -127,7 +126,7 @@ def budget(compress: str, wire: torch.dtype, transactional: bool, stage: int = 0
         wire: the buckets' wire dtype (bf16, fp32 or fp16).
         transactional: a skipped step leaves no trace (``plan.step_transaction``: fp16, or
             ``advanced.exact_skipped_steps``): the residual and the momentum keep a working copy.
-        stage: the ZeRO stage (the frozen variance is partitioned with the optimizer state at 1-3).
+        stage: the ZeRO stage.
         world: data-parallel ranks (ZeRO's partition count; the partitioned exchange's owners).
         per_node: ranks per node of the node-aware layout (1: flat); the residual, momentum and decode
             buffer hold the rank's 1/per_node shard.
@@ -149,8 +148,6 @@ def budget(compress: str, wire: torch.dtype, transactional: bool, stage: int = 0
         out["momentum"] = 4.0 / per_node
         if transactional:
             out["momentum working copy"] = 4.0 / per_node
-        zero_parts = world if stage >= 1 else 1
-        out["frozen variance"] = 4.0 / zero_parts
     if not decode_into:
         out["decode buffer"] = torch.empty(0, dtype=wire).element_size() / per_node
     if wire == torch.float16:

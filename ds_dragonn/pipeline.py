@@ -256,7 +256,7 @@ class CompressedAllreduce:
 
     def reduce_dense(self, tensors: Sequence[torch.Tensor], key: Hashable, prescale: float = 1.0,
                      postscale: float = 1.0, dtype: torch.dtype | None = None, codec=None,
-                     raw: bool = False) -> torch.Tensor:
+                     raw: bool = False, flush: bool = False) -> torch.Tensor:
         """Dense allreduce of ``residual + prescale × gradients``, which empties the residual (flush).
 
         Used when a bucket that has been compressed goes dense (the auto policy's choice): what its
@@ -271,6 +271,8 @@ class CompressedAllreduce:
         the sum travels as int8/int4 codes (``exchange/dense_quantized.py``) and their rounding stays in the
         residual. ``raw``: reduce the gradients themselves even in the momentum mode (the dense warm-up and
         the variance refreshes; ``key`` then names a residual of its own, which holds only that rounding).
+        ``flush``: the residual held unsent gradient (a compressed bucket going dense); where a skipped step
+        returns what it sent (``ErrorFeedback.undo_sent``), what this sends is logged (n values, this step only).
 
         Returns:
             A new (n,) tensor of ``dtype``: ``postscale × Σ_ranks (residual + prescale × gradients)``.
@@ -280,9 +282,20 @@ class CompressedAllreduce:
         if self.momentum is not None and not raw:
             tensors, prescale = self.momentum.update(key, tensors, dtype, prescale)
         compensated = self.error_feedback.compensate_(key, tensors, dtype, prescale)
+        # (before the owners' server residual joins it: the exchange undoes that part itself)
+        before = compensated.clone() if flush and self.error_feedback.undo_sent else None
         self.exchange.flush_into(key, compensated)
         if codec is not None and codec.quantized:
-            return self._reduce_quantized(key, compensated, postscale, dtype, codec)
+            out = self._reduce_quantized(key, compensated, postscale, dtype, codec)
+        else:
+            out = self._reduce_plain(key, compensated, postscale, dtype)
+        if before is not None:  # what left the residual: added back if DeepSpeed skips the step
+            self.error_feedback.log_sent(key, None, before.sub_(compensated))
+        return out
+
+    def _reduce_plain(self, key: Hashable, compensated: torch.Tensor, postscale: float,
+                      dtype: torch.dtype) -> torch.Tensor:
+        """:meth:`reduce_dense`'s sum in the communication dtype; its rounding stays in the residual."""
         wire = to_wire(compensated, dtype)
         if wire.data_ptr() == compensated.data_ptr():  # same dtype: reduce a copy, the residual stays
             wire = wire.clone()

@@ -12,7 +12,7 @@ _D = {"enabled": True, "density": 0.01, "min_compress_numel": 1}
 RESUME_RUNS = {
     "s0_fp32": engine_config(_D),
     "s0_partitioned": engine_config({**_D, "exchange": "partitioned"}),
-    "s0_bf16": engine_config(_D, bf16=True),  # transactional residuals (bf16 steps may be skipped)
+    "s0_bf16": engine_config(_D, bf16=True),  # bf16 steps may be skipped
     "s2_fp32": zero_config(2, {"enabled": True, "density": 0.01}),
     "s0_bf16_partitioned": engine_config({**_D, "exchange": "partitioned"}, bf16=True),
     "s0_dense": engine_config(None),  # a checkpoint without DRAGONN state
@@ -125,16 +125,18 @@ def resume_runs(rank: int, world: int, out_dir: str) -> None:
     out["no_dragonn_state"] = resume("no_dragonn_state", engine_config(_D), "s0_dense")
     # a flush owed by a resumed residual (density 0.4 bf16 under auto: pairs cost more than dense, so the
     # bucket goes dense and flushes) on a step that overflows: still owed afterwards, sent the step after
-    engine = _engine(engine_config({**_D, "density": 0.4, "policy": "auto"}, bf16=True))
-    engine.load_checkpoint(str(ckpt / "s0_bf16"), tag="k")
-    flush = {"after_load": _residual_mass(engine)}
-    _train(engine, rank, K, K + 1, overflow_at=K)
-    flush["after_skipped"] = _residual_mass(engine)
-    flush["pending_after_skipped"] = len(engine.dragonn.pending)
-    _train(engine, rank, K + 1, K + 2)
-    flush["after_next"] = _residual_mass(engine)
-    flush["skipped"] = int(engine.skipped_steps)
-    out["flush_on_skipped_step"] = flush
+    for name, extra in (("flush_on_skipped_step", {"advanced": {"exact_skipped_steps": True}}),
+                        ("flush_on_skipped_step_ok", {})):
+        engine = _engine(engine_config({**_D, "density": 0.4, "policy": "auto", **extra}, bf16=True))
+        engine.load_checkpoint(str(ckpt / "s0_bf16"), tag="k")
+        flush = {"after_load": _residual_mass(engine)}
+        _train(engine, rank, K, K + 1, overflow_at=K)
+        flush["after_skipped"] = _residual_mass(engine)
+        flush["pending_after_skipped"] = len(engine.dragonn.pending)
+        _train(engine, rank, K + 1, K + 2)
+        flush["after_next"] = _residual_mass(engine)
+        flush["skipped"] = int(engine.skipped_steps)
+        out[name] = flush
     # DeepSpeed's averaging changed: the residuals are in other units
     out["predivide_changed"] = resume("predivide_changed", engine_config(_D, predivide=2.0), "s0_fp32")
     # ranks resuming different tags (at different steps, at the same step): an error on every rank, not a

@@ -142,3 +142,58 @@ def test_fused_adams_shared_step_count_freezes_every_tensor():
     assert [tuple(p.shape) for p in freeze.params] == [(4,), (3,)] and freeze.unknown() == 0
     # the momentum step sets Adam's moments so that its update divides by the frozen V̂, whose count is 3
     assert [tuple(v.shape) for v in freeze.frozen] == [(4,), (3,)]
+
+
+@pytest.mark.parametrize("beta2", [0.999, 0.95, 0.5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_adams_decay_lands_on_the_frozen_variance(beta2, dtype):
+    """``before_decay``: Adam's ``v·β2`` puts the frozen ``V̂`` back, exactly for all but the values just below a
+    power of two, which land 1 ulp away (so ``V̂`` can move once, by 1 ulp, never drift)."""
+    from ds_dragonn.engine.variance_math import before_decay
+    gen = torch.Generator().manual_seed(1)
+    vhat = torch.exp(torch.randn(200_000, generator=gen, dtype=torch.float64) * 20).to(dtype)
+    vhat = torch.cat([vhat, torch.tensor([1.0, 2.0 ** -30, 1e-38, 3e38], dtype=dtype) * beta2 ** 0.5])
+    huge = torch.finfo(dtype).max * beta2
+    assert torch.equal(before_decay(vhat[vhat > huge], beta2), vhat[vhat > huge])  # no inf: decays once instead
+    vhat = vhat[vhat <= huge]
+    back = before_decay(vhat, beta2) * beta2
+    mantissa, _ = torch.frexp(vhat)  # in [0.5, 1)
+    band = mantissa >= beta2  # V̂ in [β2·2^e, 2^e): products of consecutive values 2 ulps apart
+    assert torch.equal(back[~band], vhat[~band]) and bool(band.any())
+    ulp = torch.nextafter(vhat, torch.full_like(vhat, float("inf"))) - vhat
+    assert bool(((back - vhat).abs() <= ulp).all())
+    assert torch.equal(before_decay(back, beta2) * beta2, back)  # a value it landed on is kept exactly
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_the_frozen_variance_stays_in_adams_state_through_adamw_steps(foreach):
+    """fp32 AdamW (its single-tensor and foreach kernels): after the freeze ``exp_avg_sq`` holds V̂ at the known
+    elements and ``exp_avg`` 0, step after step (no drift), and each step applies lr·(g/c1)/(√V̂ + eps) after AdamW's
+    decay, as the float64 formula gives."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(1000))
+    opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.1, foreach=foreach)
+    engine = SimpleNamespace(optimizer=opt, global_steps=0)
+    freeze = VarianceFreeze(engine, freeze_step=3)
+    for t in range(3):
+        p.grad = torch.randn(1000)
+        p.grad[:10] = 0.0  # no variance: Adam's own update
+        opt.step()
+        engine.global_steps += 1
+    freeze.arm()
+    frozen = None
+    for t in range(3, 12):
+        g = torch.randn(1000) * 5
+        before = p.detach().double().clone()
+        p.grad = g.clone()
+        opt.step()
+        engine.global_steps += 1
+        state = opt.state[p]
+        known = freeze.known[0]
+        assert not bool(known[:10].any()) and bool(known[10:].all())
+        if frozen is None:
+            frozen = state["exp_avg_sq"].clone()
+        assert torch.equal(state["exp_avg_sq"][10:], frozen[10:]) and not bool(state["exp_avg"][10:].any())
+        c1 = 1 - 0.9 ** (t + 1)
+        want = before * (1 - 1e-3 * 0.1) - 1e-3 * (g.double() / c1) / (frozen.double().sqrt() + 1e-8)
+        torch.testing.assert_close(p.detach().double()[10:], want[10:], rtol=0, atol=1e-6)

@@ -87,11 +87,25 @@ def test_reloading_in_the_same_process_equals_the_uninterrupted_run(ckpt, name):
 
 def test_a_flush_owed_on_a_skipped_step_is_still_owed(ckpt):
     for r in range(2):
-        f = ckpt["resume"][r]["flush_on_skipped_step"]
+        f = ckpt["resume"][r]["flush_on_skipped_step"]  # exact_skipped_steps: the step transaction
         assert f["skipped"] == 1 and f["after_load"] > 0
         assert f["after_skipped"] == pytest.approx(f["after_load"], rel=1e-12)  # restored, still owed
         assert f["pending_after_skipped"] >= 1
         assert f["after_next"] < 0.01 * f["after_load"]  # flushed by the next (applied) dense step
+
+
+def test_a_flush_on_a_skipped_step_returns_what_it_sent(ckpt):
+    """bf16's default (no working copies): the flushed residual comes back on rank 1, whose gradient was finite
+    (with that step's gradient added), and is reset on rank 0, whose gradient was all Inf/NaN; still owed
+    either way, and flushed by the next applied step."""
+    for r in range(2):
+        f = ckpt["resume"][r]["flush_on_skipped_step_ok"]
+        assert f["skipped"] == 1 and f["after_load"] > 0 and f["pending_after_skipped"] >= 1
+        if r == 1:
+            assert f["after_skipped"] > 0.5 * f["after_load"]  # returned, not lost
+        else:
+            assert f["after_skipped"] == 0.0
+        assert f["after_next"] < 0.01 * max(f["after_load"], f["after_skipped"])
 
 
 @pytest.mark.parametrize("case, words", [("model_changed", "trainable parameters 0.weight: (64, 32) (now absent)"),

@@ -28,15 +28,15 @@ def test_dragonn_bytes_are_the_stated_budget_summed():
         for per_node in (1, 8):
             for mode in ("gradient", "momentum"):
                 exchange = "reduce_scatter" if stage and per_node == 1 else "allgather"
-                want = sum(budget(mode, torch.bfloat16, True, stage=stage, world=16, per_node=per_node,
+                want = sum(budget(mode, torch.bfloat16, False, stage=stage, world=16, per_node=per_node,
                                   exchange=exchange).values())
                 assert mp.dragonn_bytes_per_param(mode, stage, 16, per_node) == pytest.approx(want)
-    # the design.md totals: flat ZeRO 0, bf16 with the step transaction: 8 (gradient) and 20 (momentum)
-    assert mp.dragonn_bytes_per_param("gradient", 0, 2, 1) == 8
-    assert mp.dragonn_bytes_per_param("momentum", 0, 2, 1) == 20
-    # node-aware state shrinks with the ranks per node; without the transaction the working copies go
+    # the design.md totals: flat ZeRO 0 in bf16, the default (no working copies): 4 (gradient) and 8 (momentum)
+    assert mp.dragonn_bytes_per_param("gradient", 0, 2, 1) == 4
+    assert mp.dragonn_bytes_per_param("momentum", 0, 2, 1) == 8
+    # node-aware state shrinks with the ranks per node; the step transaction adds the working copies
     assert mp.dragonn_bytes_per_param("gradient", 3, 16, 8) < mp.dragonn_bytes_per_param("gradient", 3, 16, 1)
-    assert mp.dragonn_bytes_per_param("momentum", 0, 2, 1, txn=False) == 12
+    assert mp.dragonn_bytes_per_param("momentum", 0, 2, 1, txn=True) == 16
 
 
 def test_rows_are_consistent_and_a_model_that_fits_fits():

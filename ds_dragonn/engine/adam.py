@@ -79,6 +79,13 @@ def _adam_classes() -> tuple:
     return tuple(classes)
 
 
+def decoupled(optimizer: Any, group: dict) -> bool:
+    """Whether ``optimizer`` decays the weights of ``group`` decoupled from the gradient (AdamW: torch's AdamW or
+    Adam with ``decoupled_weight_decay``, DeepSpeed's ``adam_w_mode``)."""
+    return (isinstance(optimizer, torch.optim.AdamW) or bool(getattr(optimizer, "adam_w_mode", False))
+            or type(optimizer).__name__ in ("AdamW", "FusedAdamW") or bool(group.get("decoupled_weight_decay", False)))
+
+
 def momentum_refusal(engine: Any) -> Optional[str]:
     """Why the momentum mode cannot serve this engine's optimizer (a sentence fragment naming it), or None.
 
@@ -106,13 +113,10 @@ def momentum_refusal(engine: Any) -> Optional[str]:
         return f"does not support amsgrad ({name})"
     if any(g.get("maximize") for g in groups):
         return f"does not support maximize ({name})"
-    decoupled = (isinstance(opt, torch.optim.AdamW) or bool(getattr(opt, "adam_w_mode", False))
-                 or type(opt).__name__ in ("AdamW", "FusedAdamW"))
-    coupled = [g["weight_decay"] for g in groups if g.get("weight_decay", 0.0) and not decoupled
-               and not g.get("decoupled_weight_decay", False)]
+    coupled = [g["weight_decay"] for g in groups if g.get("weight_decay", 0.0) and not decoupled(opt, g)]
     if coupled:
         return f"needs decoupled weight decay (AdamW); this {name} adds weight_decay={coupled[0]} to the gradient"
     return None
 
 
-__all__ = ["adam_beta1", "base_optimizer", "momentum_refusal", "optimizer_lr", "optimizer_params"]
+__all__ = ["adam_beta1", "base_optimizer", "decoupled", "momentum_refusal", "optimizer_lr", "optimizer_params"]

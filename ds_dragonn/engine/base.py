@@ -84,7 +84,7 @@ class HookBase(FollowsOptimizer, HookState):
         self._round = None  # (step, micro step) of the ordinals being counted
         self._ordinal = 0
         self.pending: set = set()  # buckets whose residual may hold unsent gradient
-        self._flushing: set = set()  # transactional: flushed in the open step (still pending if it is skipped)
+        self._flushing: set = set()  # steps may be skipped: flushed in the open step (still pending if it is)
         self.notes: list = []  # what loading a state did beyond restoring it (also logged as warnings)
         self.variance_freeze = None
         self.momentum: Optional[LocalMomentum] = None  # compress: momentum (this rank's local momentum)
@@ -137,7 +137,7 @@ class HookBase(FollowsOptimizer, HookState):
     def _flushed(self, key: Hashable) -> None:
         """The residual of ``key`` went out with a dense reduction: no flush is owed any more (once the step
         is applied, where DeepSpeed may skip it)."""
-        if self.transactional:
+        if self.may_skip:  # owed again if the step is skipped (its residual restored, or what it sent returned)
             self._flushing.add(key)
         else:
             self.pending.discard(key)

@@ -145,7 +145,8 @@ class BucketReducer:
 
         # 5. Flush: compressed before, dense now: the residual (and momentum) go out with this reduction.
         if flush:
-            out = b.pipeline.reduce_dense(send.inputs, b.key, send.prescale, send.postscale, b.dtype, send.codec)
+            out = b.pipeline.reduce_dense(send.inputs, b.key, send.prescale, send.postscale, b.dtype, send.codec,
+                                          flush=b.key in hook.pending)
             hook._flushed(b.key)
             return self._dense_done(b, hook.write(b, out), clock, fixed)
 

@@ -10,13 +10,15 @@ preconditioner, and delays stay linear.
 :class:`VarianceFreeze` registers a pre-step hook on the engine's innermost ``torch.optim.Optimizer`` (torch
 Adam/AdamW, DeepSpeed's FusedAdam/CPUAdam: per-parameter ``exp_avg``, ``exp_avg_sq``, ``step``). At the first
 step at or after ``freeze_step`` in which a bucket sent the momentum (:meth:`arm`) it records each tensor's
-``V̂ = v / (1 − β2^t)`` and which elements it knows (those with ``V̂ > 0``; floored, ``variance_math``). Before every later step it
-sets Adam's moments of the known elements so that Adam applies ``lr · (g / c1) / (sqrt(V̂) + eps)``, ``g``
-being the averaged momentum that arrived (``variance_math.momentum_step_``). At ZeRO-3 the tensors are the
-fp32 sub-group flats (DeepSpeed 0.19.8 ``runtime/zero/stage3.py``: ``fp32_partitioned_groups_flat``), each
-lent to its group for its own ``step()`` (one pre-hook call per sub-group): the same elementwise arithmetic.
-Elements without gradient through the warm-up and tensors that first get gradient after the freeze keep
-Adam's own update until a variance refresh gives them a variance.
+``V̂ = v / (1 − β2^t)`` (floored, ``variance_math``) into Adam's own ``exp_avg_sq`` and zeroes ``exp_avg`` at
+the elements that have one: those are the known elements (``variance_math.known_mask``), and the freeze keeps
+no buffer of its own. Before every later step it applies ``lr · (g / c1) / (sqrt(V̂) + eps)`` to the known
+elements itself, ``g`` being the averaged momentum that arrived, and sets their gradient and moments so that
+Adam's step moves them by AdamW's decay only and leaves ``V̂`` in place (``variance_math.momentum_step_``). At
+ZeRO-3 the tensors are the fp32 sub-group flats (DeepSpeed 0.19.8 ``runtime/zero/stage3.py``:
+``fp32_partitioned_groups_flat``), each lent to its group for its own ``step()`` (one pre-hook call per
+sub-group): the same elementwise arithmetic. Elements without gradient through the warm-up and tensors that
+first get gradient after the freeze keep Adam's own update until a variance refresh gives them a variance.
 
 Variance refresh (``variance_refresh_steps``; 0/1 Adam, Lu et al., ICLR 2022): a frozen ``V̂`` drifts from
 Adam's, up to ~10x per tensor over a 2000-step run (``launch/variance_drift.py``). On a refresh step the hooks
@@ -31,11 +33,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from deepspeed.utils.logging import print_dist
 
-from ..feedback import residual_dtype
 from . import variance_math
-from .adam import base_optimizer, optimizer_params
-from .variance_math import (bias_correction2, default_refresh_decay, floor_variance_, known_mask,
-                            momentum_step_, no_update_, refresh_)
+from .adam import base_optimizer, decoupled, optimizer_params
+from .variance_math import (bias_correction2, default_refresh_decay, floor_variance_, known_mask, momentum_step_,
+                            refresh_)
 
 
 def _step_count(state: dict) -> Optional[float]:
@@ -56,19 +57,8 @@ def _group_steps(optimizer: Any, params) -> Optional[float]:
     return max((c for c in counts if c is not None), default=None)
 
 
-def _own_vhat(state: dict, beta2: float, corrected: bool, t: Optional[float] = None) -> Optional[torch.Tensor]:
-    """Adam's own bias-corrected variance of a parameter (None without Adam state); ``t``: its step count
-    (None: ``state["step"]``)."""
-    if "exp_avg_sq" not in state:
-        return None
-    t = _step_count(state) if t is None else t
-    if not t:
-        return None
-    return state["exp_avg_sq"].detach() / bias_correction2(beta2, t, corrected)
-
-
 class VarianceFreeze:
-    """Freeze Adam's bias-corrected ``exp_avg_sq`` of the known elements (module docstring).
+    """Freeze Adam's bias-corrected variance of the known elements, in Adam's own ``exp_avg_sq`` (module docstring).
 
     Args:
         engine: the DeepSpeed engine (``global_steps``: the steps taken before the current one).
@@ -90,13 +80,10 @@ class VarianceFreeze:
         self.refreshed = 0  # refreshes applied (this process)
         self._refreshed_at: Optional[int] = None  # the step of the last refresh (ZeRO-3 calls the hook per sub-group)
         self.optimizer = base_optimizer(engine)
-        # V̂ per entry of self.params (None: not frozen yet); exactly 0 where the element is not known (no
-        # variance yet): the known mask is derived from it (``variance_math.known_mask``), not stored
-        self.frozen: Optional[List[torch.Tensor]] = None
-        self.params: List[torch.nn.Parameter] = []
+        self.recorded = False  # V̂ was recorded into exp_avg_sq (the freeze began)
+        self.params: List[torch.Tensor] = []  # the tensors with Adam state at the freeze, then those that got gradient
         self._index: Dict[int, int] = {}
-        # (any, all) of each known mask, read back once after it changes (not at every step)
-        self._cover: Dict[int, Tuple[bool, bool]] = {}
+        self._cover: Dict[int, Tuple[bool, bool]] = {}  # id(p) -> (any, all) known: read back once, until a refresh
         self.armed = False
         self.handle = None
         if self.optimizer is not None and hasattr(self.optimizer, "register_step_pre_hook"):
@@ -111,10 +98,28 @@ class VarianceFreeze:
         """A bucket sent the momentum this step: from now on the variance may be frozen."""
         self.armed = True
 
+    def _state(self, p: torch.Tensor) -> dict:
+        return self.optimizer.state.get(p, {}) if self.optimizer is not None else {}
+
+    def _known(self, p: torch.Tensor) -> torch.Tensor:
+        state = self._state(p)
+        if "exp_avg" not in state or "exp_avg_sq" not in state:
+            return torch.zeros_like(p, dtype=torch.bool)
+        return known_mask(state)
+
+    @property
+    def frozen(self) -> Optional[List[torch.Tensor]]:
+        """``V̂`` per entry of ``params``, 0 where not known (None before the freeze): transient copies read from
+        ``exp_avg_sq``, where it lives."""
+        if not self.recorded:
+            return None
+        return [torch.where(k, self._state(p)["exp_avg_sq"], 0.0) if k.any() else torch.zeros_like(p)
+                for p, k in zip(self.params, self.known)]
+
     @property
     def known(self) -> List[torch.Tensor]:
-        """Bool mask per entry: the elements V̂ is an estimate for (``V̂ > 0``; derived, a transient)."""
-        return [known_mask(v) for v in self.frozen or []]
+        """Bool mask per entry of ``params``: the elements V̂ is frozen for (``variance_math.known_mask``)."""
+        return [self._known(p) for p in self.params]
 
     def unknown(self) -> int:
         """Elements that keep Adam's own update (no frozen variance yet)."""
@@ -128,35 +133,46 @@ class VarianceFreeze:
         step = int(self.engine.global_steps)
         if not self.armed or step < self.freeze_step:
             return
-        if self.frozen is None:
+        if not self.recorded:
             self._record(optimizer)
         refreshing = self.refresh is not None and self.refresh(step)
         new, joined = 0, 0
         for group in optimizer.param_groups:
             beta1, beta2 = float(group["betas"][0]), float(group["betas"][1])
             corrected = group.get("bias_correction", True)  # DeepSpeed's FusedAdam may turn it off
+            lr, eps = float(group["lr"]), float(group.get("eps", 1e-8))
+            decay = 1.0 - lr * float(group.get("weight_decay", 0.0)) if decoupled(optimizer, group) else 1.0
             shared = _group_steps(optimizer, group["params"])
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                i = self._index.get(id(p))
-                if i is None:  # first gradient after the freeze: Adam's own update until a refresh
-                    i, new = self._append(p, torch.zeros_like(p, dtype=residual_dtype(p.dtype))), new + 1
+                if id(p) not in self._index:  # first gradient after the freeze: Adam's own update until a refresh
+                    self._append(p)
+                    new += 1
                 state = optimizer.state.get(p, {})
                 t = shared if shared is not None and "exp_avg_sq" in state else _step_count(state)
+                if t is None or "exp_avg_sq" not in state or "exp_avg" not in state:
+                    if refreshing:  # no update on a refresh step: Adam creates zero state, its first update 0
+                        p.grad.zero_()
+                    continue  # no Adam state yet: Adam creates it in this step, its own update
                 if refreshing:
-                    known = known_mask(self.frozen[i])
-                    joined += refresh_(self.frozen[i], known, p.grad.detach(),
-                                       _own_vhat(state, beta2, corrected, t), self.decay(beta2), self.fraction)
-                    no_update_(state, self.frozen[i], known, p.grad, beta2, corrected, t)
-                elif t is not None and "exp_avg_sq" in state and self._coverage(i)[0]:
-                    every = self._coverage(i)[1]  # all known: no mask needed
-                    momentum_step_(state, p.grad, self.frozen[i], None if every else known_mask(self.frozen[i]),
-                                   beta1, beta2, bias_correction2(beta2, t + 1.0, corrected),
-                                   float(group.get("eps", 1e-8)), all_known=every)
-        if refreshing:  # refresh_ may have grown the known masks
-            self._cover.clear()
+                    joined += refresh_(state, p.grad, beta2, bias_correction2(beta2, t, corrected),
+                                       self.decay(beta2), self.fraction)
+                    self._cover.pop(id(p), None)
+                    continue
+                some, every = self._coverage(p, state)
+                if some:
+                    momentum_step_(p, state, p.grad, None if every else known_mask(state), beta2,
+                                   1.0 - beta1 ** (t + 1.0) if corrected else 1.0, lr, eps, decay)
         self._log(step, refreshing, new, joined)
+
+    def _coverage(self, p: torch.Tensor, state: dict) -> Tuple[bool, bool]:
+        """(any, all) of ``p``'s known mask: one read-back, cached until a refresh (the mask changes only there)."""
+        cover = self._cover.get(id(p))
+        if cover is None:
+            k = known_mask(state)
+            cover = self._cover[id(p)] = tuple(torch.stack([k.any(), k.all()]).tolist())
+        return cover
 
     def _log(self, step: int, refreshing: bool, new: int, joined: int) -> None:
         if refreshing and step != self._refreshed_at:
@@ -174,80 +190,63 @@ class VarianceFreeze:
             print_dist(f"DRAGONN: Adam's variance frozen at step {step + 1} for {joined} element(s) that started "
                        f"training after the freeze ({self.unknown()} still on Adam's own update)", ranks=[0])
 
-    def _coverage(self, i: int) -> Tuple[bool, bool]:
-        """(any, all) of entry ``i``'s known mask; one read-back, cached until the mask changes."""
-        cover = self._cover.get(i)
-        if cover is None:
-            k = known_mask(self.frozen[i])
-            cover = self._cover[i] = tuple(torch.stack([k.any(), k.all()]).tolist())
-        return cover
-
-    def _append(self, p: torch.Tensor, frozen: torch.Tensor) -> int:
-        """Add ``p`` with its frozen ``V̂`` (0 where it has none: not known)."""
-        self._cover.pop(len(self.params), None)
+    def _append(self, p: torch.Tensor) -> None:
+        self._index[id(p)] = len(self.params)
         self.params.append(p)
-        self.frozen.append(frozen)
-        self._index[id(p)] = len(self.params) - 1
-        return self._index[id(p)]
 
     def _record(self, optimizer) -> None:
-        """Record ``V̂ = v / (1 − β2^t)`` and its known elements for every parameter with Adam state (every
-        sub-group's at ZeRO-3, whose groups hold one sub-group at a time: ``adam.optimizer_params``)."""
-        self.params, self.frozen, self._index = [], [], {}
+        """Record ``V̂ = v / (1 − β2^t)`` (floored) into ``exp_avg_sq`` and zero ``exp_avg`` at the elements with a
+        variance, for every parameter with Adam state (every sub-group's at ZeRO-3, whose groups hold one
+        sub-group at a time: ``adam.optimizer_params``)."""
+        self.params, self._index = [], {}
         self._cover.clear()
+        total = quiet = 0
         for group, params in zip(optimizer.param_groups, optimizer_params(self.engine, optimizer)):
             beta2, corrected = float(group["betas"][1]), group.get("bias_correction", True)
             shared = _group_steps(optimizer, params)
             for p in params:
-                vhat = (_own_vhat(optimizer.state.get(p, {}), beta2, corrected, shared) if 0.0 < beta2 < 1.0
-                        else None)
-                if vhat is None:
+                state = optimizer.state.get(p, {})
+                t = shared if shared is not None and "exp_avg_sq" in state else _step_count(state)
+                if not t or "exp_avg_sq" not in state or "exp_avg" not in state or not 0.0 < beta2 < 1.0:
                     continue
-                # the floor raises the known elements only: the others stay exactly 0 (not known)
-                self._append(p, floor_variance_(vhat.clone(), self.fraction, known_mask(vhat)))
-        total = sum(v.numel() for v in self.frozen)
-        quiet = self.unknown()
+                v = state["exp_avg_sq"]
+                vhat = v / bias_correction2(beta2, t, corrected)
+                known = vhat > 0
+                floor_variance_(vhat, self.fraction, known)  # the known elements only: the others stay 0
+                v.copy_(torch.where(known, vhat, v))
+                state["exp_avg"].masked_fill_(known, 0.0)
+                self._append(p)
+                total, quiet = total + v.numel(), quiet + int((~known).sum())
+        self.recorded = True
         extra = (f"; {quiet} element(s) without gradient in the warm-up keep Adam's own update until a variance refresh"
                  if quiet else "")
         print_dist(f"DRAGONN: Adam's bias-corrected variance frozen from step {int(self.engine.global_steps) + 1} "
-                   f"({total - quiet} of {total} elements; the sparse momentum applied as it is{extra})", ranks=[0])
+                   f"({total - quiet} of {total} elements, in Adam's own exp_avg_sq; the sparse momentum applied as "
+                   f"it is{extra})", ranks=[0])
 
     def reset(self) -> None:
         """Record ``V̂`` again at the next step (a checkpoint load replaced the optimizer state)."""
-        self.frozen, self.params, self._index = None, [], {}
+        self.recorded, self.params, self._index = False, [], {}
         self._cover.clear()
 
     def state_dict(self) -> dict:
-        """The frozen ``V̂`` (None before the freeze; its zeros are the elements not known), in the optimizer's
-        parameter order, and whether armed: saved with this rank's DRAGONN state, so that a resumed run divides by exactly the same
-        values (recomputing them from ``exp_avg_sq`` would round differently)."""
-        if self.frozen is None or self.optimizer is None:
-            return {"armed": self.armed, "frozen": None}
-        where = {id(p): (gi, pi) for gi, ps in enumerate(optimizer_params(self.engine, self.optimizer))
-                 for pi, p in enumerate(ps)}
-        return {"armed": self.armed, "frozen": [v.detach().clone() for v in self.frozen],
-                "positions": [where.get(id(p)) for p in self.params]}
+        """Whether armed and whether the freeze began: ``V̂`` itself is in the optimizer's state, which DeepSpeed
+        saves, so a resumed run divides by exactly the same values."""
+        return {"armed": self.armed, "recorded": self.recorded}
 
     def load_state_dict(self, state: Optional[dict]) -> None:
-        """Restore :meth:`state_dict` onto the optimizer's parameters; where they do not match (another model
-        or partitioning) ``V̂`` is recorded again at the next step."""
+        """Restore :meth:`state_dict` (the optimizer's state holds ``V̂``); without one, ``V̂`` is recorded again at
+        the next step."""
         self.reset()
         if not state:
             return
         self.armed = bool(state.get("armed", False))
-        frozen = state.get("frozen")
-        if frozen is None or self.optimizer is None:
-            return
-        groups = optimizer_params(self.engine, self.optimizer)
-        try:
-            params = [groups[gi][pi] for gi, pi in state.get("positions") or []]
-        except (IndexError, TypeError, ValueError, KeyError):
-            return
-        if len(params) != len(frozen) or any(v.shape != p.shape for v, p in zip(frozen, params)):
-            return
-        self.frozen = []
-        for p, v in zip(params, frozen):  # copies: refreshes change V̂ in place
-            self._append(p, v.to(device=p.device, dtype=residual_dtype(p.dtype), copy=True))
+        if state.get("recorded") and self.optimizer is not None:
+            self.recorded = True
+            for group, params in zip(self.optimizer.param_groups, optimizer_params(self.engine, self.optimizer)):
+                for p in params:
+                    if "exp_avg_sq" in self.optimizer.state.get(p, {}):
+                        self._append(p)
 
 
 __all__ = ["VarianceFreeze"]

@@ -1,14 +1,15 @@
 """The arithmetic of the momentum mode's frozen Adam variance, one pure function per step (``engine/variance.py``
-holds the state and the optimizer hook).
+holds the optimizer hook).
 
-Per parameter tensor the freeze keeps ``V̂`` (Adam's bias-corrected variance, recorded at the end of the
-dense warm-up, then moved by variance refreshes) and ``known``, a bool mask of the elements that had gradient
-before the freeze (``V̂ > 0``; floored at :data:`VARIANCE_FLOOR` of the tensor's mean ``sqrt(V̂)``). The other
-elements had none (a rare token's embedding row, a layer or expert that first gets gradient later): they have
-no variance to divide by. Dividing their momentum by the floor would move them by hundreds of learning rates
-per step, where Adam's own update stays near one (docs/results.md). They keep Adam's own
-update instead, its own moments following what arrives (bounded like Adam's), until a variance refresh gives
-them an estimate (:func:`refresh_`).
+``V̂`` (Adam's bias-corrected variance, recorded at the end of the dense warm-up, then moved by variance
+refreshes) lives in Adam's own ``exp_avg_sq``, and the elements it is frozen for are those whose ``exp_avg`` is
+kept at 0 (:func:`known_mask`): the freeze stores nothing of its own. Before each step the pre-hook applies the
+frozen elements' update itself (:func:`momentum_step_`) and sets their moments so that Adam's step applies none
+and leaves ``V̂`` in place (:func:`before_decay`). The other elements had no gradient before the freeze (a rare
+token's embedding row, a layer or expert that first gets gradient later): they have no variance to divide by.
+Dividing their momentum by the floor would move them by hundreds of learning rates per step, where Adam's own
+update stays near one (docs/results.md). They keep Adam's own update, its own moments following what arrives
+(bounded like Adam's), until a variance refresh gives them an estimate (:func:`refresh_`).
 """
 from __future__ import annotations
 
@@ -45,9 +46,13 @@ def floor_variance_(v: torch.Tensor, floor: float, where: Optional[torch.Tensor]
     return v
 
 
-def known_mask(vhat: torch.Tensor) -> torch.Tensor:
-    """Bool mask (``vhat``'s shape) of the elements with a variance (``vhat > 0``: they had gradient)."""
-    return vhat > 0
+def known_mask(state: dict) -> torch.Tensor:
+    """Bool mask of the elements whose variance is frozen, from Adam's own state (nothing of ours is stored):
+    ``exp_avg == 0`` (a frozen element's first moment is kept at 0: its update is applied by the pre-hook) and
+    ``exp_avg_sq > 0`` (it has a variance). An element on Adam's own update has a non-zero first moment; should
+    it reach exactly 0 (underflow after thousands of steps without gradient) it joins with its own variance,
+    as a refresh would let it."""
+    return (state["exp_avg"] == 0) & (state["exp_avg_sq"] > 0)
 
 
 def bias_correction2(beta2: float, t: float, corrected: bool) -> float:
@@ -55,73 +60,72 @@ def bias_correction2(beta2: float, t: float, corrected: bool) -> float:
     return (1.0 - beta2 ** t) if corrected else 1.0
 
 
-def momentum_step_(state: dict, g: torch.Tensor, frozen: torch.Tensor, known: Optional[torch.Tensor], beta1: float,
-                   beta2: float, c2: float, eps: float, all_known: Optional[bool] = None) -> None:
-    """Set Adam's moments of the ``known`` elements so that its update is ``lr · (g / c1) / (sqrt(V̂) + eps)``:
-    ``g`` (the averaged momentum) divided by the frozen denominator. The variance lands on
-    ``V̂·c2 + (1 − β2)·g²`` (never below ``V̂·c2``: no cancellation, no negative variance however large a
-    burst), and the first moment on ``g`` times the ratio of that denominator to the frozen one. The other
-    elements keep Adam's own moments (module docstring).
+def before_decay(vhat: torch.Tensor, beta2: float) -> torch.Tensor:
+    """``v`` such that Adam's ``v·β2`` (``exp_avg_sq.mul_(β2)``, the gradient being 0) lands on ``vhat``: the
+    quotient, moved one ulp where its product rounds past ``vhat``. Exact except just below a power of two,
+    where products of consecutive values are 2 ulps apart (``vhat`` then moves by 1 ulp, once), and where the
+    quotient overflows (``vhat`` within ``β2`` of the dtype's largest value: it then decays once)."""
+    v = vhat / beta2
+    back = v * beta2
+    up = torch.nextafter(v, torch.full_like(v, math.inf))
+    down = torch.nextafter(v, torch.zeros_like(v))
+    return torch.where(torch.isinf(v), vhat, torch.where(back < vhat, up, torch.where(back > vhat, down, v)))
+
+
+def momentum_step_(p: torch.Tensor, state: dict, g: torch.Tensor, known: Optional[torch.Tensor], beta2: float,
+                   c1: float, lr: float, eps: float, decay: float) -> None:
+    """Apply ``lr · (g / c1) / (sqrt(V̂) + eps)`` to the ``known`` elements of ``p`` now, and leave Adam nothing
+    to do there: their gradient is zeroed (with ``exp_avg`` at 0 Adam's update is 0) and ``exp_avg_sq`` is set
+    to :func:`before_decay` of ``V̂``, so that Adam's step puts ``V̂`` back. The other elements keep Adam's own
+    update.
 
     Args:
-        state: Adam's per-parameter state (``exp_avg``, ``exp_avg_sq``), changed in place.
-        g: the gradient Adam is about to apply (the averaged momentum), ``frozen``'s shape.
-        c2: ``1 − β2^(t+1)`` of the step Adam is about to take.
-        known: the known mask (may be None where ``all_known`` is True).
-        all_known: ``known.all()`` where the caller already holds it on the host (None: read it back here).
+        p: the parameter Adam steps (fp32 master at ZeRO), changed in place.
+        state: Adam's state of ``p``: ``exp_avg_sq`` holds ``V̂`` at the known elements.
+        g: the gradient Adam is about to apply (the averaged momentum), ``p``'s shape; zeroed where known.
+        known: :func:`known_mask` (None: every element).
+        c1: ``1 − β1^(t+1)`` of the step Adam is about to take.
+        decay: AdamW's decoupled factor ``1 − lr·weight_decay`` (1.0 without), which Adam applies to ``p``
+            after this: the update is divided by it, so that the result is ``decay·p − update`` as Adam's.
+    """
+    v = state["exp_avg_sq"]
+    vhat = v if known is None else torch.where(known, v, torch.ones_like(v))
+    update = g.to(v.dtype).div(vhat.sqrt().add_(eps)).mul_(lr / c1 / (decay if decay != 0.0 else 1.0))
+    if known is None:
+        p.data.sub_(update.to(p.dtype))
+        g.zero_()
+        v.copy_(before_decay(vhat, beta2))
+    else:
+        p.data.sub_(update.masked_fill_(~known, 0.0).to(p.dtype))
+        g.masked_fill_(known, 0.0)
+        v.copy_(torch.where(known, before_decay(vhat, beta2), v))
+
+
+def refresh_(state: dict, g: torch.Tensor, beta2: float, c2: float, rho: float,
+             floor: float = VARIANCE_FLOOR) -> int:
+    """A variance refresh from the dense raw gradient ``g``, then no update. The known elements move
+    ``V̂ ← ρ·V̂ + (1 − ρ)·g²``; an element on Adam's own update with a variance (``exp_avg_sq > 0``: momentum
+    arrived for it) joins them with ``V̂ = max(own, g²)``, ``own = exp_avg_sq / c2`` its bias-corrected
+    variance (one step's ``g²`` alone is often ~0 for a rare element); the known elements are floored at
+    ``floor`` of their mean ``sqrt(V̂)``. The gradient and ``exp_avg`` are zeroed and ``exp_avg_sq`` set to
+    :func:`before_decay` of ``V̂``, so that Adam applies no update (AdamW still decays the weights once) and
+    its step puts ``V̂`` back. Returns how many elements joined.
+
+    Args:
+        c2: ``1 − β2^t`` of Adam's step count so far (its own bias correction of the joining elements).
     """
     v, m = state["exp_avg_sq"], state["exp_avg"]
-    new_v = frozen.mul(c2 / beta2)
-    denom = frozen.mul(c2).addcmul_(g, g, value=1.0 - beta2).div_(c2).sqrt_().add_(eps)
-    denom.div_(frozen.sqrt().add_(eps))  # Adam's denominator over the frozen one (>= 1)
-    new_m = g.mul(denom).sub_(g, alpha=1.0 - beta1).div_(beta1)
-    if (bool(known.all()) if all_known is None else all_known):
-        v.copy_(new_v)
-        m.copy_(new_m)
-    else:
-        v.copy_(torch.where(known, new_v, v))
-        m.copy_(torch.where(known, new_m, m))
-
-
-def refresh_(frozen: torch.Tensor, known: torch.Tensor, g: torch.Tensor, own_vhat: Optional[torch.Tensor],
-             rho: float, floor: float = VARIANCE_FLOOR) -> int:
-    """A variance refresh from the dense raw gradient ``g``: the known elements move ``V̂ ← ρ·V̂ + (1 − ρ)·g²``
-    (then floored at ``floor`` of the known mean ``sqrt(V̂)``); an unknown element gets
-    ``V̂ = max(own, g²)``, ``own`` being Adam's own bias-corrected variance of it (of what arrived since it
-    started; None: no Adam state yet), and joins the known ones where momentum arrived for it (``own > 0``: one
-    step's ``g²`` alone is often ~0 for a rare element); then the known elements are floored at ``floor`` of
-    their mean ``sqrt(V̂)``. Returns how many elements joined.
-    """
-    g2 = g.to(frozen.dtype).square()
-    had = known.clone()
-    if bool(had.any()):
-        frozen.copy_(torch.where(had, frozen * rho + g2 * (1.0 - rho), frozen))
-    if bool(had.all()):
-        floor_variance_(frozen, floor)
-        return 0
-    if own_vhat is None:  # nothing arrived yet: no estimate beyond one step's g², which may be ~0
-        return 0
-    own = own_vhat.to(frozen.dtype)
-    cand = torch.maximum(g2, own)
-    joins = ~had & (own > 0)
-    frozen.copy_(torch.where(joins, cand, frozen))
-    known.logical_or_(joins)
-    floor_variance_(frozen, floor, known)
+    known = known_mask(state)
+    g2 = g.to(v.dtype).square()
+    joins = ~known & (v > 0)
+    vhat = torch.where(known, v * rho + g2 * (1.0 - rho), torch.where(joins, torch.maximum(g2, v / c2), v))
+    has = known | joins
+    floor_variance_(vhat, floor, has)
+    v.copy_(torch.where(has, before_decay(vhat, beta2), v))  # (the others have no variance: 0 stays 0)
+    m.zero_()
+    g.zero_()
     return int(joins.sum())
 
 
-def no_update_(state: dict, frozen: torch.Tensor, known: torch.Tensor, g: torch.Tensor, beta2: float,
-               corrected: bool, step: Optional[float]) -> None:
-    """A refresh step applies no update: the gradient and ``exp_avg`` zeroed (``m_t = β1·0 + (1 − β1)·0``); the
-    known elements' variance set so that it lands on ``V̂·c2``, the others' kept where it is. A parameter
-    without Adam state yet gets it from Adam itself, zero (its first update is then 0 too)."""
-    if "exp_avg_sq" in state and "exp_avg" in state:
-        c2 = bias_correction2(beta2, step + 1.0, corrected) if step is not None else 1.0
-        v = state["exp_avg_sq"]
-        v.copy_(torch.where(known, frozen * (c2 / beta2), v / beta2))
-        state["exp_avg"].zero_()
-    g.zero_()
-
-
-__all__ = ["DEFAULT_DECAY_FLOOR", "VARIANCE_FLOOR", "bias_correction2", "default_refresh_decay", "floor_variance_",
-           "known_mask", "momentum_step_", "no_update_", "refresh_"]
+__all__ = ["DEFAULT_DECAY_FLOOR", "VARIANCE_FLOOR", "before_decay", "bias_correction2", "default_refresh_decay",
+           "floor_variance_", "known_mask", "momentum_step_", "refresh_"]

@@ -15,8 +15,9 @@ and the largest model whose state fits in 80 GB (H100) and 141 GB (H200), dense 
 
 Assumptions (state only; what the projection leaves out): no activations, no temporary buffers, no
 fragmentation, no DeepSpeed bucket scratch (``reduce_bucket_size``), no ZeRO-3 prefetch; bf16 wire; the O(k)
-bookkeeping left out (≤ 8 · density · P bytes per parameter). ``--no-txn`` drops the step transaction
-(``"bf16": {"check_grad_overflow": false}``).
+bookkeeping left out (≤ 8 · density · P bytes per parameter); bf16's default: no working copies (a skipped step
+returns what it sent, O(k)). ``--txn`` adds the step transaction (``advanced.exact_skipped_steps: true``, the fp16
+default).
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def dense_bytes_per_param(stage: int, world: int) -> float:
     return weights + grads + optim
 
 
-def dragonn_bytes_per_param(compress: str, stage: int, world: int, per_node: int, txn: bool = True,
+def dragonn_bytes_per_param(compress: str, stage: int, world: int, per_node: int, txn: bool = False,
                             exchange: Optional[str] = None) -> float:
     """DRAGONN's stated budget per parameter per GPU (``ds_dragonn.memory.budget``, bf16 wire): ``per_node``
     ranks per node (1: flat). The exchange: ZeRO 1-3 flat reduce-scatter, else allgather."""
@@ -71,7 +72,7 @@ def largest_model(capacity_gb: float, per_param: float) -> float:
     return capacity_gb * GB / per_param
 
 
-def project(params: float, nodes: int, gpus_per_node: int, txn: bool = True) -> List[Dict]:
+def project(params: float, nodes: int, gpus_per_node: int, txn: bool = False) -> List[Dict]:
     """One row per (ZeRO stage, layout, mode): bytes per parameter and GB per GPU, dense and DRAGONN, and
     the largest model that fits each capacity."""
     world = nodes * gpus_per_node
@@ -135,7 +136,7 @@ def main(argv=None) -> Dict[str, List[Dict]]:
     p.add_argument("--params", type=float, help="model parameters (e.g. 7e9); with --nodes and --gpus-per-node")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--no-txn", action="store_true", help="bf16 with check_grad_overflow false: no step transaction")
+    p.add_argument("--txn", action="store_true", help="with the step transaction (advanced.exact_skipped_steps: true)")
     p.add_argument("--out", type=Path, default=None, help="write memory_projection.json and .png here")
     args = p.parse_args(argv)
     if args.params is not None and (args.params <= 0 or args.nodes < 1 or args.gpus_per_node < 1):
@@ -143,14 +144,14 @@ def main(argv=None) -> Dict[str, List[Dict]]:
                 f"{args.gpus_per_node})")
     cases = ([(f"{args.params / 1e9:g}B on {args.nodes} x {args.gpus_per_node}", args.params, args.nodes,
                args.gpus_per_node)] if args.params is not None else CASES)
-    results = {name: project(n, nodes, per, txn=not args.no_txn) for name, n, nodes, per in cases}
+    results = {name: project(n, nodes, per, txn=args.txn) for name, n, nodes, per in cases}
     for name, rows in results.items():
         print(_table(name, rows) + "\n")
     if args.out is not None:
         from bench.common import write_json
         args.out.mkdir(parents=True, exist_ok=True)
         write_json(args.out / "memory_projection.json",
-                   {"assumptions": __doc__.split("Assumptions")[1].strip(), "txn": not args.no_txn, "cases": results})
+                   {"assumptions": __doc__.split("Assumptions")[1].strip(), "txn": args.txn, "cases": results})
         _plot(results, args.out / "memory_projection.png")
         print(f"wrote {args.out / 'memory_projection.json'} and .png")
     return results
