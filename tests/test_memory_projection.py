@@ -57,7 +57,7 @@ def test_command_line_writes_json_and_png_and_refuses_bad_sizes(tmp_path, capsys
     out = mp.main(["--params", "1.3e9", "--nodes", "1", "--gpus-per-node", "8", "--out", str(tmp_path)])
     assert list(out) == ["1.3B on 1 x 8"]
     data = json.loads((tmp_path / "memory_projection.json").read_text())
-    assert data["txn"] is True and "activations" in data["assumptions"]
+    assert data["txn"] is False and "activations" in data["assumptions"]  # bf16's default: no working copies
     assert (tmp_path / "memory_projection.png").stat().st_size > 0
     assert "largest, H100 80 GB" in capsys.readouterr().out
     with pytest.raises(SystemExit):

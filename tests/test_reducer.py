@@ -26,8 +26,9 @@ class FakePipeline:
                                         dense_bytes=lambda numel, itemsize, world: numel * itemsize)
         self.calls = []
 
-    def reduce_dense(self, inputs, key, prescale, postscale, dtype, codec=None):
+    def reduce_dense(self, inputs, key, prescale, postscale, dtype, codec=None, flush=False):
         self.calls.append(("reduce_dense", key, prescale, postscale, codec))
+        self.flushes = getattr(self, "flushes", []) + [(key, flush)]
         return torch.cat([t.reshape(-1) for t in inputs]) * prescale * postscale
 
     def reduce(self, inputs, key, seed, prescale, postscale, dtype, into_inputs=False, ownership=None,
@@ -98,7 +99,7 @@ def test_warm_up_is_deepspeed_dense_then_compressed_then_a_flush_where_a_residua
     out = hook.reducer.reduce((g[:3], "small"))
     assert hook.events == ["describe", "prepare", "write"] and hook.fake.calls[-1] == ("reduce_dense", "small", 0.5,
                                                                                        2.0, None)
-    assert "small" not in hook.pending and torch.equal(out, g[:3])
+    assert "small" not in hook.pending and torch.equal(out, g[:3]) and hook.fake.flushes[-1] == ("small", True)
     # one owes nothing: DeepSpeed's own path
     hook.events.clear()
     assert hook.reducer.reduce((g[:3], "tiny")) == "deepspeed" and hook.events == ["describe", "dense"]
@@ -127,6 +128,7 @@ def test_momentum_mode_sends_the_momentum_from_every_bucket_and_arms_the_varianc
     hook.events.clear()
     hook.reducer.reduce((g[:3], "small"))
     assert hook.events == ["describe", "prepare", "write"] and hook.fake.calls[-1][0] == "reduce_dense"
+    assert hook.fake.flushes[-1] == ("small", pending)  # only an owed residual is a flush (logged for a skip)
     assert hook.variance_freeze.armed
 
 
