@@ -17,7 +17,7 @@ Non-finite entries (NaN/±Inf) must not stay in the residual: a compressor that 
 non-finite entry when the buffer has any (DRAGONN, top-k: they rank first) lets the pipeline skip the full
 ``isfinite`` pass unless a sent value is non-finite (``clear_non_finite``, overflow steps only).
 
-Skipped steps (``transactional``: fp16, and bf16 with DeepSpeed's ``check_grad_overflow``): DeepSpeed
+Skipped steps, exact (``transactional``: fp16, or ``advanced.exact_skipped_steps``; ``engine/steps.py``): DeepSpeed
 learns that a step overflowed only after every bucket was reduced, and then skips it. So the step's
 compensated residual is written into a second persistent buffer (``working = residual + gradient``: the
 same single pass, out of place) and becomes the residual only when the step is applied
@@ -27,7 +27,8 @@ was before the step. Memory: two residuals per bucket instead of one.
 Skipped steps, O(k) (``undo_sent``: bf16 and fp32 engines, ``engine/steps.py``): the residual is updated in
 place, and each commit logs the positions and values it sent; a skipped step adds them back (the residual then
 holds ``old residual + gradient`` to its float32 rounding, so nothing sent is lost) and resets the non-finite
-entries of the residuals it touched. Memory: O(k) per bucket for the open step.
+entries of the residuals it touched. Memory: O(k) per bucket for the open step, n values for a bucket whose
+residual a dense reduction flushed in it (``CompressedAllreduce.reduce_dense(flush=True)``, a policy switch).
 """
 from __future__ import annotations
 

@@ -197,3 +197,29 @@ def test_the_frozen_variance_stays_in_adams_state_through_adamw_steps(foreach):
         c1 = 1 - 0.9 ** (t + 1)
         want = before * (1 - 1e-3 * 0.1) - 1e-3 * (g.double() / c1) / (frozen.double().sqrt() + 1e-8)
         torch.testing.assert_close(p.detach().double()[10:], want[10:], rtol=0, atol=1e-6)
+
+
+def test_a_reset_freeze_keeps_the_frozen_variance_it_finds():
+    """A load that resets the freeze (warm start, missing DRAGONN files) while Adam's state holds V̂ already: the
+    next record keeps V̂ as it is, not divided by 1 − β2^t a second time; a raw element (exp_avg ≠ 0) is recorded."""
+    p = torch.nn.Parameter(torch.randn(50))
+    opt = torch.optim.AdamW([p], lr=1e-3)
+    engine = SimpleNamespace(optimizer=opt, global_steps=0)
+    freeze = VarianceFreeze(engine, freeze_step=3)
+    for t in range(6):
+        if t == 3:
+            freeze.arm()
+        p.grad = torch.randn(50)
+        opt.step()
+        engine.global_steps += 1
+    vhat = opt.state[p]["exp_avg_sq"].clone()
+    assert bool(freeze.known[0].all())
+    opt.state[p]["exp_avg"][:5] = 0.5  # five elements back on Adam's own update (a raw v)
+    raw = opt.state[p]["exp_avg_sq"][:5].clone()
+    freeze.reset()
+    p.grad = torch.zeros(50)
+    opt.step()
+    state = opt.state[p]
+    assert torch.equal(state["exp_avg_sq"][5:], vhat[5:])
+    torch.testing.assert_close(state["exp_avg_sq"][:5], raw / (1 - 0.999 ** 6), rtol=1e-6, atol=0)
+    assert bool(freeze.known[0].all())

@@ -197,7 +197,8 @@ class VarianceFreeze:
     def _record(self, optimizer) -> None:
         """Record ``V̂ = v / (1 − β2^t)`` (floored) into ``exp_avg_sq`` and zero ``exp_avg`` at the elements with a
         variance, for every parameter with Adam state (every sub-group's at ZeRO-3, whose groups hold one
-        sub-group at a time: ``adam.optimizer_params``)."""
+        sub-group at a time: ``adam.optimizer_params``). Elements that hold a frozen ``V̂`` already
+        (``known_mask``: after a load that reset the freeze but kept or restored such a state) keep it as it is."""
         self.params, self._index = [], {}
         self._cover.clear()
         total = quiet = 0
@@ -210,7 +211,8 @@ class VarianceFreeze:
                 if not t or "exp_avg_sq" not in state or "exp_avg" not in state or not 0.0 < beta2 < 1.0:
                     continue
                 v = state["exp_avg_sq"]
-                vhat = v / bias_correction2(beta2, t, corrected)
+                # elements already frozen (a reset after a load kept or restored a state that holds V̂) keep it
+                vhat = torch.where(known_mask(state), v, v / bias_correction2(beta2, t, corrected))
                 known = vhat > 0
                 floor_variance_(vhat, self.fraction, known)  # the known elements only: the others stay 0
                 v.copy_(torch.where(known, vhat, v))
