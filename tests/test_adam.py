@@ -223,3 +223,29 @@ def test_a_reset_freeze_keeps_the_frozen_variance_it_finds():
     assert torch.equal(state["exp_avg_sq"][5:], vhat[5:])
     torch.testing.assert_close(state["exp_avg_sq"][:5], raw / (1 - 0.999 ** 6), rtol=1e-6, atol=0)
     assert bool(freeze.known[0].all())
+
+
+@pytest.mark.parametrize("n", [1, 7, 1000, 4097])
+def test_the_freeze_works_chunk_by_chunk_as_on_the_whole_tensor(n):
+    """The pre-hook's elementwise work runs chunk by chunk (its temporaries: a few copies of a chunk, not of the
+    tensor): the record, a momentum step and a refresh with 7-element chunks equal the same on one chunk, a
+    partly known tensor included (exactly; the floor's mean to its float64 rounding)."""
+    from ds_dragonn.engine import variance_math as vm
+
+    def run(chunk):
+        gen = torch.Generator().manual_seed(n)
+        p = torch.randn(n, generator=gen)
+        state = {"exp_avg": torch.randn(n, generator=gen), "exp_avg_sq": torch.rand(n, generator=gen) ** 4}
+        state["exp_avg_sq"][::3] = 0.0  # no variance: not known
+        quiet = vm.record_(state, 0.3, chunk=chunk)
+        g = torch.randn(n, generator=gen) * 10
+        vm.momentum_step_(p, state, g, False, 0.999, 0.5, 1e-3, 1e-8, 0.99, chunk=chunk)
+        state["exp_avg"][1::3] = 0.25  # back on Adam's own update: joins at the refresh
+        joined = vm.refresh_(state, torch.randn(n, generator=gen), 0.999, 0.2, 0.9, chunk=chunk)
+        return p, g, state, quiet, joined
+
+    whole, chunked = run(vm.CHUNK), run(7)
+    assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
+    assert whole[3:] == chunked[3:] and whole[3] == len(range(0, n, 3))
+    torch.testing.assert_close(chunked[2]["exp_avg_sq"], whole[2]["exp_avg_sq"], rtol=1e-12, atol=0)
+    assert torch.equal(chunked[2]["exp_avg"], whole[2]["exp_avg"])

@@ -35,7 +35,7 @@ from deepspeed.utils.logging import print_dist
 
 from . import variance_math
 from .adam import base_optimizer, decoupled, optimizer_params
-from .variance_math import (bias_correction2, default_refresh_decay, floor_variance_, known_mask, momentum_step_,
+from .variance_math import (bias_correction2, default_refresh_decay, known_mask, momentum_step_, record_,
                             refresh_)
 
 
@@ -162,8 +162,8 @@ class VarianceFreeze:
                     continue
                 some, every = self._coverage(p, state)
                 if some:
-                    momentum_step_(p, state, p.grad, None if every else known_mask(state), beta2,
-                                   1.0 - beta1 ** (t + 1.0) if corrected else 1.0, lr, eps, decay)
+                    momentum_step_(p, state, p.grad, every, beta2, 1.0 - beta1 ** (t + 1.0) if corrected else 1.0,
+                                   lr, eps, decay)
         self._log(step, refreshing, new, joined)
 
     def _coverage(self, p: torch.Tensor, state: dict) -> Tuple[bool, bool]:
@@ -210,15 +210,9 @@ class VarianceFreeze:
                 t = shared if shared is not None and "exp_avg_sq" in state else _step_count(state)
                 if not t or "exp_avg_sq" not in state or "exp_avg" not in state or not 0.0 < beta2 < 1.0:
                     continue
-                v = state["exp_avg_sq"]
-                # elements already frozen (a reset after a load kept or restored a state that holds V̂) keep it
-                vhat = torch.where(known_mask(state), v, v / bias_correction2(beta2, t, corrected))
-                known = vhat > 0
-                floor_variance_(vhat, self.fraction, known)  # the known elements only: the others stay 0
-                v.copy_(torch.where(known, vhat, v))
-                state["exp_avg"].masked_fill_(known, 0.0)
+                quiet_here = record_(state, bias_correction2(beta2, t, corrected), self.fraction)
                 self._append(p)
-                total, quiet = total + v.numel(), quiet + int((~known).sum())
+                total, quiet = total + p.numel(), quiet + quiet_here
         self.recorded = True
         extra = (f"; {quiet} element(s) without gradient in the warm-up keep Adam's own update until a variance refresh"
                  if quiet else "")

@@ -14,13 +14,17 @@ update stays near one (docs/results.md). They keep Adam's own update, its own mo
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
 #: each tensor's frozen ``sqrt(V̂)`` is at least this fraction of its mean over the known elements (the former
 #: ``variance_floor`` key's default; a floor of 0 gave the same LM result, docs/results.md)
 VARIANCE_FLOOR = 0.01
+
+#: elements per chunk of the freeze's elementwise work: its temporaries are a few float32 copies of a chunk (4 MB),
+#: not of the largest tensor
+CHUNK = 1 << 20
 
 #: the least weight the frozen variance keeps at a refresh: one step's g² is a one-sample estimate, so it gets
 #: at most 10 % (a smaller floor measured worse on the LM: docs/results.md)
@@ -32,18 +36,18 @@ def default_refresh_decay(beta2: float, refresh_steps: int) -> float:
     return max(beta2 ** max(refresh_steps, 1), DEFAULT_DECAY_FLOOR)
 
 
-def floor_variance_(v: torch.Tensor, floor: float, where: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``v`` raised in place to ``(floor × mean sqrt(v))²`` (the mean over ``where``'s elements, all if None),
-    where that is finite and > 0; returns ``v``."""
-    sel = v if where is None else v[where]
-    if floor > 0.0 and sel.numel():
-        low = (floor * float(sel.sqrt().mean())) ** 2
-        if math.isfinite(low) and low > 0.0:
-            if where is None:
-                v.clamp_min_(low)
-            else:
-                v.copy_(torch.where(where, v.clamp_min(low), v))
-    return v
+def slices(numel: int, chunk: int = CHUNK) -> Iterator[slice]:
+    """Consecutive slices of ``[0, numel)``, ``chunk`` elements each (the last shorter)."""
+    for start in range(0, numel, chunk):
+        yield slice(start, min(numel, start + chunk))
+
+
+def flat(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a 1-D view (its elements in place; ValueError for a tensor that has no such view)."""
+    if not t.is_contiguous():
+        raise ValueError(f"the variance freeze needs contiguous optimizer tensors; got one of shape {tuple(t.shape)} "
+                         f"with strides {t.stride()}")
+    return t.view(-1)
 
 
 def known_mask(state: dict) -> torch.Tensor:
@@ -72,60 +76,121 @@ def before_decay(vhat: torch.Tensor, beta2: float) -> torch.Tensor:
     return torch.where(torch.isinf(v), vhat, torch.where(back < vhat, up, torch.where(back > vhat, down, v)))
 
 
-def momentum_step_(p: torch.Tensor, state: dict, g: torch.Tensor, known: Optional[torch.Tensor], beta2: float,
-                   c1: float, lr: float, eps: float, decay: float) -> None:
-    """Apply ``lr · (g / c1) / (sqrt(V̂) + eps)`` to the ``known`` elements of ``p`` now, and leave Adam nothing
-    to do there: their gradient is zeroed (with ``exp_avg`` at 0 Adam's update is 0) and ``exp_avg_sq`` is set
-    to :func:`before_decay` of ``V̂``, so that Adam's step puts ``V̂`` back. The other elements keep Adam's own
-    update.
+class _RootMean:
+    """Running mean of ``sqrt(V̂)`` over the elements with a variance, chunk by chunk (on the device: one
+    read-back at the end), for the floor."""
+
+    def __init__(self, like: torch.Tensor):
+        self.total = torch.zeros((), dtype=torch.float64, device=like.device)
+        self.count = torch.zeros((), dtype=torch.int64, device=like.device)
+
+    def add(self, vhat: torch.Tensor) -> None:
+        has = vhat > 0
+        self.total += torch.where(has, vhat.sqrt(), 0.0).sum(dtype=torch.float64)
+        self.count += has.sum()
+
+    def low(self, floor: float) -> Optional[float]:
+        """``(floor × mean sqrt(V̂))²``, or None where it is no floor (none known, 0 or not finite)."""
+        if floor <= 0.0:
+            return None
+        total, count = torch.stack([self.total, self.count.to(torch.float64)]).tolist()
+        low = (floor * total / count) ** 2 if count else 0.0
+        return low if math.isfinite(low) and low > 0.0 else None
+
+
+def _floor_(vf: torch.Tensor, low: Optional[float], beta2: Optional[float] = None, chunk: int = CHUNK) -> None:
+    """Second pass: raise the elements with a variance to ``low`` (None: none), then, with ``beta2``, set them
+    to :func:`before_decay` of the result."""
+    if low is None and beta2 is None:
+        return
+    for sl in slices(vf.numel(), chunk):
+        x = vf[sl]
+        has = x > 0
+        y = x.clamp_min(low) if low is not None else x
+        x.copy_(torch.where(has, before_decay(y, beta2) if beta2 is not None else y, x))
+
+
+def momentum_step_(p: torch.Tensor, state: dict, g: torch.Tensor, every: bool, beta2: float, c1: float, lr: float,
+                   eps: float, decay: float, chunk: int = CHUNK) -> None:
+    """Apply ``lr · (g / c1) / (sqrt(V̂) + eps)`` to the known elements of ``p`` now, and leave Adam nothing to do
+    there: their gradient is zeroed (with ``exp_avg`` at 0 Adam's update is 0) and ``exp_avg_sq`` is set to
+    :func:`before_decay` of ``V̂``, so that Adam's step puts ``V̂`` back. The other elements keep Adam's own
+    update. Chunk by chunk (``chunk`` elements): the temporaries are a few copies of a chunk, not of ``p``.
 
     Args:
-        p: the parameter Adam steps (fp32 master at ZeRO), changed in place.
-        state: Adam's state of ``p``: ``exp_avg_sq`` holds ``V̂`` at the known elements.
+        p: the parameter Adam steps (fp32 master at ZeRO), changed in place; contiguous, as ``state``'s and ``g``.
+        state: Adam's state of ``p``: ``exp_avg_sq`` holds ``V̂`` at the known elements (:func:`known_mask`).
         g: the gradient Adam is about to apply (the averaged momentum), ``p``'s shape; zeroed where known.
-        known: :func:`known_mask` (None: every element).
+        every: every element is known (no mask).
         c1: ``1 − β1^(t+1)`` of the step Adam is about to take.
         decay: AdamW's decoupled factor ``1 − lr·weight_decay`` (1.0 without), which Adam applies to ``p``
             after this: the update is divided by it, so that the result is ``decay·p − update`` as Adam's.
+    Raises:
+        ValueError: a tensor is not contiguous.
     """
-    v = state["exp_avg_sq"]
-    vhat = v if known is None else torch.where(known, v, torch.ones_like(v))
-    update = g.to(v.dtype).div(vhat.sqrt().add_(eps)).mul_(lr / c1 / (decay if decay != 0.0 else 1.0))
-    if known is None:
-        p.data.sub_(update.to(p.dtype))
-        g.zero_()
-        v.copy_(before_decay(vhat, beta2))
-    else:
-        p.data.sub_(update.masked_fill_(~known, 0.0).to(p.dtype))
-        g.masked_fill_(known, 0.0)
-        v.copy_(torch.where(known, before_decay(vhat, beta2), v))
+    pf, gf = flat(p.data), flat(g)
+    mf, vf = flat(state["exp_avg"]), flat(state["exp_avg_sq"])
+    scale = lr / c1 / (decay if decay != 0.0 else 1.0)
+    for sl in slices(pf.numel(), chunk):
+        v = vf[sl]
+        known = None if every else known_mask({"exp_avg": mf[sl], "exp_avg_sq": v})
+        vhat = v if known is None else torch.where(known, v, 1.0)
+        update = gf[sl].to(v.dtype).div(vhat.sqrt().add_(eps)).mul_(scale)
+        if known is None:
+            pf[sl].sub_(update.to(pf.dtype))
+            gf[sl].zero_()
+            v.copy_(before_decay(vhat, beta2))
+        else:
+            pf[sl].sub_(update.masked_fill_(~known, 0.0).to(pf.dtype))
+            gf[sl].masked_fill_(known, 0.0)
+            v.copy_(torch.where(known, before_decay(vhat, beta2), v))
 
 
 def refresh_(state: dict, g: torch.Tensor, beta2: float, c2: float, rho: float,
-             floor: float = VARIANCE_FLOOR) -> int:
+             floor: float = VARIANCE_FLOOR, chunk: int = CHUNK) -> int:
     """A variance refresh from the dense raw gradient ``g``, then no update. The known elements move
     ``V̂ ← ρ·V̂ + (1 − ρ)·g²``; an element on Adam's own update with a variance (``exp_avg_sq > 0``: momentum
     arrived for it) joins them with ``V̂ = max(own, g²)``, ``own = exp_avg_sq / c2`` its bias-corrected
     variance (one step's ``g²`` alone is often ~0 for a rare element); the known elements are floored at
     ``floor`` of their mean ``sqrt(V̂)``. The gradient and ``exp_avg`` are zeroed and ``exp_avg_sq`` set to
     :func:`before_decay` of ``V̂``, so that Adam applies no update (AdamW still decays the weights once) and
-    its step puts ``V̂`` back. Returns how many elements joined.
+    its step puts ``V̂`` back. Two passes, chunk by chunk. Returns how many elements joined.
 
     Args:
         c2: ``1 − β2^t`` of Adam's step count so far (its own bias correction of the joining elements).
     """
-    v, m = state["exp_avg_sq"], state["exp_avg"]
-    known = known_mask(state)
-    g2 = g.to(v.dtype).square()
-    joins = ~known & (v > 0)
-    vhat = torch.where(known, v * rho + g2 * (1.0 - rho), torch.where(joins, torch.maximum(g2, v / c2), v))
-    has = known | joins
-    floor_variance_(vhat, floor, has)
-    v.copy_(torch.where(has, before_decay(vhat, beta2), v))  # (the others have no variance: 0 stays 0)
-    m.zero_()
-    g.zero_()
-    return int(joins.sum())
+    vf, mf, gf = flat(state["exp_avg_sq"]), flat(state["exp_avg"]), flat(g)
+    joined = torch.zeros((), dtype=torch.int64, device=vf.device)
+    roots = _RootMean(vf)
+    for sl in slices(vf.numel(), chunk):
+        v = vf[sl]
+        known = known_mask({"exp_avg": mf[sl], "exp_avg_sq": v})
+        g2 = gf[sl].to(v.dtype).square()
+        joins = ~known & (v > 0)
+        v.copy_(torch.where(known, v * rho + g2 * (1.0 - rho), torch.where(joins, torch.maximum(g2, v / c2), v)))
+        joined += joins.sum()
+        roots.add(v)  # the known and the joined elements: the others have no variance (0 stays 0)
+    _floor_(vf, roots.low(floor), beta2, chunk)
+    mf.zero_()
+    gf.zero_()
+    return int(joined)
 
 
-__all__ = ["DEFAULT_DECAY_FLOOR", "VARIANCE_FLOOR", "before_decay", "bias_correction2", "default_refresh_decay",
-           "floor_variance_", "known_mask", "momentum_step_", "refresh_"]
+def record_(state: dict, c2: float, floor: float = VARIANCE_FLOOR, chunk: int = CHUNK) -> int:
+    """The freeze: ``V̂ = exp_avg_sq / c2`` into ``exp_avg_sq`` (floored at ``floor`` of the mean ``sqrt(V̂)``) and
+    ``exp_avg`` zeroed where it is > 0; elements that hold a frozen ``V̂`` already (:func:`known_mask`: a state a
+    load kept or restored) keep it. Two passes, chunk by chunk. Returns how many elements have no variance."""
+    vf, mf = flat(state["exp_avg_sq"]), flat(state["exp_avg"])
+    roots = _RootMean(vf)
+    for sl in slices(vf.numel(), chunk):
+        v = vf[sl]
+        already = known_mask({"exp_avg": mf[sl], "exp_avg_sq": v})
+        v.copy_(torch.where(already, v, v / c2))
+        mf[sl].masked_fill_(v > 0, 0.0)
+        roots.add(v)
+    _floor_(vf, roots.low(floor), None, chunk)
+    return vf.numel() - int(roots.count)
+
+
+__all__ = ["CHUNK", "DEFAULT_DECAY_FLOOR", "VARIANCE_FLOOR", "before_decay", "bias_correction2", "default_refresh_decay",
+           "flat", "known_mask", "momentum_step_", "record_", "refresh_", "slices"]
