@@ -54,11 +54,42 @@ def segment_views(buf: torch.Tensor, tensors: Sequence[torch.Tensor]) -> List[to
     return views
 
 
+class SentLog:
+    """What the open step sent from each residual, and which residuals it compensated: a skipped step's undo in
+    O(k) (module docstring, ``undo_sent``)."""
+
+    def __init__(self):
+        self.sent: List[Tuple[Hashable, Optional[torch.Tensor], torch.Tensor]] = []  # (key, positions or None, values)
+        self.touched: set = set()
+
+    def add(self, key: Hashable, indices: Optional[torch.Tensor], values: torch.Tensor) -> None:
+        """``values`` left ``key``'s residual at ``indices`` (None: the whole buffer, a dense flush) this step."""
+        self.sent.append((key, indices, values))
+
+    def undo(self, residuals: Dict[Hashable, torch.Tensor]) -> None:
+        """Add the finite sent values back into ``residuals``, then reset the touched ones' non-finite entries."""
+        for key, idx, sent in self.sent:
+            buf = residuals.get(key)
+            if buf is None or not buf.numel():
+                continue
+            sent = torch.nan_to_num(sent, nan=0.0, posinf=0.0, neginf=0.0)
+            if idx is None:
+                buf.add_(sent)
+            elif idx.numel():
+                sparse_ops.add_(buf, idx, sent)
+        for key in self.touched:
+            if key in residuals:
+                residuals[key].masked_fill_(~torch.isfinite(residuals[key]), 0.0)
+
+    def clear(self) -> None:
+        self.sent.clear()
+        self.touched.clear()
+
+
 class ErrorFeedback:
     """Persistent per-bucket buffers: the residual (error feedback on) or a scratch buffer (off).
 
-    Buckets are keyed by a stable key (e.g. ``(ordinal, dtype, numel)``); each holds one (n,) buffer in
-    :func:`residual_dtype` of the wire dtype, allocated on first use and reused every step.
+    Each bucket (a stable key) holds one (n,) buffer in :func:`residual_dtype` of the wire dtype, reused every step.
 
     Args:
         enabled: when False, :meth:`compensate_` returns ``prescale × gradient`` in a scratch buffer and
@@ -73,8 +104,7 @@ class ErrorFeedback:
         self.enabled = enabled
         self.transactional = transactional and enabled
         self.undo_sent = undo_sent and enabled and not self.transactional
-        self._sent: List[Tuple[Hashable, Optional[torch.Tensor], torch.Tensor]] = []  # undo_sent: (key, positions, values)
-        self._touched: set = set()  # undo_sent: keys compensated in the open step
+        self.sent_log = SentLog()  # undo_sent: the open step's sends
         self._work: Dict[Hashable, torch.Tensor] = {}  # transactional: each bucket's working buffer
         self._open: set = set()  # transactional: keys compensated in the step not yet ended
         self.residuals: Dict[Hashable, torch.Tensor] = {}  # error feedback on: what was not sent yet
@@ -143,7 +173,7 @@ class ErrorFeedback:
         if self.transactional:
             return self._compensate_working(key, buf, tensors, prescale, zero_inputs)
         if self.undo_sent:
-            self._touched.add(key)
+            self.sent_log.touched.add(key)
         if not tensors:
             return buf
         if self.enabled and sparse_ops.compensate_fast(buf, tensors, prescale, zero_inputs):
@@ -185,28 +215,14 @@ class ErrorFeedback:
         return work
 
     def end_step(self, applied: bool) -> None:
-        """Transactional: DeepSpeed applied the step (its working buffers become the residuals, a swap)
-        or skipped it (they are discarded: the residuals stay as before the step). ``undo_sent``: a skipped
-        step's sent values are added back (the finite ones) and the touched residuals' non-finite entries
-        reset to 0. No-op otherwise."""
-        if not applied:
-            for key, idx, sent in self._sent:
-                buf = self.residuals.get(key)
-                sent = torch.nan_to_num(sent, nan=0.0, posinf=0.0, neginf=0.0)
-                if buf is None or not buf.numel():
-                    continue
-                if idx is None:
-                    buf.add_(sent)
-                elif idx.numel():
-                    sparse_ops.add_(buf, idx, sent)
-            for key in self._touched:
-                if key in self.residuals:
-                    self.residuals[key].masked_fill_(~torch.isfinite(self.residuals[key]), 0.0)
-        self._sent.clear()
-        self._touched.clear()
+        """DeepSpeed applied the step (transactional: its working buffers become the residuals, a swap) or
+        skipped it (transactional: they are discarded; ``undo_sent``: :meth:`SentLog.undo`)."""
         if applied:
             for key in self._open:
                 self.residuals[key], self._work[key] = self._work[key], self.residuals[key]
+        else:
+            self.sent_log.undo(self.residuals)
+        self.sent_log.clear()
         self._open.clear()
 
     def rescale_(self, factor: float, key: Optional[Hashable] = None) -> None:
@@ -233,13 +249,8 @@ class ErrorFeedback:
         diff = kept.to(buf.dtype) - sent.to(buf.dtype)
         torch.nan_to_num_(diff, nan=0.0, posinf=0.0, neginf=0.0)
         sparse_ops.set_(buf, indices, diff)
-        self.log_sent(key, indices.clone(), sent.to(buf.dtype, copy=True))
-
-    def log_sent(self, key: Hashable, indices: Optional[torch.Tensor], values: torch.Tensor) -> None:
-        """``undo_sent``: remember that ``values`` left ``key``'s residual at ``indices`` (None: the whole buffer, a
-        dense flush) in the open step; :meth:`end_step` adds them back if DeepSpeed skips it. No-op otherwise."""
         if self.undo_sent:
-            self._sent.append((key, indices, values))
+            self.sent_log.add(key, indices.clone(), sent.to(buf.dtype, copy=True))
 
     def clear_non_finite(self, key: Hashable, sent: Optional[torch.Tensor] = None,
                          sends_non_finite: bool = False) -> None:
@@ -255,15 +266,13 @@ class ErrorFeedback:
             buf.masked_fill_(~torch.isfinite(buf), 0.0)
 
     def reset(self) -> None:
-        self._sent.clear()
-        self._touched.clear()
+        self.sent_log.clear()
         self.residuals.clear()
         self._scratch.clear()
         self._views.clear()
         self._work.clear()
         self._open.clear()
-        self._sent.clear()
-        self._touched.clear()
+        self.sent_log.clear()
 
     def state_dict(self) -> dict:
         return {"enabled": self.enabled, "residuals": {k: v.detach().clone() for k, v in self.residuals.items()}}
@@ -275,5 +284,4 @@ class ErrorFeedback:
         self._views.clear()
         self._work.clear()
         self._open.clear()
-        self._sent.clear()
-        self._touched.clear()
+        self.sent_log.clear()

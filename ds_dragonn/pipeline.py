@@ -290,7 +290,7 @@ class CompressedAllreduce:
         else:
             out = self._reduce_plain(key, compensated, postscale, dtype)
         if before is not None:  # what left the residual: added back if DeepSpeed skips the step
-            self.error_feedback.log_sent(key, None, before.sub_(compensated))
+            self.error_feedback.sent_log.add(key, None, before.sub_(compensated))
         return out
 
     def _reduce_plain(self, key: Hashable, compensated: torch.Tensor, postscale: float,
