@@ -110,6 +110,17 @@ def _floor_(vf: torch.Tensor, low: Optional[float], beta2: Optional[float] = Non
         x.copy_(torch.where(has, before_decay(y, beta2) if beta2 is not None else y, x))
 
 
+def floor_variance_(v: torch.Tensor, floor: float, chunk: int = CHUNK) -> torch.Tensor:
+    """Raise ``v``'s elements with a variance (``> 0``) in place to ``(floor × mean sqrt(v))²``, the mean over
+    those elements, as the freeze does (:func:`record_`); returns ``v``. Shape and dtype any (float)."""
+    vf = flat(v)
+    roots = _RootMean(vf)
+    for sl in slices(vf.numel(), chunk):
+        roots.add(vf[sl])
+    _floor_(vf, roots.low(floor), None, chunk)
+    return v
+
+
 def momentum_step_(p: torch.Tensor, state: dict, g: torch.Tensor, every: bool, beta2: float, c1: float, lr: float,
                    eps: float, decay: float, chunk: int = CHUNK) -> None:
     """Apply ``lr · (g / c1) / (sqrt(V̂) + eps)`` to the known elements of ``p`` now, and leave Adam nothing to do
