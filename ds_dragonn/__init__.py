@@ -220,7 +220,8 @@ def _install(engine: Any, cfg: DragonnConfig, facts: plan_mod.Facts) -> None:
     facts = _engine_facts(engine, facts, cfg)
     plan_mod.check(cfg, facts, "start")  # (the stage DeepSpeed runs may differ from the config's legacy form)
     plan_mod.check(cfg, facts, "engine")
-    plan = plan_mod.resolve(cfg, facts)
+    cfg, defaults = plan_mod.resolve_defaults(cfg, facts.stage)
+    plan = plan_mod.resolve(cfg, facts, defaults)
     _log_compress(cfg, plan, adam=not facts.momentum_refusal)
     cfg = cfg.model_copy(update={"compress": CompressTarget(plan.compress)})
     hook_cls = LocalStepsHook if cfg.sync == SyncMode.local_steps else \

@@ -118,28 +118,31 @@ class AdvancedConfig(BaseModel):
     node (ranks ``i·L … i·L + L − 1`` on node ``i``), as the deepspeed launcher assigns them."""
 
     values: ValueFormat = ValueFormat.auto
-    """How the selected values travel: ``auto`` (the communication dtype), or ``int8`` / ``int4``: symmetric codes,
+    """How the selected values travel: ``dtype`` (the communication dtype), or ``int8`` / ``int4``: symmetric codes,
     round to nearest, one float32 absmax scale per 64 values (ZeRO++ qgZ; SparseLoCo); the rounding stays in the
-    residual. Per pair with a packed position: bf16 4 bytes, int8 3.06, int4 2.56 (exchange/quantize.py)."""
+    residual. Per pair with a packed position: bf16 4 bytes, int8 3.06, int4 2.56 (exchange/quantize.py).
+    ``auto``: ``int4`` at density <= 0.1, else ``dtype`` (``plan.resolve_defaults``)."""
 
     dense_values: ValueFormat = ValueFormat.auto
     """ZeRO stage 0, ``sync: every_step``: how the dense steps' gradients travel (the dense warm-up, the variance
-    refreshes, small buckets, the auto policy's dense choices). ``auto``: DeepSpeed's allreduce in the
+    refreshes, small buckets, the auto policy's dense choices). ``dtype``: DeepSpeed's allreduce in the
     communication dtype; ``int8`` / ``int4``: a quantized reduce-scatter and allgather (ZeRO++ qgZ), one float32
     scale per 64 values, the rounding kept in a residual: 0.53x / 0.28x of a bf16 allreduce's bytes
-    (exchange/dense_quantized.py)."""
+    (exchange/dense_quantized.py). ``auto``: ``int4`` at ZeRO stage 0 with ``sync: every_step`` and density
+    <= 0.1, else ``dtype``."""
 
     selection: SelectionMode = SelectionMode.global_
     """``global``: one threshold over each bucket. ``chunked``: every chunk of ``constants.CHUNK_SIZE`` (4096) entries
     sends its own top ``≈ density × 4096`` (SparseLoCo, Sarfi et al. 2025), the same ``k`` in all; per-step
     modes, every ZeRO stage, the partitioned owners and local steps' Δ (compress/chunks.py)."""
 
-    max_age: int = Field(0, ge=0, strict=True)
+    max_age: Union[Literal["auto"], StrictInt] = "auto"
     """Age bound: every entry of a bucket is sent at least once every ``max_age`` compressed steps (local steps:
     rounds; variance refreshes in between do not count), whatever its magnitude: each compressed step also sends
     one of ``max_age`` contiguous blocks of the bucket whole, in turn; the allgather exchange sends that block's
     values without positions (compress/age_bound.py). Costs ``1 / max_age`` of the bucket's values per step.
-    0: no bound."""
+    0: no bound. ``auto``: ``round(0.3 / density)`` at density <= 0.002 with ``sync: every_step`` (300 at 0.001),
+    else 0."""
 
     exact_skipped_steps: Optional[bool] = Field(None, strict=True)
     """What a step DeepSpeed skips on overflow leaves. ``true``: nothing (every residual and local momentum has a
@@ -147,6 +150,14 @@ class AdvancedConfig(BaseModel):
     (an O(k) log), its finite gradient stays in them (sent later), its non-finite entries are dropped. ``None``
     (default): ``true`` under the fp16 loss scaler, whose skips are routine; ``false`` for bf16 and fp32, which
     skip only on a non-finite gradient (steps.py)."""
+
+    @field_validator("max_age", mode="before")
+    @classmethod
+    def _check_age_or_auto(cls, v: Any) -> Any:
+        if v != "auto" and (not isinstance(v, int) or isinstance(v, bool) or v < 0):  # one message, not the union's
+            raise ValueError('must be an integer >= 0 (0: no bound), or "auto" (round(0.3 / density) at density '
+                             '<= 0.002, else 0)')
+        return v
 
     @field_validator("variance_refresh_steps", "max_age")
     @classmethod

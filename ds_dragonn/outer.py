@@ -102,22 +102,34 @@ class OuterStep:
             raise ValueError(f"saved {what} holds NaN or Inf")
 
 
-def outer_lr_for(setting: Union[str, float], workers: int) -> float:
-    """The outer learning rate of an ``outer_lr`` setting: a number as given; ``"auto"``: √(workers).
+#: ``outer_lr: "auto"`` for a compressed Δ (density < 1) is at least this: at 2 workers, density 0.1 with int4
+#: values, 2 beat √2 at both learning rates measured (docs/results.md, "A compressed Δ at density 0.1").
+COMPRESSED_MIN_OUTER_LR = 2.0
+
+
+def outer_lr_for(setting: Union[str, float], workers: int, density: float = 1.0) -> float:
+    """The outer learning rate of an ``outer_lr`` setting: a number as given; ``"auto"``: √(workers), and at
+    least :data:`COMPRESSED_MIN_OUTER_LR` where the Δ is compressed (``density`` < 1).
 
     Averaging W workers' Adam steps, each normalized by its own noisier second moment, shrinks the consensus step
     where noise dominates; √W undid most of it on the LM at every learning rate measured (docs/results.md, "Where
-    local steps lose steps").
+    local steps lose steps"). A sparse Δ takes a larger step still (what was not sent waits in the weights).
 
     Raises:
         ValueError: ``workers`` < 1, or a setting that is neither ``"auto"`` nor a number > 0.
     """
     if workers < 1:
         raise ValueError(f"outer_lr 'auto' needs at least one worker, got {workers}")
-    lr = math.sqrt(workers) if setting == "auto" else setting
+    lr = auto_outer_lr(workers, density) if setting == "auto" else setting
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0.0:
         raise ValueError(f"outer_lr must be a number > 0 or \"auto\", got {setting!r}")
     return float(lr)
 
 
-__all__ = ["OuterStep", "outer_lr_for"]
+def auto_outer_lr(workers: int, density: float) -> float:
+    """``outer_lr: "auto"``: √(workers), at least :data:`COMPRESSED_MIN_OUTER_LR` for ``density`` < 1."""
+    root = math.sqrt(workers)
+    return root if density >= 1.0 else max(COMPRESSED_MIN_OUTER_LR, root)
+
+
+__all__ = ["COMPRESSED_MIN_OUTER_LR", "OuterStep", "auto_outer_lr", "outer_lr_for"]

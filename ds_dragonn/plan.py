@@ -317,8 +317,10 @@ class Plan:
         compress: ``"gradient"`` or ``"momentum"`` (``"auto"`` resolved).
         layout: ``"flat"`` or ``"node"`` once the hook built its pipeline (``"auto"`` until then).
         exchange: the sparse exchange scheme (``"allgather"`` / ``"partitioned"``; ZeRO 1-3 reduce-scatter).
-        values / dense_values: the value formats of the compressed / the dense steps (``"auto"``: the
-            communication dtype).
+        density: the density of the compressed steps (local steps: of the Δ).
+        values / dense_values: the value formats of the compressed / the dense steps (``"dtype"``, and
+            ``"auto"`` left for dense steps that are DeepSpeed's own: the communication dtype).
+        max_age: the age bound (0: none).
         warmup_steps / density_warmup_steps: an int, or ``"auto"`` (resolved by the hook from the lr schedule).
         transactional: a skipped step leaves no trace: the residuals and momenta keep working copies
             (:func:`step_transaction`).
@@ -329,8 +331,10 @@ class Plan:
     compress: str
     layout: str
     exchange: str
+    density: float
     values: str
     dense_values: str
+    max_age: int
     warmup_steps: Any
     density_warmup_steps: Any
     transactional: bool
@@ -383,25 +387,81 @@ def step_transaction(exact: Optional[bool], may_skip: Optional[bool], loss_scale
     return False, "steps skipped on a non-finite gradient return what they sent to the residuals (O(k))"
 
 
-def resolve(cfg: Any, facts: Facts) -> Plan:
-    """The plan of an enabled block on an engine that passed the ``start`` and ``engine`` rows."""
+#: ``values`` / ``dense_values`` ``"auto"``: int4 codes at or below this density (measured: 0.001 and 0.01 per
+#: step, 0.1 for local steps' Δ; docs/results.md "Defaults that carry the recipe")
+INT4_MAX_DENSITY = 0.1
+#: ``max_age`` ``"auto"``: ``round(AGE_FACTOR / density)`` at or below this density (300 at 0.001), else 0
+AGE_MAX_DENSITY = 0.002
+AGE_FACTOR = 0.3
+#: ``sync: local_steps`` without ``density``: the Δ's density (int4 values: 1/7 of DiLoCo's bytes at its loss)
+LOCAL_STEPS_DENSITY = 0.1
+
+
+def resolve_defaults(cfg: Any, stage: int) -> Tuple[Any, Dict[str, str]]:
+    """``cfg`` with the defaults that follow ``density`` and ``sync`` resolved for ZeRO stage ``stage``, and a
+    short reason per resolved key. Idempotent (a resolved key is no longer ``"auto"`` / left out):
+
+    - ``density`` left out under ``sync: local_steps``: :data:`LOCAL_STEPS_DENSITY`;
+    - ``advanced.values`` ``auto``: ``int4`` at density <= :data:`INT4_MAX_DENSITY`, else ``dtype``;
+    - ``advanced.dense_values`` ``auto``: ``int4`` at ZeRO 0, ``sync: every_step``, density <=
+      :data:`INT4_MAX_DENSITY` (elsewhere it stays ``auto``: DeepSpeed's own dense collective);
+    - ``advanced.max_age`` ``auto``: ``round(0.3 / density)`` at density <= :data:`AGE_MAX_DENSITY` with
+      ``sync: every_step``, else 0.
+
+    ``density_warmup_steps`` and ``outer_lr`` ``"auto"`` need the engine; they follow ``density`` where they are
+    resolved (``schedule.auto_density_warmup_steps``, ``outer.auto_outer_lr``).
+    """
+    local = _v(cfg.sync) == "local_steps"
+    reasons: Dict[str, str] = {}
+    updates: Dict[str, Any] = {}
+    density = cfg.density
+    if local and "density" not in cfg.model_fields_set:
+        density = updates["density"] = LOCAL_STEPS_DENSITY
+        reasons["density"] = "sync local_steps: the Δ at 0.1 with int4 values"
+    small = density <= INT4_MAX_DENSITY
+    advanced: Dict[str, Any] = {}
+    if _v(cfg.values) == "auto":
+        advanced["values"] = "int4" if small else "dtype"
+        reasons["values"] = f"density {density:g} {'<=' if small else '>'} {INT4_MAX_DENSITY:g}"
+    if _v(cfg.dense_values) == "auto" and stage == 0 and not local and small:
+        advanced["dense_values"] = "int4"
+        reasons["dense_values"] = f"ZeRO 0, density {density:g} <= {INT4_MAX_DENSITY:g}"
+    if cfg.max_age == "auto":
+        on = not local and density <= AGE_MAX_DENSITY
+        advanced["max_age"] = round(AGE_FACTOR / density) if on else 0
+        reasons["max_age"] = (f"density {density:g}" if on else
+                              "off: sync local_steps" if local else f"off: density {density:g} > {AGE_MAX_DENSITY:g}")
+    if not updates and not advanced:
+        return cfg, reasons
+    out = cfg.model_copy(deep=True)
+    for key, value in updates.items():
+        setattr(out, key, value)  # validated (validate_assignment)
+    for key, value in advanced.items():
+        setattr(out.advanced, key, value)
+    return out, reasons
+
+
+def resolve(cfg: Any, facts: Facts, defaults: Optional[Mapping[str, str]] = None) -> Plan:
+    """The plan of an enabled block on an engine that passed the ``start`` and ``engine`` rows; ``defaults``:
+    the reasons of :func:`resolve_defaults` (``cfg`` already resolved by it)."""
     compress, compress_why = resolve_compress(cfg, facts)
-    reasons: Dict[str, str] = {"compress": compress_why}
+    reasons: Dict[str, str] = {"compress": compress_why, **(defaults or {})}
     if cfg.warmup_steps == "auto":
         reasons["warmup_steps"] = "ends after the learning-rate warm-up, read by the hook"
     if cfg.density_warmup_steps == "auto":
-        reasons["density_warmup_steps"] = "follows warmup_steps"
+        reasons["density_warmup_steps"] = "max(100, 3 x warmup_steps, 1 / density)"
     if _v(cfg.hierarchy) == "auto":
         reasons["layout"] = "node-aware on several nodes of several ranks, resolved with the group"
     skip, reasons["transactional"] = step_transaction(cfg.exact_skipped_steps, facts.may_skip_steps,
                                                       facts.loss_scaler)
     exchange = "reduce_scatter" if facts.stage in (1, 2, 3) and cfg.sync != "local_steps" else _v(cfg.exchange)
     return Plan(stage=facts.stage, sync=_v(cfg.sync), compress=compress, layout=_v(cfg.hierarchy),
-                exchange=exchange, values=_v(cfg.values), dense_values=_v(cfg.dense_values),
+                exchange=exchange, density=cfg.density, values=_v(cfg.values), dense_values=_v(cfg.dense_values),
+                max_age=cfg.max_age,
                 warmup_steps=cfg.warmup_steps, density_warmup_steps=cfg.density_warmup_steps,
                 transactional=skip, reasons=reasons)
 
 
 __all__ = ["DragonnUnsupportedError", "Facts", "LOCAL_STEPS_KEYS", "MOMENTUM_KEYS", "PHASES", "Plan", "RULES",
-           "Rule", "check", "flag", "node_unsupported", "refusal", "resolve", "resolve_compress",
+           "Rule", "check", "flag", "node_unsupported", "refusal", "resolve", "resolve_compress", "resolve_defaults",
            "step_transaction", "zero_stage"]

@@ -70,6 +70,12 @@ RUNS = {
     "dense": None,
     "dragonn_0.01": {"density": 0.01},
     "dragonn_0.001": {"density": 0.001},
+    # only "sync" set: the Δ's density, value format and outer lr are the "auto" defaults (plan.resolve_defaults)
+    "local_auto": {"sync": "local_steps"},
+    # the defaults before the value formats and the age bound followed the density (and 0.001's 300-step ramp)
+    "dtype_0.01": {"density": 0.01, "advanced": {"values": "dtype", "dense_values": "dtype", "max_age": 0}},
+    "dtype_0.001": {"density": 0.001, "density_warmup_steps": 300,
+                    "advanced": {"values": "dtype", "dense_values": "dtype", "max_age": 0}},
     "gradient_0.01": {"density": 0.01, "compress": "gradient"},
     "gradient_0.001": {"density": 0.001, "compress": "gradient"},
     "momentum_0.01": {"density": 0.01, "compress": "momentum"},

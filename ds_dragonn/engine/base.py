@@ -25,6 +25,7 @@ from ..exchange.reduce_scatter import ReduceScatterExchange
 from ..feedback import ErrorFeedback
 from ..momentum import LocalMomentum
 from ..pipeline import CompressedAllreduce, ReduceStats
+from ..plan import resolve_defaults
 from ..policy import AutoPolicy
 from ..schedule import DensitySchedule
 from ..telemetry import Telemetry
@@ -66,6 +67,7 @@ class HookBase(FollowsOptimizer, HookState):
 
     def __init__(self, engine: Any, cfg: DragonnConfig):
         self.engine = engine
+        cfg, _ = resolve_defaults(cfg, engine.zero_optimization_stage())  # (done at initialize: idempotent)
         # "auto": from the engine's learning-rate warm-up, or (unreadable) following the learning rate online
         self.cfg = cfg = resolve_warmup_steps(cfg, engine, follow=self.follows_lr)
         self.warmup_tracker = LrWarmupTracker() if cfg.warmup_steps == "auto" else None

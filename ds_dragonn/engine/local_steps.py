@@ -93,7 +93,9 @@ class LocalStepsHook(HookBase):
                 f"at density {cfg.density} (compressor={self.compressor.name} kernel={cfg.kernel.value} "
                 f"exchange={cfg.exchange.value} values={getattr(cfg.values, 'value', cfg.values)} "
                 f"error_feedback={cfg.error_feedback})")
-        lr = f"{self.outer_lr:.4g}" + (f", auto: √{self.workers} workers" if cfg.outer_lr == "auto" else "")
+        lr = f"{self.outer_lr:.4g}" + ((f", auto: √{self.workers} workers" if cfg.density >= 1.0 else
+                                        f", auto: √{self.workers} workers, at least 2 for a compressed Δ")
+                                       if cfg.outer_lr == "auto" else "")
         print_dist(f"DRAGONN enabled ({self.hook_name}): {cfg.warmup_steps} dense warm-up steps, then an outer "
                    f"step every {cfg.local_steps} optimizer steps (outer_lr={lr}); the "
                    f"pseudo-gradient goes out {sent}; comm_backend={cfg.comm_backend.value}", ranks=[0])
@@ -114,7 +116,7 @@ class LocalStepsHook(HookBase):
     @property
     def outer_lr(self) -> float:
         """``outer_lr`` resolved for :attr:`workers` (``outer.outer_lr_for``)."""
-        return outer_lr_for(self.cfg.outer_lr, self.workers)
+        return outer_lr_for(self.cfg.outer_lr, self.workers, self.cfg.density)
 
     def _local(self) -> bool:
         """Between syncs: the rounds have started (the dense warm-up is over)."""

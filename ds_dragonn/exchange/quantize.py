@@ -30,13 +30,16 @@ GROUP = 64
 
 
 class ValueFormat(str, Enum):
-    """How values travel: ``auto`` (the communication dtype), ``int8`` or ``int4`` with per-group scales."""
+    """How values travel: ``dtype`` (the communication dtype, unchanged), ``int8`` or ``int4`` with per-group
+    scales. ``auto`` is the config's default, resolved per run (``plan.resolve_defaults``); a codec reads an
+    unresolved ``auto`` as ``dtype``."""
     auto = "auto"
+    dtype = "dtype"
     int8 = "int8"
     int4 = "int4"
 
 
-_BITS = {ValueFormat.auto: 0, ValueFormat.int8: 8, ValueFormat.int4: 4}
+_BITS = {ValueFormat.auto: 0, ValueFormat.dtype: 0, ValueFormat.int8: 8, ValueFormat.int4: 4}
 
 
 class Quantized(NamedTuple):
@@ -129,7 +132,7 @@ class ValueCodec:
 
     @property
     def code(self) -> int:
-        """Small integer naming the format in wire headers (0 auto, 8, 4): ranks on different formats fail fast."""
+        """Small integer naming the format in wire headers (0 dtype, 8, 4): ranks on different formats fail fast."""
         return self.bits
 
     def __repr__(self) -> str:
