@@ -180,10 +180,7 @@ class ErrorFeedback:
             return buf
         views = self._views_of(key, buf, tensors)
         if self.enabled:
-            if prescale == 1.0:
-                torch._foreach_add_(views, tensors)
-            else:
-                torch._foreach_add_(views, tensors, alpha=prescale)
+            torch._foreach_add_(views, tensors, alpha=prescale)  # (alpha 1.0: the same bits)
         else:
             torch._foreach_copy_(views, tensors)
             if prescale != 1.0:
@@ -267,12 +264,15 @@ class ErrorFeedback:
 
     def reset(self) -> None:
         self.sent_log.clear()
-        self.residuals.clear()
-        self._scratch.clear()
-        self._views.clear()
-        self._work.clear()
-        self._open.clear()
-        self.sent_log.clear()
+        for store in (self.residuals, self._scratch, self._views, self._work, self._open):
+            store.clear()
+
+    def release(self, key: Hashable) -> None:
+        """Free ``key``'s buffers; what its residual held is dropped."""
+        for store in (self.residuals, self._scratch, self._work):
+            store.pop(key, None)
+        self._open.discard(key)
+        self._views = {slot: v for slot, v in self._views.items() if slot[0] != key}
 
     def state_dict(self) -> dict:
         return {"enabled": self.enabled, "residuals": {k: v.detach().clone() for k, v in self.residuals.items()}}

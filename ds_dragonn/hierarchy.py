@@ -133,6 +133,10 @@ class NodeAllreduce:
             return None
         return self._gather(shard, numel)
 
+    def release(self, key: Hashable) -> None:
+        """Free this rank's shard residual of bucket ``key`` (a :class:`BucketKey`); what it held is dropped."""
+        self.cross.release(shard_key(key, self.layout, -(-key.numel // self.layout.ranks_per_node)))
+
     def reduce_dense(self, tensors: Sequence[torch.Tensor], key: Hashable, prescale: float = 1.0,
                      postscale: float = 1.0, dtype: torch.dtype | None = None, codec=None,
                      raw: bool = False, flush: bool = False) -> torch.Tensor:

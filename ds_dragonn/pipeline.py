@@ -155,10 +155,8 @@ class CompressedAllreduce:
 
     def __init__(self, compressor: Compressor, backend: CommBackend, error_feedback: ErrorFeedback,
                  exchange: Exchange | None = None, momentum: LocalMomentum | None = None, max_age: int = 0):
-        self.compressor = compressor
-        self.backend = backend
-        self.error_feedback = error_feedback
-        self.momentum = momentum
+        self.compressor, self.backend = compressor, backend
+        self.error_feedback, self.momentum = error_feedback, momentum
         self.max_age = int(max_age)
         self.exchange = exchange if exchange is not None else AllgatherExchange(backend)
         self.decoder = SparseDecoder()
@@ -253,6 +251,10 @@ class CompressedAllreduce:
         momentum's update)."""
         return (self.error_feedback.enabled and bool(tensors)
                 and tensors[0].dtype == dtype and SparseDecoder.serves(tensors))
+
+    def release(self, key: Hashable) -> None:
+        """Free ``key``'s residual; what it held is dropped."""
+        self.error_feedback.release(key)
 
     def reduce_dense(self, tensors: Sequence[torch.Tensor], key: Hashable, prescale: float = 1.0,
                      postscale: float = 1.0, dtype: torch.dtype | None = None, codec=None,

@@ -112,7 +112,7 @@ class DensitySchedule:
                  "dense warm-up steps until twice the step at which the learning rate stops rising (at least 30)"]
         if self.auto_steps and self.warmup_steps == UNDECIDED and self.steps:
             parts.append(f"density {self.start:g} -> {self.density:g} over {AUTO_DENSITY_FACTOR} times the dense "
-                         f"warm-up (at least {AUTO_DENSITY_MIN_STEPS} steps, exponential)")
+                         f"warm-up (at least {auto_density_warmup_steps(0, self.density)} steps, exponential)")
         elif self.steps:
             unit = "step" if self.steps == 1 else "steps"
             parts.append(f"density {self.start:g} -> {self.density:g} over {self.steps} {unit} (exponential)")

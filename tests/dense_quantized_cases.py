@@ -21,7 +21,7 @@ DQ_ENGINE_STEPS = 6
 _ALL_DENSE = {"enabled": True, "warmup_steps": 100, "density": 0.1}
 DQ_ENGINE_RUNS = {
     "dense": engine_config(None),
-    "warmup_auto": engine_config(_ALL_DENSE),
+    "warmup_auto": engine_config({**_ALL_DENSE, "advanced": {"dense_values": "dtype"}}),
     "warmup_int8": engine_config({**_ALL_DENSE, "advanced": {"dense_values": "int8"}}),
     "warmup_int4": engine_config({**_ALL_DENSE, "advanced": {"dense_values": "int4"}}),
     "momentum_int8": zero_config(0, {"enabled": True, "warmup_steps": 2, "density": 0.1, "compress": "momentum",
@@ -77,7 +77,9 @@ def dq_cases(rank: int, world: int, out_dir: str) -> None:
         engines[name] = {"params": [p.detach().float().clone() for p in engine.module.parameters()],
                          "telemetry": None if hook is None else hook.telemetry.summary(),
                          "refreshed": 0 if hook is None or hook.variance_freeze is None
-                         else hook.variance_freeze.refreshed}
+                         else hook.variance_freeze.refreshed,
+                         "residual_hooks": [] if hook is None else
+                         sorted(getattr(k, "hook", "?") for k in hook.error_feedback.residuals)}
     # a 4-element model: the quantized step's scales and alignment would cost more, so DeepSpeed's allreduce
     engine, hook = train_mlp(DQ_ENGINE_RUNS["warmup_int8"], rank, (1, 1, 1), 3)
     engines["tiny_int8"] = {"params": [p.detach().float().clone() for p in engine.module.parameters()],

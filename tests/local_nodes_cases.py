@@ -85,7 +85,7 @@ def _rounds(rank: int) -> dict:
                      "anchor": torch.cat([a.flatten().double() for a in hook.outer.anchor]),
                      "residuals": [r.double().clone() for r in hook.error_feedback.residuals.values()],
                      "telemetry": hook.telemetry.summary(), "steps": int(engine.global_steps),
-                     "outer_lr": hook.outer.lr,
+                     "outer_lr": hook.outer.lr, "workers": hook.workers,
                      "numel": sum(p.numel() for p in engine.module.parameters()),
                      "itemsize": engine.communication_data_type.itemsize}
     return out

@@ -97,7 +97,8 @@ def test_an_empty_block_returns_the_selection_and_a_whole_tail_is_refused():
 
 
 def test_config_key():
-    assert DragonnConfig(enabled=True).max_age == 0
+    assert DragonnConfig(enabled=True).max_age == "auto"  # plan.resolve_defaults: tests/test_defaults.py
+    assert DragonnConfig(enabled=True, advanced={"max_age": 0}).max_age == 0
     assert DragonnConfig(enabled=True, advanced={"max_age": 100}).max_age == 100
     for bad in (1, -1, 2.5, "100", True):
         with pytest.raises(DragonnConfigError, match="max_age"):

@@ -45,9 +45,13 @@ def test_auto_density_warmup_is_three_times_the_dense_warmup_at_least_100(warm, 
 
 def test_auto_density_warmup_follows_a_dense_warmup_decided_later():
     s = DensitySchedule(0.001, UNDECIDED, "auto", 0.25)
-    assert s.at(10_000) is None and "3 times the dense warm-up (at least 100 steps" in s.describe()
+    assert s.at(10_000) is None and "3 times the dense warm-up (at least 1000 steps" in s.describe()
     s.warmup_steps = 80  # what the hook's online tracker does (engine/base.py _end_warmup)
-    assert s.steps == 240 and s.at(80) == 0.25 and s.at(320) == 0.001 and s.at(319) > 0.001
+    assert s.steps == 1000  # 1 / density outlasts 3 x 80
+    s = DensitySchedule(0.01, UNDECIDED, "auto", 0.25)
+    assert "3 times the dense warm-up (at least 100 steps" in s.describe()
+    s.warmup_steps = 80
+    assert s.steps == 240 and s.at(80) == 0.25 and s.at(320) == 0.01 and s.at(319) > 0.01
     assert DensitySchedule(0.5, 80, "auto", 0.25).steps == 0  # a start not above the density: none
     assert DensitySchedule(0.01, 80, 7, 0.25).steps == 7      # a number stays that number
 

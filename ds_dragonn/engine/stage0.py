@@ -106,6 +106,8 @@ class Stage0Hook(HookBase):
         into the gradients themselves (from ``allreduce_and_copy``, where it can), or returns its persistent
         decode buffer, which is unflattened and copied into them."""
         bucket, _, _, into = b.call
+        if self.momentum is not None and self.dense_codec is not None:
+            b.pipeline.release(b.key._replace(hook=DENSE))  # the warm-up is over
         return Send(bucket, *b.local, into=into and b.pipeline.can_reduce_into(bucket, b.dtype), codec=self._codec(b))
 
     def write(self, b: Bucket, out):
@@ -118,8 +120,10 @@ class Stage0Hook(HookBase):
     def dense(self, b: Bucket):
         """The raw gradients, densely: DeepSpeed's allreduce (no codec), or quantized (``advanced.dense_values``)
         with their rounding kept in a residual: the bucket's own in the gradient mode (where it is gradient too,
-        and goes out with the next reduction), one of its own (:data:`DENSE`) in the momentum mode (where the
-        bucket's holds momentum, which these steps do not send)."""
+        and goes out with the next reduction). In the momentum mode the bucket's holds momentum, which these
+        steps do not send: the dense warm-up keeps its rounding in one of its own (:data:`DENSE`), freed at the
+        first step after it (:meth:`prepare`; at most half a quantization step per value dropped, once), and a
+        variance refresh keeps none (its sum only refreshes the variance), so no buffer outlives the warm-up."""
         bucket, dp_group, dp_world_size, _ = b.call
         codec = self._codec(b)
         if codec is None:
@@ -128,6 +132,8 @@ class Stage0Hook(HookBase):
         out = b.pipeline.reduce_dense(bucket, rkey, *b.local, b.dtype, codec, raw=True)
         if rkey == b.key:
             self._flushed(b.key)
+        elif not self.decision.schedule.dense(int(self.engine.global_steps)):
+            b.pipeline.release(rkey)  # a refresh
         return out
 
     def _quantized_bytes(self, numel: int, world: int, itemsize: int) -> Optional[int]:
