@@ -85,7 +85,7 @@ _STEPS_OR_AUTO = {
     "warmup_steps": "(dense steps before compression starts), or \"auto\" (twice the learning-rate warm-up, at "
                     "least 30)",
     "density_warmup_steps": "(steps over which the density falls to 'density' after the dense warm-up), or \"auto\" "
-                            "(three times the dense warm-up, at least 100)",
+                            "(max(100, 3 x the dense warm-up, 1 / density))",
 }
 
 
@@ -230,7 +230,7 @@ class DragonnConfig(DeepSpeedConfigModel):
 
     density_warmup_steps: Union[Literal["auto"], StrictInt] = "auto"
     """Steps after ``warmup_steps`` over which the density falls exponentially from 0.25 to ``density`` (DGC,
-    Lin et al. 2018). ``"auto"``: three times the dense warm-up, at least 100. 0: none."""
+    Lin et al. 2018). ``"auto"``: ``max(100, 3 × warmup_steps, ⌈1 / density⌉)`` (schedule.py). 0: none."""
 
     compress: CompressTarget = CompressTarget.auto
     """What is sparsified: ``momentum`` (each rank's local momentum, Adam's variance frozen between refreshes:
@@ -276,7 +276,8 @@ class DragonnConfig(DeepSpeedConfigModel):
     outer_lr: Union[Literal["auto"], float] = "auto"
     """``sync: local_steps``: the outer SGD's learning rate on the averaged pseudo-gradient, 0 < lr <= 10.
     ``"auto"``: the square root of the workers (ranks; under ``hierarchy: node`` the nodes), which undoes the
-    shrinking of averaged per-worker Adam steps (docs/results.md; SparseLoCo and DiLoCo use 1.0 and 0.7)."""
+    shrinking of averaged per-worker Adam steps, and at least 2 for a compressed Δ (density < 1; outer.py;
+    docs/results.md; SparseLoCo and DiLoCo use 1.0 and 0.7)."""
 
     advanced: AdvancedConfig = Field(default_factory=AdvancedConfig)
     """Benchmark and research settings (:class:`AdvancedConfig`)."""
@@ -324,7 +325,7 @@ class DragonnConfig(DeepSpeedConfigModel):
             return v
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0.0 < v <= 10.0:  # NaN fails too
             raise ValueError("must be a finite number with 0 < lr <= 10, or \"auto\" (the square root of the "
-                             "workers)")
+                             "workers, at least 2 below density 1)")
         return float(v)
 
     @model_validator(mode="after")

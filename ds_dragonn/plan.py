@@ -172,6 +172,10 @@ def _triton_interpret() -> bool:
     return triton_interpret()
 
 
+def _quantized_dense(cfg: Any) -> bool:
+    return _v(cfg.dense_values) in ("int8", "int4")
+
+
 def _given_local(cfg: Any) -> List[str]:
     return cfg.given(*LOCAL_STEPS_KEYS)
 
@@ -196,10 +200,10 @@ RULES: Tuple[Rule, ...] = (
          lambda c, f: f"'{_given_local(c)[0]}' applies to 'sync': 'local_steps' only; add \"sync\": \"local_steps\" "
                       f"or remove it"),
     Rule("dense_values_local_steps", ("config",),
-         lambda c, f: c.sync == "local_steps" and c.given("dense_values"),
-         lambda c, f: f"'{c.given('dense_values')[0]}' applies to 'sync': 'every_step' only (local steps' dense "
-                      f"warm-up is DeepSpeed's allreduce, and their rounds send the pseudo-gradient at 'density'); "
-                      f"remove it"),
+         lambda c, f: c.sync == "local_steps" and _quantized_dense(c),
+         lambda c, f: f"'advanced.dense_values': '{_v(c.dense_values)}' applies to 'sync': 'every_step' only (local "
+                      f"steps' dense warm-up is DeepSpeed's allreduce, and their rounds send the pseudo-gradient at "
+                      f"'density'); remove it"),
     Rule("momentum_keys_local_steps", ("config",),
          lambda c, f: c.sync == "local_steps" and c.given(*MOMENTUM_KEYS),
          lambda c, f: f"'{c.given(*MOMENTUM_KEYS)[0]}' applies to 'sync': 'every_step' with 'compress': 'momentum' "
@@ -222,9 +226,9 @@ RULES: Tuple[Rule, ...] = (
                       f"(each rank steps alone between syncs); ZeRO stage {f.stage} partitions them across the ranks. "
                       f"Use 'zero_optimization.stage': 0, or 'sync': 'every_step'"),
     Rule("dense_values_zero", ("start",),
-         lambda c, f: f.stage != 0 and c.given("dense_values"),
-         lambda c, f: f"'dragonn.advanced.dense_values' applies to ZeRO stage 0 only (at stage {f.stage} the dense "
-                      f"steps are DeepSpeed's own reduce-scatter); remove it"),
+         lambda c, f: f.stage != 0 and _quantized_dense(c),
+         lambda c, f: f"'dragonn.advanced.dense_values': '{_v(c.dense_values)}' applies to ZeRO stage 0 only (at "
+                      f"stage {f.stage} the dense steps are DeepSpeed's own reduce-scatter); remove it"),
     Rule("pipeline_engine", ("start",),
          lambda c, f: f.pipeline_model,
          lambda c, f: "'dragonn' does not support the pipeline engine (PipelineModule model)"),
@@ -393,6 +397,8 @@ INT4_MAX_DENSITY = 0.1
 #: ``max_age`` ``"auto"``: ``round(AGE_FACTOR / density)`` at or below this density (300 at 0.001), else 0
 AGE_MAX_DENSITY = 0.002
 AGE_FACTOR = 0.3
+#: the longest ``"auto"`` age bound or density-warm-up wait (a density of 1e-300 must not make a 300-digit number)
+MAX_AUTO_AGE = 1 << 31
 #: ``sync: local_steps`` without ``density``: the Δ's density (int4 values: 1/7 of DiLoCo's bytes at its loss)
 LOCAL_STEPS_DENSITY = 0.1
 
@@ -411,26 +417,35 @@ def resolve_defaults(cfg: Any, stage: int) -> Tuple[Any, Dict[str, str]]:
     ``density_warmup_steps`` and ``outer_lr`` ``"auto"`` need the engine; they follow ``density`` where they are
     resolved (``schedule.auto_density_warmup_steps``, ``outer.auto_outer_lr``).
     """
+    from .schedule import element_wait  # (this module imports nothing from the package when it loads)
     local = _v(cfg.sync) == "local_steps"
     reasons: Dict[str, str] = {}
     updates: Dict[str, Any] = {}
     density = cfg.density
     if local and "density" not in cfg.model_fields_set:
         density = updates["density"] = LOCAL_STEPS_DENSITY
-        reasons["density"] = "sync local_steps: the Δ at 0.1 with int4 values"
+        reasons["density"] = "left out under sync local_steps: the Δ at 0.1"
     small = density <= INT4_MAX_DENSITY
     advanced: Dict[str, Any] = {}
     if _v(cfg.values) == "auto":
         advanced["values"] = "int4" if small else "dtype"
-        reasons["values"] = f"density {density:g} {'<=' if small else '>'} {INT4_MAX_DENSITY:g}"
-    if _v(cfg.dense_values) == "auto" and stage == 0 and not local and small:
-        advanced["dense_values"] = "int4"
-        reasons["dense_values"] = f"ZeRO 0, density {density:g} <= {INT4_MAX_DENSITY:g}"
+        reasons["values"] = f"density {density} {'<=' if small else '>'} {INT4_MAX_DENSITY}"
+    if _v(cfg.dense_values) == "auto":
+        if stage == 0 and not local and small:
+            advanced["dense_values"] = "int4"
+            reasons["dense_values"] = f"ZeRO 0, density {density} <= {INT4_MAX_DENSITY}"
+        else:
+            reasons["dense_values"] = ("DeepSpeed's own dense collective: " +
+                                       ("sync local_steps" if local else f"ZeRO {stage}" if stage else
+                                        f"density {density} > {INT4_MAX_DENSITY}"))
     if cfg.max_age == "auto":
         on = not local and density <= AGE_MAX_DENSITY
-        advanced["max_age"] = round(AGE_FACTOR / density) if on else 0
-        reasons["max_age"] = (f"density {density:g}" if on else
-                              "off: sync local_steps" if local else f"off: density {density:g} > {AGE_MAX_DENSITY:g}")
+        advanced["max_age"] = int(min(AGE_FACTOR / density, MAX_AUTO_AGE)) if on else 0
+        reasons["max_age"] = (f"density {density}" if on else
+                              "off: sync local_steps" if local else f"off: density {density} > {AGE_MAX_DENSITY}")
+    if cfg.density_warmup_steps == "auto":
+        reasons["density_warmup_steps"] = ("no effect under sync local_steps" if local else
+                                           f"max(100, 3 x warmup_steps, {element_wait(density)})")
     if not updates and not advanced:
         return cfg, reasons
     out = cfg.model_copy(deep=True)
@@ -448,8 +463,6 @@ def resolve(cfg: Any, facts: Facts, defaults: Optional[Mapping[str, str]] = None
     reasons: Dict[str, str] = {"compress": compress_why, **(defaults or {})}
     if cfg.warmup_steps == "auto":
         reasons["warmup_steps"] = "ends after the learning-rate warm-up, read by the hook"
-    if cfg.density_warmup_steps == "auto":
-        reasons["density_warmup_steps"] = "max(100, 3 x warmup_steps, 1 / density)"
     if _v(cfg.hierarchy) == "auto":
         reasons["layout"] = "node-aware on several nodes of several ranks, resolved with the group"
     skip, reasons["transactional"] = step_transaction(cfg.exact_skipped_steps, facts.may_skip_steps,

@@ -38,8 +38,16 @@ def auto_density_warmup_steps(warmup_steps: int, density: float = 1.0) -> int:
     ``max(100, 3 × warmup_steps, ⌈1 / density⌉)``. The last term is an element's wait for its turn at the final
     density: at 0.001 a 1000-step warm-up took the LM from +6.6 % to +1.4 % of dense (docs/results.md,
     "Density 0.001: the age bound"); at 0.01 and above it changes nothing."""
-    wait = math.ceil(1.0 / density - 1e-9) if 0.0 < density < 1.0 else 0
-    return max(AUTO_DENSITY_MIN_STEPS, AUTO_DENSITY_FACTOR * int(warmup_steps), wait)
+    return max(AUTO_DENSITY_MIN_STEPS, AUTO_DENSITY_FACTOR * int(warmup_steps), element_wait(density))
+
+
+#: the longest wait :func:`element_wait` reports (a density of 1e-300 must not make a 300-digit step count)
+MAX_WAIT = 1 << 31
+
+
+def element_wait(density: float) -> int:
+    """``⌈1 / density⌉`` steps (at most :data:`MAX_WAIT`; 0 at density 1): an element's wait for its turn."""
+    return math.ceil(min(1.0 / density - 1e-9, MAX_WAIT)) if 0.0 < density < 1.0 else 0
 
 
 class DensitySchedule:

@@ -86,3 +86,27 @@ def test_density_warmup_auto_outlasts_an_elements_wait(density, warmup, steps):
 def test_outer_lr_auto_is_at_least_two_for_a_compressed_delta(workers, density, lr):
     assert outer_lr_for("auto", workers, density) == pytest.approx(lr, rel=1e-15)
     assert outer_lr_for(0.7, workers, density) == 0.7  # a number stays as given
+
+
+@pytest.mark.parametrize("value", ["auto", "dtype"])
+@pytest.mark.parametrize("where", [{"zero_optimization": {"stage": 2}}, {}])
+def test_writing_out_dense_values_that_run_anyway_is_not_refused(value, where):
+    """Only a quantized format is refused outside ZeRO 0 / every step: 'auto' and 'dtype' are what runs there."""
+    from ds_dragonn.plan import Facts, refusal
+    block = {"enabled": True, "advanced": {"dense_values": value}, **({} if where else {"sync": "local_steps"})}
+    cfg = DragonnConfig.from_ds_config({"dragonn": block})
+    assert refusal(cfg, Facts.from_ds_config(where), "start") is None
+
+
+@pytest.mark.parametrize("density", [5e-324, 1e-300, 1e-9])
+def test_a_tiny_density_gives_bounded_numbers(density):
+    out, why = resolve_defaults(DragonnConfig(enabled=True, density=density), 0)
+    assert 0 < out.max_age <= 1 << 31 and auto_density_warmup_steps(0, density) <= 1 << 31
+    assert len(why["density_warmup_steps"]) < 60
+
+
+def test_reasons_print_the_density_as_given():
+    _, why = resolve_defaults(DragonnConfig(enabled=True, density=0.1000000001), 0)
+    assert why["values"] == "density 0.1000000001 > 0.1"
+    _, why = resolve_defaults(DragonnConfig(enabled=True, sync="local_steps", advanced={"values": "dtype"}), 0)
+    assert "int4" not in why["density"] and why["density_warmup_steps"].startswith("no effect")

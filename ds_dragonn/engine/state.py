@@ -46,7 +46,7 @@ FORMAT = 1
 #: units whatever these say); the difference is logged.
 _KEPT_FIELDS = ("density", "kernel", "warmup_steps", "policy", "min_compress_numel",
                 "density_warmup_steps", "density_warmup_start", "variance_refresh_steps", "local_steps", "outer_lr",
-                "values", "selection", "dense_values")
+                "values", "selection", "dense_values", "max_age")
 
 #: the modes whose residuals hold different things (``compress`` as resolved at start-up)
 _MODES = ("gradient", "momentum")
