@@ -128,8 +128,8 @@ class AdvancedConfig(BaseModel):
     refreshes, small buckets, the auto policy's dense choices). ``dtype``: DeepSpeed's allreduce in the
     communication dtype; ``int8`` / ``int4``: a quantized reduce-scatter and allgather (ZeRO++ qgZ), one float32
     scale per 64 values, the rounding kept in a residual: 0.53x / 0.28x of a bf16 allreduce's bytes
-    (exchange/dense_quantized.py). ``auto``: ``int4`` at ZeRO stage 0 with ``sync: every_step`` and density
-    <= 0.1, else ``dtype``."""
+    (exchange/dense_quantized.py). ``auto``: ``dtype`` (int4 dense steps cost the GPT +3.0 % on one seed of two:
+    docs/results.md, "Defaults that follow the density")."""
 
     selection: SelectionMode = SelectionMode.global_
     """``global``: one threshold over each bucket. ``chunked``: every chunk of ``constants.CHUNK_SIZE`` (4096) entries

@@ -23,7 +23,7 @@ def _expected(block: dict, stage: int) -> dict:
     d = block.get("density", 0.1 if local else 0.01)
     adv = block.get("advanced", {})
     values = adv.get("values", "int4" if d <= 0.1 else "dtype")
-    dense = adv.get("dense_values", "int4" if stage == 0 and not local and d <= 0.1 else "auto")
+    dense = adv.get("dense_values", "auto")  # DeepSpeed's own: int4 dense steps cost the GPT (results.md)
     age = adv.get("max_age", round(0.3 / d) if not local and d <= 0.002 else 0)
     return {"density": d, "values": values, "dense_values": dense, "max_age": age}
 
