@@ -392,7 +392,7 @@ def step_transaction(exact: Optional[bool], may_skip: Optional[bool], loss_scale
 
 
 #: ``values`` ``"auto"``: int4 codes at or below this density (measured: 0.001 and 0.01 per
-#: step, 0.1 for local steps' Δ; docs/results.md "Defaults that carry the recipe")
+#: step, 0.1 for local steps' Δ; docs/results.md "Defaults that follow the density")
 INT4_MAX_DENSITY = 0.1
 #: ``max_age`` ``"auto"``: ``round(AGE_FACTOR / density)`` at or below this density (300 at 0.001), else 0
 AGE_MAX_DENSITY = 0.002
