@@ -263,16 +263,15 @@ class ErrorFeedback:
             buf.masked_fill_(~torch.isfinite(buf), 0.0)
 
     def reset(self) -> None:
-        self.sent_log.clear()
-        for store in (self.residuals, self._scratch, self._views, self._work, self._open):
+        for store in (self.sent_log, self.residuals, self._scratch, self._views, self._work, self._open):
             store.clear()
 
     def release(self, key: Hashable) -> None:
-        """Free ``key``'s buffers; what its residual held is dropped."""
-        for store in (self.residuals, self._scratch, self._work):
-            store.pop(key, None)
-        self._open.discard(key)
-        self._views = {slot: v for slot, v in self._views.items() if slot[0] != key}
+        """Free ``key``'s buffers; what its residual held is dropped (nothing to do where it holds none)."""
+        held = [store.pop(key, None) for store in (self.residuals, self._scratch, self._work)]
+        if any(buf is not None for buf in held):
+            self._open.discard(key)
+            self._views = {slot: v for slot, v in self._views.items() if slot[0] != key}
 
     def state_dict(self) -> dict:
         return {"enabled": self.enabled, "residuals": {k: v.detach().clone() for k, v in self.residuals.items()}}

@@ -173,7 +173,8 @@ def _triton_interpret() -> bool:
 
 
 def _quantized_dense(cfg: Any) -> bool:
-    return _v(cfg.dense_values) in ("int8", "int4")
+    from .exchange.quantize import value_codec  # imported when the row is checked, not with this module
+    return value_codec(cfg.dense_values).quantized
 
 
 def _given_local(cfg: Any) -> List[str]:
@@ -397,8 +398,6 @@ INT4_MAX_DENSITY = 0.1
 #: ``max_age`` ``"auto"``: ``round(AGE_FACTOR / density)`` at or below this density (300 at 0.001), else 0
 AGE_MAX_DENSITY = 0.002
 AGE_FACTOR = 0.3
-#: the longest ``"auto"`` age bound or density-warm-up wait (a density of 1e-300 must not make a 300-digit number)
-MAX_AUTO_AGE = 1 << 31
 #: ``sync: local_steps`` without ``density``: the Δ's density (int4 values: 1/7 of DiLoCo's bytes at its loss)
 LOCAL_STEPS_DENSITY = 0.1
 
@@ -417,7 +416,7 @@ def resolve_defaults(cfg: Any, stage: int) -> Tuple[Any, Dict[str, str]]:
     ``density_warmup_steps`` and ``outer_lr`` ``"auto"`` need the engine; they follow ``density`` where they are
     resolved (``schedule.auto_density_warmup_steps``, ``outer.auto_outer_lr``).
     """
-    from .schedule import element_wait  # (this module imports nothing from the package when it loads)
+    from .schedule import MAX_WAIT, element_wait  # (this module imports nothing from the package when it loads)
     local = _v(cfg.sync) == "local_steps"
     reasons: Dict[str, str] = {}
     updates: Dict[str, Any] = {}
@@ -434,7 +433,7 @@ def resolve_defaults(cfg: Any, stage: int) -> Tuple[Any, Dict[str, str]]:
         reasons["dense_values"] = "DeepSpeed's own dense collective"
     if cfg.max_age == "auto":
         on = not local and density <= AGE_MAX_DENSITY
-        advanced["max_age"] = int(min(AGE_FACTOR / density, MAX_AUTO_AGE)) if on else 0
+        advanced["max_age"] = round(min(AGE_FACTOR / density, MAX_WAIT)) if on else 0  # (bounded: density 1e-300)
         reasons["max_age"] = (f"density {density}" if on else
                               "off: sync local_steps" if local else f"off: density {density} > {AGE_MAX_DENSITY}")
     if cfg.density_warmup_steps == "auto":

@@ -41,7 +41,8 @@ def auto_density_warmup_steps(warmup_steps: int, density: float = 1.0) -> int:
     return max(AUTO_DENSITY_MIN_STEPS, AUTO_DENSITY_FACTOR * int(warmup_steps), element_wait(density))
 
 
-#: the longest wait :func:`element_wait` reports (a density of 1e-300 must not make a 300-digit step count)
+#: the longest wait :func:`element_wait` reports, and the longest ``"auto"`` age bound (``plan.resolve_defaults``):
+#: a density of 1e-300 must not make a 300-digit step count
 MAX_WAIT = 1 << 31
 
 

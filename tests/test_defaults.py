@@ -55,7 +55,7 @@ def test_each_default_follows_density_and_sync(block, stage):
 
 
 def test_max_age_auto_is_three_tenths_over_the_density():
-    for d, age in [(0.001, 300), (0.002, 150), (0.0005, 600), (0.0003, 1000)]:
+    for d, age in [(0.001, 300), (0.002, 150), (0.0005, 600), (0.0003, 1000), (0.0007, 429), (0.0011, 273)]:
         out, why = resolve_defaults(DragonnConfig(enabled=True, density=d), 0)
         assert out.max_age == age and why["max_age"] == f"density {d:g}"
 

@@ -93,9 +93,8 @@ class LocalStepsHook(HookBase):
                 f"at density {cfg.density} (compressor={self.compressor.name} kernel={cfg.kernel.value} "
                 f"exchange={cfg.exchange.value} values={getattr(cfg.values, 'value', cfg.values)} "
                 f"error_feedback={cfg.error_feedback})")
-        lr = f"{self.outer_lr:.4g}" + ((f", auto: √{self.workers} workers" if cfg.density >= 1.0 else
-                                        f", auto: √{self.workers} workers, at least 2 for a compressed Δ")
-                                       if cfg.outer_lr == "auto" else "")
+        auto = f", auto: √{self.workers} workers" + ("" if cfg.density >= 1.0 else ", at least 2 for a compressed Δ")
+        lr = f"{self.outer_lr:.4g}" + (auto if cfg.outer_lr == "auto" else "")
         print_dist(f"DRAGONN enabled ({self.hook_name}): {cfg.warmup_steps} dense warm-up steps, then an outer "
                    f"step every {cfg.local_steps} optimizer steps (outer_lr={lr}); the "
                    f"pseudo-gradient goes out {sent}; comm_backend={cfg.comm_backend.value}", ranks=[0])
