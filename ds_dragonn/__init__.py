@@ -141,8 +141,8 @@ def initialize(*args: Any, **kwargs: Any):
 
 def _initialize(ds_initialize: Any, *args: Any, **kwargs: Any):
     """:func:`initialize` around ``ds_initialize`` (DeepSpeed's, or a wrapper that :func:`enable` found)."""
-    from .engine import check_hook_point, check_zero_hook_point
     from .engine import teardown
+    from .engine.hooks import hook_row
     teardown.register()  # an orderly exit for every rank (engine/teardown.py: an upstream abort at exit)
 
     bound = inspect.signature(ds_initialize).bind(*args, **kwargs)
@@ -171,14 +171,7 @@ def _initialize(ds_initialize: Any, *args: Any, **kwargs: Any):
         raise refusal
     if cfg.enabled:
         _check_deepspeed_version()
-        if cfg.sync == SyncMode.local_steps:
-            from .engine.local_steps import check_local_steps_hook_point
-            check_local_steps_hook_point()
-        elif facts.stage == 3:
-            from .engine.stage3 import check_zero3_hook_point
-            check_zero3_hook_point()
-        else:
-            check_hook_point() if facts.stage == 0 else check_zero_hook_point()
+        hook_row(cfg.sync.value, facts.stage).check()
 
     result = ds_initialize(*args, **kwargs)
     if cfg.enabled and getattr(result[0], "dragonn", None) is None:  # (a wrapped wrapper hooked it already)
@@ -191,17 +184,12 @@ def _engine_facts(engine: Any, facts: plan_mod.Facts, cfg: DragonnConfig) -> pla
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 
     from .engine.adam import momentum_refusal
-    from .engine.stage3 import HOOKED
+    from .engine.hooks import hook_row
     from .engine.steps import may_skip_steps
-    stage = engine.zero_optimization_stage()
     opt = engine.optimizer
-    hooked = {0: True, 1: hasattr(opt, "average_tensor"), 2: hasattr(opt, "average_tensor"),
-              3: hasattr(opt, HOOKED)}.get(stage, False)
-    reduce_scatter = bool(getattr(opt, "reduce_scatter", True)) if stage in (1, 2, 3) and hooked else True
-    contiguous = bool(getattr(opt, "contiguous_gradients", True)) if stage in (1, 2) and hooked else True
     serves = cfg.compress != CompressTarget.gradient and cfg.sync != SyncMode.local_steps
-    return facts.updated(stage=stage, optimizer=type(opt).__name__, hooked_optimizer=hooked,
-                         reduce_scatter=reduce_scatter, contiguous_gradients=contiguous,
+    return facts.updated(stage=engine.zero_optimization_stage(), optimizer=type(opt).__name__,
+                         **hook_row(cfg.sync.value, engine.zero_optimization_stage()).optimizer_facts(opt),
                          momentum_refusal=(momentum_refusal(engine) or "") if serves else None,
                          bf16_optimizer=isinstance(opt, BF16_Optimizer),
                          may_skip_steps=may_skip_steps(engine), loss_scaler=bool(engine.fp16_enabled()),
@@ -210,63 +198,28 @@ def _engine_facts(engine: Any, facts: plan_mod.Facts, cfg: DragonnConfig) -> pla
 
 def _install(engine: Any, cfg: DragonnConfig, facts: plan_mod.Facts) -> None:
     """Check the engine against the table (``plan.RULES``), resolve the plan, install the hook of this engine's
-    ZeRO stage / sync mode and log the plan."""
+    ZeRO stage / sync mode (``engine/hooks.py``) and log the plan."""
     from deepspeed.utils.logging import print_dist
 
-    from .engine import Stage0Hook, Stage12Hook
-    from .engine.local_steps import LocalStepsHook, LocalStepsUnsupported
+    from .engine.hooks import hook_row
+    from .engine.local_steps import LocalStepsUnsupported
     from .engine.pipelines import HierarchyUnsupported
-    from .engine.stage3 import Stage3Hook
     facts = _engine_facts(engine, facts, cfg)
     plan_mod.check(cfg, facts, "start")  # (the stage DeepSpeed runs may differ from the config's legacy form)
     plan_mod.check(cfg, facts, "engine")
     cfg, defaults = plan_mod.resolve_defaults(cfg, facts.stage)
     plan = plan_mod.resolve(cfg, facts, defaults)
-    _log_compress(cfg, plan, adam=not facts.momentum_refusal)
+    for line in plan_mod.compress_lines(cfg, plan, adam=not facts.momentum_refusal):
+        print_dist(line, ranks=[0])
     cfg = cfg.model_copy(update={"compress": CompressTarget(plan.compress)})
-    hook_cls = LocalStepsHook if cfg.sync == SyncMode.local_steps else \
-        {0: Stage0Hook, 1: Stage12Hook, 2: Stage12Hook, 3: Stage3Hook}[facts.stage]
-    hook = hook_cls(engine, cfg)
+    hook = hook_row(cfg.sync.value, facts.stage).hook(engine, cfg)
     hook.plan = plan
     try:
         hook.install()
     except (HierarchyUnsupported, LocalStepsUnsupported) as err:  # every rank reached the same decision
         raise DragonnUnsupportedError(str(err)) from None
-    layout = getattr(hook, "layout", None)
-    hook.plan = plan.with_layout("flat" if layout is None else "node",
-                                 plan.reasons.get("layout", "set in the config") if plan.layout != "auto" else
-                                 ("resolved: one node, or a group the node-aware exchange does not serve"
-                                  if layout is None else "resolved: several nodes of several ranks"),
-                                 getattr(hook, "exchange_name", plan.exchange))
+    hook.plan = plan.with_layout(getattr(hook, "layout", None) is not None, getattr(hook, "exchange_name", plan.exchange))
     print_dist(hook.plan.describe(), ranks=[0])
-
-
-def _log_compress(cfg: DragonnConfig, plan: "plan_mod.Plan", adam: bool) -> None:
-    """The start-up lines of ``compress: auto`` (which mode and why), and a warning for a momentum-mode
-    key that has no effect under the mode it chose."""
-    from deepspeed.utils.logging import print_dist
-    if cfg.compress != CompressTarget.auto or cfg.sync == SyncMode.local_steps:
-        return
-    resolved, reason = CompressTarget(plan.compress), plan.reasons["compress"]
-    print_dist(_auto_line(resolved, reason, adam=adam), ranks=[0])
-    refresh = cfg.given(*plan_mod.MOMENTUM_KEYS)
-    if refresh and resolved == CompressTarget.gradient:
-        print_dist(f"DRAGONN: warning: 'dragonn.{refresh[0]}' has no effect: it applies to the momentum mode, and "
-                   f"compress 'auto' chose 'gradient' ({reason})", ranks=[0])
-
-
-def _auto_line(resolved: CompressTarget, reason: str, adam: bool) -> str:
-    """The start-up line of ``compress: auto``: which mode runs and why, in plain words; a warning where an
-    Adam-type optimizer gets the gradient mode (it costs quality: docs/tuning.md)."""
-    if resolved == CompressTarget.momentum:
-        return (f"DRAGONN: compress 'auto' -> 'momentum' ({reason}): each rank's Adam momentum is sparsified, and "
-                f"Adam's variance is frozen from the dense warm-up (refreshed every "
-                f"'advanced.variance_refresh_steps')")
-    if not adam:
-        return f"DRAGONN: compress 'auto' -> 'gradient' ({reason}): the gradient is sparsified, the optimizer unchanged"
-    return (f"DRAGONN: warning: compress 'auto' -> 'gradient' although the optimizer is Adam-type, because {reason}. "
-            f"With Adam the gradient mode costs quality (docs/tuning.md#3-warm-ups); keep the dense warm-up (leave "
-            f"'warmup_steps' out) to get the momentum mode, or set 'compress': 'gradient' to choose this one")
 
 
 def _check_deepspeed_version() -> None:

@@ -345,8 +345,13 @@ class Plan:
     transactional: bool
     reasons: Mapping[str, str] = field(default_factory=dict)
 
-    def with_layout(self, layout: str, reason: str, exchange: str) -> "Plan":
-        """This plan with the layout the hook's pipeline resolved, and the exchange it runs there."""
+    def with_layout(self, node: bool, exchange: str) -> "Plan":
+        """This plan with the layout the hook's pipeline resolved (``node``: node-aware, else flat), the exchange
+        it runs there, and why."""
+        layout = "node" if node else "flat"
+        why = ("resolved: several nodes of several ranks" if node else
+               "resolved: one node, or a group the node-aware exchange does not serve")
+        reason = self.reasons.get("layout", "set in the config") if self.layout != "auto" else why
         return dataclasses.replace(self, layout=layout, exchange=exchange, reasons={**self.reasons, "layout": reason})
 
     def describe(self) -> str:
@@ -390,6 +395,61 @@ def step_transaction(exact: Optional[bool], may_skip: Optional[bool], loss_scale
     if loss_scaler:
         return True, "the fp16 loss scaler skips steps: they leave no trace"
     return False, "steps skipped on a non-finite gradient return what they sent to the residuals (O(k))"
+
+
+def compress_lines(cfg: Any, plan: Plan, adam: bool) -> List[str]:
+    """The start-up lines of ``compress: auto`` (which mode runs and why, in plain words), and a warning for a
+    momentum-mode key with no effect under the mode it chose; none where ``compress`` was set or under local
+    steps. ``adam``: the optimizer is Adam-type (the gradient mode then costs quality: docs/tuning.md)."""
+    if _v(cfg.compress) != "auto" or _v(cfg.sync) == "local_steps":
+        return []
+    reason = plan.reasons["compress"]
+    if plan.compress == "momentum":
+        lines = [f"DRAGONN: compress 'auto' -> 'momentum' ({reason}): each rank's Adam momentum is sparsified, "
+                 f"and Adam's variance is frozen from the dense warm-up (refreshed every "
+                 f"'advanced.variance_refresh_steps')"]
+    elif not adam:
+        lines = [f"DRAGONN: compress 'auto' -> 'gradient' ({reason}): the gradient is sparsified, the optimizer "
+                 f"unchanged"]
+    else:
+        lines = [f"DRAGONN: warning: compress 'auto' -> 'gradient' although the optimizer is Adam-type, because "
+                 f"{reason}. With Adam the gradient mode costs quality (docs/tuning.md#3-warm-ups); keep the dense "
+                 f"warm-up (leave 'warmup_steps' out) to get the momentum mode, or set 'compress': 'gradient' to "
+                 f"choose this one"]
+    refresh = cfg.given(*MOMENTUM_KEYS)
+    if refresh and plan.compress == "gradient":
+        lines.append(f"DRAGONN: warning: 'dragonn.{refresh[0]}' has no effect: it applies to the momentum mode, "
+                     f"and compress 'auto' chose 'gradient' ({reason})")
+    return lines
+
+
+def density_schedule(cfg: Any) -> Any:
+    """The ``schedule.DensitySchedule`` of ``cfg`` (``compress`` resolved): the variance is refreshed only in
+    the momentum mode; local steps send each round at ``density`` from the first, with no density warm-up
+    (``engine/local_steps.py``); ``warmup_steps`` ``auto`` is decided later by the hook's tracker."""
+    from .schedule import UNDECIDED, DensitySchedule  # (this module imports nothing from the package when it loads)
+    refresh = cfg.variance_refresh_steps if _v(cfg.compress) == "momentum" else 0
+    ramp = 0 if _v(cfg.sync) == "local_steps" else cfg.density_warmup_steps
+    warmup = UNDECIDED if cfg.warmup_steps == "auto" else cfg.warmup_steps
+    return DensitySchedule(cfg.density, warmup, ramp, cfg.density_warmup_start, refresh)
+
+
+def layout_choice(mode: str, per_node: Optional[int], world: int, why: str) -> Tuple[Optional[int], str]:
+    """``hierarchy`` ``mode`` (``auto`` / ``node``) resolved over a group of ``world`` ranks whose launcher
+    reports ``per_node`` ranks per node (None: no consistent layout, for the reason ``why``): (ranks per node,
+    or None for flat; the reason).
+
+    Raises:
+        ValueError: ``mode`` is ``node`` and the group is not several nodes of several ranks.
+    """
+    if per_node is not None and (per_node == 1 or per_node == world):
+        why = "one rank per node" if per_node == 1 else f"a single node of {world} ranks"
+        per_node = None
+    if per_node is None and mode == "node":
+        hint = "Set 'advanced.ranks_per_node', or use" if "did not export" in why else "Use"
+        raise ValueError(f"'dragonn.hierarchy': 'node' needs several nodes of several ranks each: {why}. "
+                         f"{hint} 'hierarchy': 'flat' or 'auto'")
+    return per_node, why
 
 
 #: ``values`` ``"auto"``: int4 codes at or below this density (measured: 0.001 and 0.01 per
@@ -468,6 +528,6 @@ def resolve(cfg: Any, facts: Facts, defaults: Optional[Mapping[str, str]] = None
                 transactional=skip, reasons=reasons)
 
 
-__all__ = ["DragonnUnsupportedError", "Facts", "LOCAL_STEPS_KEYS", "MOMENTUM_KEYS", "PHASES", "Plan", "RULES",
+__all__ = ["DragonnUnsupportedError", "Facts", "compress_lines", "density_schedule", "layout_choice", "LOCAL_STEPS_KEYS", "MOMENTUM_KEYS", "PHASES", "Plan", "RULES",
            "Rule", "check", "flag", "node_unsupported", "refusal", "resolve", "resolve_compress", "resolve_defaults",
            "step_transaction", "zero_stage"]

@@ -73,14 +73,6 @@ class DensitySchedule:
             return self._steps
         return auto_density_warmup_steps(0 if self.warmup_steps == UNDECIDED else self.warmup_steps, self.density)
 
-    @classmethod
-    def from_config(cls, cfg) -> "DensitySchedule":
-        refresh = cfg.variance_refresh_steps if cfg.compress.value == "momentum" else 0
-        warmup = UNDECIDED if cfg.warmup_steps == "auto" else cfg.warmup_steps  # the hook's tracker decides
-        # local steps send each outer step at `density` from the first: no density warm-up (engine/local_steps.py)
-        ramp = 0 if cfg.sync.value == "local_steps" else cfg.density_warmup_steps
-        return cls(cfg.density, warmup, ramp, cfg.density_warmup_start, refresh)
-
     def dense(self, step: int) -> bool:
         """True in the dense warm-up."""
         return step < self.warmup_steps

@@ -34,6 +34,7 @@ def pipeline_runs(rank: int, world: int, out_dir: str) -> None:
     set_layout(rank, 2)
     init_distributed()
     from ds_dragonn.comm.topology import node_groups, resolve_layout
+    from ds_dragonn.plan import layout_choice
     from ds_dragonn.comm.torch_backend import TorchCommBackend
     from ds_dragonn.compress import DragonnCompressor
     from ds_dragonn.exchange import AllgatherExchange, PartitionedExchange
@@ -42,7 +43,7 @@ def pipeline_runs(rank: int, world: int, out_dir: str) -> None:
     from ds_dragonn.pipeline import CompressedAllreduce
 
     full = TorchCommBackend()
-    layout = resolve_layout("auto", full).layout
+    layout = resolve_layout("auto", full, layout_choice).layout
     node_group, cross_group = node_groups(layout)
     node, cross = TorchCommBackend(node_group), TorchCommBackend(cross_group)
 

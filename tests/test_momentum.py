@@ -318,6 +318,7 @@ def test_the_local_momentum_follows_a_scheduled_beta1():
 # -- the variance refresh (0/1 Adam's variance updates) ------------------------------------------------------
 
 def test_the_refresh_schedule():
+    from ds_dragonn.plan import density_schedule
     from ds_dragonn.schedule import DensitySchedule
     s = DensitySchedule(0.01, warmup_steps=30, density_warmup_steps=100, refresh_steps=100)
     assert [t for t in range(400) if s.refresh(t)] == [129, 229, 329]
@@ -326,10 +327,10 @@ def test_the_refresh_schedule():
     assert not any(DensitySchedule(0.01, 30, refresh_steps=1).refresh(t) for t in range(300))  # (refused by config)
     assert [t for t in range(8) if DensitySchedule(0.1, 2, refresh_steps=2).refresh(t)] == [3, 5, 7]
     momentum = DragonnConfig(enabled=True, compress="momentum", warmup_steps=30)
-    assert DensitySchedule.from_config(momentum).refresh_steps == 100
+    assert density_schedule(momentum).refresh_steps == 100
     gradient = DragonnConfig(enabled=True, compress="gradient", warmup_steps=30)
-    assert DensitySchedule.from_config(gradient).refresh_steps == 0
-    assert "refreshed every 100 steps" in DensitySchedule.from_config(momentum).describe()
+    assert density_schedule(gradient).refresh_steps == 0
+    assert "refreshed every 100 steps" in density_schedule(momentum).describe()
 
 
 def _reference_refreshed_adamw(p0, grads, freeze_at, refresh_at, rho, lr=0.01, b1=0.9, b2=0.999, eps=1e-8, wd=0.1,

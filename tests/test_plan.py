@@ -171,7 +171,7 @@ def test_the_plan_is_frozen_and_its_line_names_each_auto_and_why():
         plan.compress = "gradient"
     line = plan.describe()
     assert "compress=momentum (an Adam-type optimizer)" in line and "warmup_steps=auto (" in line
-    node = plan.with_layout("node", "resolved: several nodes of several ranks", "partitioned")
+    node = plan.with_layout(True, "partitioned")
     assert isinstance(node, Plan) and node.layout == "node" and node.exchange == "partitioned"
     assert "layout=node (resolved: several nodes" in node.describe() and plan.layout == "auto"
 
@@ -265,3 +265,16 @@ def test_triton_kernel_passes_on_cuda_and_under_the_interpreter(monkeypatch):
     assert refusal(cfg, Facts(device="cuda"), "engine") is None
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert refusal(cfg, Facts(device="cpu"), "engine") is None
+
+
+def test_layout_choice_is_flat_for_one_rank_per_node_or_one_node_and_refuses_node_there():
+    from ds_dragonn.plan import layout_choice
+    assert layout_choice("auto", 2, 4, "") == (2, "")
+    assert layout_choice("auto", 4, 4, "") == (None, "a single node of 4 ranks")
+    assert layout_choice("auto", 1, 4, "") == (None, "one rank per node")
+    assert layout_choice("auto", None, 4, "ranks are not numbered node by node") == \
+        (None, "ranks are not numbered node by node")
+    with pytest.raises(ValueError, match="a single node of 4 ranks. Use 'hierarchy': 'flat'"):
+        layout_choice("node", 4, 4, "")
+    with pytest.raises(ValueError, match="Set 'advanced.ranks_per_node'"):
+        layout_choice("node", None, 4, "the launcher did not export LOCAL_SIZE")

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from ds_dragonn.config import DragonnConfig, DragonnConfigError
+from ds_dragonn.plan import density_schedule
 from ds_dragonn.schedule import UNDECIDED, DensitySchedule
 from tests.multiproc import ranks_fixture
 
@@ -58,14 +59,14 @@ def test_auto_density_warmup_follows_a_dense_warmup_decided_later():
 
 def test_default_config_schedule_resolves_auto_density_warmup():
     cfg = DragonnConfig.from_ds_config({"dragonn": {"enabled": True, "warmup_steps": 50}})
-    assert DensitySchedule.from_config(cfg).steps == 150
+    assert density_schedule(cfg).steps == 150
     cfg = DragonnConfig.from_ds_config({"dragonn": {"enabled": True, "warmup_steps": 50, "density_warmup_steps": 0}})
-    assert DensitySchedule.from_config(cfg).steps == 0
+    assert density_schedule(cfg).steps == 0
     # local steps send every outer step at the density: no density warm-up, "auto" or a number
     for ramp in ("auto", 200):
         cfg = DragonnConfig.from_ds_config({"dragonn": {"enabled": True, "sync": "local_steps", "local_steps": 3,
                                                         "warmup_steps": 50, "density_warmup_steps": ramp}})
-        schedule = DensitySchedule.from_config(cfg)
+        schedule = density_schedule(cfg)
         assert schedule.steps == 0 and schedule.at(50) == schedule.at(51) == 0.01 and not schedule.warming(51)
 
 

@@ -11,6 +11,7 @@ from ds_dragonn.config import DragonnConfig
 from ds_dragonn.engine.base import HookBase
 from ds_dragonn.engine.warmup import AUTO_FACTOR, AUTO_MIN_STEPS, LrWarmupTracker, lr_warmup_steps, \
     resolve_warmup_steps
+from ds_dragonn.plan import density_schedule
 from ds_dragonn.schedule import UNDECIDED, DensitySchedule
 from tests.fakes import fake_engine
 from tests.multiproc import run_ranks
@@ -249,6 +250,6 @@ def test_the_hook_runs_with_the_resolved_warm_up():
 
 
 def test_an_undecided_schedule_is_dense():
-    s = DensitySchedule.from_config(DragonnConfig(enabled=True, compress="momentum"))
+    s = density_schedule(DragonnConfig(enabled=True, compress="momentum"))
     assert s.warmup_steps == UNDECIDED and all(s.dense(t) and not s.refresh(t) for t in (0, 10**6, 10**12))
     assert "learning rate stops rising" in s.describe()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import List, Mapping, NamedTuple, Optional, Tuple
+from typing import Callable, List, Mapping, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -99,9 +99,11 @@ def check_layout(views: List[List[int]], override: Optional[int]) -> Tuple[Optio
     return size, ""
 
 
-def resolve_layout(mode: str, backend: CommBackend, override: Optional[int] = None,
-                   env: Optional[Mapping[str, str]] = None) -> Resolved:
-    """The node layout for ``hierarchy`` ``mode`` (``auto``, ``flat``, ``node``) over ``backend``'s group.
+def resolve_layout(mode: str, backend: CommBackend, choose: Callable[..., Tuple[Optional[int], str]],
+                   override: Optional[int] = None, env: Optional[Mapping[str, str]] = None) -> Resolved:
+    """The node layout for ``hierarchy`` ``mode`` (``auto``, ``flat``, ``node``) over ``backend``'s group;
+    ``choose(mode, ranks per node or None, world size, why)`` decides from what the ranks report
+    (``plan.layout_choice``: flat for one rank per node or a single node).
 
     Collective (one small allgather) for ``auto`` and ``node``: every rank reaches the same decision. Over the
     ``mpi`` transport, where the launcher exported no ranks per node, MPI's shared-memory split gives them.
@@ -119,36 +121,20 @@ def resolve_layout(mode: str, backend: CommBackend, override: Optional[int] = No
         (size, local), source = shared_memory_view(), "MPI's shared-memory split"
     views = backend.all_gather_ints([size or 0, -1 if local is None else local], torch.device("cpu"))
     per_node, why = check_layout(views, override)
-    world = backend.world_size
-    if per_node is not None and (per_node == 1 or per_node == world):
-        why = "one rank per node" if per_node == 1 else f"a single node of {world} ranks"
-        per_node = None
+    per_node, why = choose(mode, per_node, backend.world_size, why)
     if per_node is None:
-        if mode == "node":
-            hint = "Set 'advanced.ranks_per_node', or use" if "did not export" in why else "Use"
-            raise ValueError(f"'dragonn.hierarchy': 'node' needs several nodes of several ranks each: {why}. "
-                             f"{hint} 'hierarchy': 'flat' or 'auto'")
         return Resolved(None, f"flat: {why}")
-    layout = NodeLayout(world, per_node, backend.rank)
+    layout = NodeLayout(backend.world_size, per_node, backend.rank)
     return Resolved(layout, f"node-aware: {layout} ({'advanced.ranks_per_node' if override else source})")
-
-
-
 
 
 def node_groups(layout: NodeLayout) -> Tuple[object, object]:
     """(this rank's node group, its cross-node group) as ``deepspeed.comm`` process groups. Every rank creates
     every group, in the same order (``torch.distributed.new_group`` is collective over the world)."""
     import deepspeed.comm as dist
-    mine_node = mine_cross = None
-    for i in range(layout.nodes):
-        group = dist.new_group(layout.node_ranks(i))
-        if i == layout.node:
-            mine_node = group
-    for j in range(layout.ranks_per_node):
-        group = dist.new_group(layout.cross_ranks(j))
-        if j == layout.local_rank:
-            mine_cross = group
-    return mine_node, mine_cross
+    node = [dist.new_group(layout.node_ranks(i)) for i in range(layout.nodes)]
+    cross = [dist.new_group(layout.cross_ranks(j)) for j in range(layout.ranks_per_node)]
+    return node[layout.node], cross[layout.local_rank]
+
 
 __all__ = ["NodeLayout", "Resolved", "check_layout", "launcher_view", "node_groups", "resolve_layout"]

@@ -17,7 +17,7 @@ from ..config import DragonnConfig, Policy
 from ..constants import AUTO_PROBE_STEPS, AUTO_RECHECK_INTERVAL
 from ..pipeline import CompressedAllreduce
 from ..policy import AutoPolicy
-from ..schedule import DensitySchedule
+from ..plan import density_schedule
 
 
 class Choice(NamedTuple):
@@ -42,7 +42,7 @@ class BucketDecision:
     def __init__(self, cfg: DragonnConfig):
         self.cfg = cfg
         self.policy = AutoPolicy(AUTO_PROBE_STEPS, AUTO_RECHECK_INTERVAL, always=cfg.policy == Policy.always)
-        self.schedule = DensitySchedule.from_config(cfg)
+        self.schedule = density_schedule(cfg)
         self._warned_small = False
         self._costly: Dict[Hashable, bool] = {}  # bucket key -> its pairs may cost more than dense
 

@@ -18,7 +18,7 @@ from ..config import CommBackendName, Hierarchy
 from ..exchange.quantize import value_codec
 from ..hierarchy import NodeAllreduce
 from ..pipeline import CompressedAllreduce
-from ..plan import Facts, check, node_unsupported
+from ..plan import Facts, check, layout_choice, node_unsupported
 
 
 class HierarchyUnsupported(ValueError):
@@ -49,7 +49,7 @@ def node_layout(hook: Any, backend: CommBackend) -> Optional[NodeLayout]:
         print_dist(f"DRAGONN: hierarchy 'auto' -> flat: {why}", ranks=[0])
         return None
     try:
-        resolved = resolve_layout(mode.value, backend, hook.cfg.ranks_per_node)
+        resolved = resolve_layout(mode.value, backend, layout_choice, hook.cfg.ranks_per_node)
     except ValueError as err:
         raise HierarchyUnsupported(str(err)) from None
     print_dist(f"DRAGONN: hierarchy '{mode.value}' -> {resolved.reason}", ranks=[0])
