@@ -19,7 +19,7 @@ from deepspeed.utils.logging import print_dist
 from ..comm import build_backend
 from ..comm.base import CommBackend
 from ..compress import build_compressor
-from ..config import CompressTarget, DragonnConfig
+from ..config import DragonnConfig
 from ..exchange import Exchange, build_exchange
 from ..exchange.reduce_scatter import ReduceScatterExchange
 from ..feedback import ErrorFeedback
@@ -29,10 +29,9 @@ from ..plan import resolve_defaults
 from ..policy import AutoPolicy
 from ..schedule import DensitySchedule
 from ..telemetry import Telemetry
-from .adam import adam_beta1
 from .checkpoint import install as install_checkpointing
 from .decision import BucketDecision
-from .follow import FollowsOptimizer
+from .follow import MODES, FollowsOptimizer, GradientMode
 from .pipelines import build_pipeline
 from .reducer import BucketReducer
 from .hook_state import HookState
@@ -48,8 +47,9 @@ class HookBase(FollowsOptimizer, HookState):
     Fields: the config (``cfg``); the compressor, error-feedback store and one pipeline per data-parallel
     group; the bucket decision (``decision``: auto policy, density schedule); the reporter (``reporter``:
     logs, monitor, :class:`Telemetry` totals); the step transaction (``steps``); the buckets whose residual
-    may hold unsent gradient (``pending``). The methods that follow the optimizer (online warm-up, momentum
-    mode) are :class:`~ds_dragonn.engine.follow.FollowsOptimizer`'s, the state methods
+    may hold unsent gradient (``pending``); the mode (``mode``: ``compress`` gradient or momentum,
+    :data:`~ds_dragonn.engine.follow.MODES`). The online warm-up is
+    :class:`~ds_dragonn.engine.follow.FollowsOptimizer`'s, the state methods
     :class:`~ds_dragonn.engine.hook_state.HookState`'s.
     """
 
@@ -88,16 +88,11 @@ class HookBase(FollowsOptimizer, HookState):
         self.pending: set = set()  # buckets whose residual may hold unsent gradient
         self._flushing: set = set()  # steps may be skipped: flushed in the open step (still pending if it is)
         self.notes: list = []  # what loading a state did beyond restoring it (also logged as warnings)
-        self.variance_freeze = None
-        self.momentum: Optional[LocalMomentum] = None  # compress: momentum (this rank's local momentum)
-        has_optimizer = engine is not None and hasattr(engine, "optimizer")
-        if cfg.compress == CompressTarget.momentum:
-            beta1 = adam_beta1(engine) if has_optimizer else None
-            self.momentum = LocalMomentum(0.9 if beta1 is None else beta1, transactional=self.transactional)
-            if has_optimizer:
-                schedule = self.decision.schedule
-                self.variance_freeze = VarianceFreeze(engine, schedule.warmup_steps, refresh=schedule.refresh,
-                                                      refresh_steps=schedule.refresh_steps)
+        # compress: gradient or momentum, chosen once (follow.py); the momentum mode's local momentum and variance
+        # freeze (None in the gradient mode) are the state's (state.py, checkpoint.py)
+        self.mode = MODES.get(cfg.compress, GradientMode)(engine, self.decision.schedule, self.transactional)
+        self.momentum: Optional[LocalMomentum] = self.mode.momentum
+        self.variance_freeze: Optional[VarianceFreeze] = self.mode.variance_freeze
 
     def install(self) -> "HookBase":
         """Patch DeepSpeed's reduction (:meth:`_patch`), carry the residuals in ``engine.save_checkpoint`` /

@@ -71,14 +71,14 @@ def build_pipeline(hook: Any, backend: CommBackend) -> Any:
     hook.layout = layout
     if layout is None:
         return CompressedAllreduce(hook.compressor, backend, hook.error_feedback, _exchange(hook, backend),
-                                   hook.momentum, hook.cfg.max_age)
+                                   hook.mode.target, hook.cfg.max_age)
     node_group, cross_group = node_groups(layout)
     node_comm = cross_comm = None
     if hook.cfg.comm_backend == CommBackendName.mpi:  # MPI communicators of the same ranks
         from ..comm.mpi_backend import split_comm
         node_comm, cross_comm = split_comm(layout.node, layout.local_rank), split_comm(layout.local_rank, layout.node)
     cross = build_backend(hook.cfg, cross_group, cross_comm)
-    shard = CompressedAllreduce(hook.compressor, cross, hook.error_feedback, _exchange(hook, cross), hook.momentum,
+    shard = CompressedAllreduce(hook.compressor, cross, hook.error_feedback, _exchange(hook, cross), hook.mode.target,
                                 hook.cfg.max_age)
     return NodeAllreduce(shard, build_backend(hook.cfg, node_group, node_comm), backend, layout)
 

@@ -105,9 +105,8 @@ class Stage3Hook(ZeroPartitionHook):
         opt = self.optimizer
         group = opt._get_param_partition_group(params[0])
         if dist.get_world_size(group) != dist.get_world_size(opt.dp_process_group):
-            if self.momentum is not None and not self.decision.schedule.dense(int(self.engine.global_steps)):
-                raise RuntimeError("'dragonn.compress': 'momentum' cannot carry the momentum of gradients reduced "
-                                   "outside the data-parallel group (MoE experts); use 'compress': 'gradient'")
+            self.mode.refuse_unmodelled(int(self.engine.global_steps),
+                                        "gradients reduced outside the data-parallel group (MoE experts)")
             return self._dense(params, communication_data_type)  # MoE expert groups: dense
         return self.reducer.reduce((params, communication_data_type))
 

@@ -100,10 +100,8 @@ class Stage12Hook(ZeroPartitionHook):
         calls = self._record_reductions(tensor, dt)
         mine, ranges, other = self._owners(tensor, calls, b.pipeline.backend.rank)
         if other:
-            if self.momentum is not None and not self.decision.schedule.dense(step):
-                raise RuntimeError("'dragonn.compress': 'momentum' cannot carry the momentum of gradient slices "
-                                   "reduced outside the data-parallel group or owned by several ranks (MoE "
-                                   "experts, Muon); use 'compress': 'gradient'")
+            self.mode.refuse_unmodelled(step, "gradient slices reduced outside the data-parallel group or owned by "
+                                              "several ranks (MoE experts, Muon)")
             for call in calls:
                 getattr(self.optimizer, call.method)(*call.args, **call.kwargs)
             return None
