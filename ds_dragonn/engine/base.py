@@ -32,7 +32,7 @@ from ..telemetry import Telemetry
 from .checkpoint import install as install_checkpointing
 from .decision import BucketDecision
 from .follow import MODES, FollowsOptimizer, GradientMode
-from .pipelines import build_pipeline
+from .pipelines import FLAT, FlatLayout, build_pipeline
 from .reducer import BucketReducer
 from .hook_state import HookState
 from .variance import VarianceFreeze
@@ -57,12 +57,19 @@ class HookBase(FollowsOptimizer, HookState):
     hook_name = "base"
     #: whether ``hierarchy`` may resolve to the node-aware pipeline (engine/pipelines.py)
     supports_hierarchy = False
-    #: the node layout of the node-aware pipeline (None: flat), set when the first pipeline is built
+    #: flat or node-aware (``engine/pipelines.py``: :class:`FlatLayout` or :class:`NodeAware`), and the node
+    #: layout of the node-aware pipeline (None: flat); both set when the first pipeline is built
+    topology: FlatLayout = FLAT
     layout = None
 
     @property
     def exchange_name(self) -> str:
         """The exchange scheme this hook runs (``allgather``, ``partitioned`` or ``reduce_scatter``)."""
+        return self.topology.exchange_name(self)
+
+    @property
+    def flat_exchange_name(self) -> str:
+        """The scheme of the flat pipeline (:meth:`_flat_exchange`)."""
         return self.cfg.exchange.value
 
     def __init__(self, engine: Any, cfg: DragonnConfig):
@@ -123,7 +130,12 @@ class HookBase(FollowsOptimizer, HookState):
 
     # -- pieces for the hook points ----------------------------------------------------------------
     def _build_exchange(self, backend: CommBackend) -> Exchange:
+        """``exchange`` over ``backend`` (the flat group, or the ranks of this local index across nodes)."""
         return build_exchange(self.cfg, backend, self.compressor, transactional=self.may_skip)
+
+    def _flat_exchange(self, backend: CommBackend) -> Exchange:
+        """The exchange of the flat pipeline over the whole data-parallel group."""
+        return self._build_exchange(backend)
 
     def _stores(self) -> list:
         """Everything whose state a skipped step must not change: the workers' store, each pipeline's
@@ -223,10 +235,11 @@ class HookBase(FollowsOptimizer, HookState):
 
 class ZeroPartitionHook(HookBase):
     """A ZeRO 1-3 hook's exchange: flat, the sparse reduce-scatter to ZeRO's partition owners, whatever
-    ``exchange`` says; node-aware (``layout`` set), ``exchange`` (allgather/partitioned) for the shard across
-    nodes, whose node sum then gives each owner its slices."""
+    ``exchange`` says; node-aware, ``exchange`` (allgather/partitioned) for the shard across nodes, whose node
+    sum then gives each owner its slices (``topology``: ``engine/pipelines.py``)."""
 
     supports_hierarchy = True  # engine/pipelines.py: owners take their slices of the node-aware result
+    flat_exchange_name = "reduce_scatter"
 
     def __init__(self, engine: Any, cfg: DragonnConfig):
         super().__init__(engine, cfg)
@@ -235,11 +248,8 @@ class ZeroPartitionHook(HookBase):
     def _dp_group(self) -> Any:
         return self.optimizer.dp_process_group
 
-    @property
-    def exchange_name(self) -> str:
-        return "reduce_scatter" if self.layout is None else self.cfg.exchange.value
+    def _scheme(self) -> str:
+        return self.topology.scheme(self)
 
-    def _build_exchange(self, backend: CommBackend) -> Exchange:
-        if self.layout is not None:
-            return super()._build_exchange(backend)
+    def _flat_exchange(self, backend: CommBackend) -> Exchange:
         return ReduceScatterExchange(backend)
