@@ -18,36 +18,32 @@ from ..schedule import UNDECIDED
 from .adam import adam_beta1, optimizer_lr
 from .variance import VarianceFreeze
 
+
 class GradientMode:
-    """``compress: gradient``: every reduction sends the gradients themselves; nothing is folded, held or frozen.
+    """``compress: gradient``: every reduction sends the gradients themselves; nothing is folded into a momentum,
+    held, frozen or refused. The hook's mode (``HookBase.mode``), chosen once from ``compress`` (:data:`MODES`);
+    :class:`MomentumMode` has the same methods, documented there."""
 
-    The hook's mode (``HookBase.mode``, :data:`MODES`), chosen once from ``compress``; :class:`MomentumMode` has
-    the same methods."""
-
-    momentum = None  #: the local momentum (``hook.momentum``)
-    variance_freeze = None  #: Adam's variance freeze (``hook.variance_freeze``)
-    target = GRADIENTS  #: what the pipelines compress (``CompressedAllreduce(target=...)``)
+    momentum = variance_freeze = None  # (the hook's ``momentum`` and ``variance_freeze``)
+    target = GRADIENTS  # what the pipelines compress
 
     def __init__(self, engine: Any = None, schedule: Any = None, transactional: bool = False):
         pass
 
     def follow_beta(self, engine: Any) -> None:
-        """Nothing follows the optimizer's β1."""
+        pass
 
     def refreshes(self, step: int) -> bool:
-        """No step refreshes a variance (none is frozen)."""
         return False
 
     def sends_momentum(self, step: int) -> bool:
-        """The gradients go out as DeepSpeed's or the pipeline's: no bucket is a flush for the mode's sake."""
         return False
 
-    def track(self, pipeline: CompressedAllreduce, key: Hashable, dtype: torch.dtype,
-              local: Callable[[], tuple]) -> None:
-        """A dense warm-up reduction keeps nothing (``local`` is not called)."""
+    def track(self, pipeline: CompressedAllreduce, key: Hashable, dtype: torch.dtype, local: Callable) -> None:
+        pass
 
     def refuse_unmodelled(self, step: int, what: str) -> None:
-        """DeepSpeed's dense path may reduce what the hook does not model: its gradients are right as they are."""
+        pass
 
 
 class MomentumMode(GradientMode):
@@ -102,8 +98,7 @@ class MomentumMode(GradientMode):
         hook.error_feedback.compensate_(skey, held, dtype, pre)
         hook.pending.add(key)
 
-    def track(self, pipeline: CompressedAllreduce, key: Hashable, dtype: torch.dtype,
-              local: Callable[[], tuple]) -> None:
+    def track(self, pipeline: CompressedAllreduce, key: Hashable, dtype: torch.dtype, local: Callable) -> None:
         """The dense warm-up: fold the local gradients (``local()``: ``(tensors, prescale)``, built in this mode
         only) into the local momentum (sent from the first compressed step on, so that it does not start from
         zero)."""

@@ -67,47 +67,46 @@ def _exchange(exchange: Any, hook: Any) -> Any:
 
 
 class FlatLayout:
-    """The flat pipeline: compressed over the whole data-parallel group with the hook's flat exchange
-    (``_flat_exchange``: ZeRO 1-3's sparse reduce-scatter, else ``exchange``); every rank is one worker.
-    :class:`NodeAware` has the same methods; a hook asks its ``topology`` instead of testing for a layout."""
+    """The flat pipeline over the whole data-parallel group with the hook's flat exchange (``_flat_exchange``,
+    ``flat_exchange_name``, ``flat_scheme``: ZeRO 1-3's sparse reduce-scatter, else ``exchange``); under local
+    steps each rank is one worker, stepping alone between syncs, its outer residual its own. :class:`NodeAware`
+    has the same methods: a hook asks its ``topology`` instead of testing for a node layout."""
 
-    layout: Optional[NodeLayout] = None  #: the node layout (``hook.layout``): none
+    layout: Optional[NodeLayout] = None  # (``hook.layout``)
 
     def build(self, hook: Any, backend: CommBackend) -> CompressedAllreduce:
         return CompressedAllreduce(hook.compressor, backend, hook.error_feedback,
                                    _exchange(hook._flat_exchange(backend), hook), hook.mode.target, hook.cfg.max_age)
 
     def exchange_name(self, hook: Any) -> str:
-        """The scheme over the slow link: the hook's flat one (``flat_exchange_name``)."""
         return hook.flat_exchange_name
 
     def scheme(self, hook: Any) -> str:
-        """The start-up line's words for a ZeRO 1-3 hook's exchange (``flat_scheme``)."""
         return hook.flat_scheme
 
     # -- local steps (engine/local_steps.py, local_nodes.py) --------------------------------------------
     def workers(self, hook: Any) -> int:
-        """DiLoCo's workers: the data-parallel ranks."""
         return hook.where()[1]
 
     def announce(self, local_steps: int) -> None:
-        """Nothing beyond the start-up line."""
+        pass
 
     def between_syncs(self, hook: Any) -> None:
-        """Between syncs each rank steps on its own gradients: nothing to reduce."""
+        pass
 
     def outer_dense_bytes(self, numel: int, itemsize: int, world: int) -> int:
-        """Bytes a rank sends in a dense outer step of ``numel`` elements: a ring allreduce over every rank."""
+        """Bytes a rank sends across the slow link in a dense outer step of ``numel`` elements: flat, a ring
+        allreduce over every rank."""
         return dense_allreduce_bytes(numel, itemsize, world)
 
     def per_worker(self, held: torch.Tensor) -> torch.Tensor:
-        """The outer residual ``held`` is this rank's own: unchanged."""
         return held
 
 
 class NodeAware(FlatLayout):
     """The node-aware pipeline (:class:`~ds_dragonn.hierarchy.NodeAllreduce` on ``layout``): dense inside the
-    node, the shard compressed across nodes with ``exchange``; each node is one worker (``engine/local_nodes.py``)."""
+    node, the shard compressed across nodes with ``exchange``; under local steps each node is one worker, its ranks
+    averaging their gradients between syncs (``engine/local_nodes.py``)."""
 
     def __init__(self, layout: NodeLayout):
         self.layout = layout
@@ -128,14 +127,12 @@ class NodeAware(FlatLayout):
         return NodeAllreduce(shard, build_backend(hook.cfg, node_group, node_comm), backend, layout)
 
     def exchange_name(self, hook: Any) -> str:
-        """``exchange``, across nodes."""
         return hook.cfg.exchange.value
 
     def scheme(self, hook: Any) -> str:
         return f"node-aware {hook.cfg.exchange.value} across nodes, {hook.node_scheme}"
 
     def workers(self, hook: Any) -> int:
-        """DiLoCo's workers: the nodes."""
         return self.layout.nodes
 
     def announce(self, local_steps: int) -> None:

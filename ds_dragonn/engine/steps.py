@@ -40,12 +40,7 @@ def may_skip_steps(engine: Any) -> bool:
         return True
     bf16 = bool(getattr(engine, "bfloat16_enabled", lambda: False)())
     stage = getattr(engine, "zero_optimization_stage", lambda: 0)()
-    return _SKIPS.get(stage, _skips_zero0)(engine, bf16)
-
-
-def _skips_zero0(engine: Any, bf16: bool) -> bool:
-    """ZeRO 0 (and any stage DeepSpeed 0.19.8 does not have): bf16 skips, fp32 never."""
-    return bf16
+    return _SKIPS.get(stage, lambda engine, bf16: bf16)(engine, bf16)  # ZeRO 0: bf16 skips, fp32 never
 
 
 def _skips_zero12(engine: Any, bf16: bool) -> bool:
@@ -56,7 +51,7 @@ def _skips_zero12(engine: Any, bf16: bool) -> bool:
 
 
 #: whether a ZeRO stage's optimizer may skip a step (fp16 and ``BF16_Optimizer`` aside): (engine, bf16) -> bool
-_SKIPS = {0: _skips_zero0, 1: _skips_zero12, 2: _skips_zero12, 3: lambda engine, bf16: True}
+_SKIPS = {1: _skips_zero12, 2: _skips_zero12, 3: lambda engine, bf16: True}
 
 
 def step_transaction(engine: Any, exact: Optional[bool]) -> bool:
