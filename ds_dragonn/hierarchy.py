@@ -59,7 +59,6 @@ class NodeAllreduce:
         self.cross, self.node, self.backend, self.layout = cross, node, full, layout
         self.exchange = cross.exchange
         self.error_feedback = cross.error_feedback
-        self.momentum = cross.momentum
         self.compressor = cross.compressor
         self._agreed: set = set()
 

@@ -139,6 +139,22 @@ class PhaseClock:
         return ms
 
 
+class Gradients:
+    """What ``compress: gradient`` compresses: the gradients themselves. The momentum mode's
+    :class:`~ds_dragonn.momentum.LocalMomentum` has the same :meth:`update`, which folds them into the local
+    momentum and returns that instead."""
+
+    @staticmethod
+    def update(key: Hashable, tensors: Sequence[torch.Tensor], dtype: torch.dtype, prescale: float = 1.0,
+               zero_inputs: bool = False) -> tuple:
+        """``(tensors, prescale)`` unchanged (nothing is kept; ``zero_inputs`` is left to the compensation)."""
+        return tensors, prescale
+
+
+#: the gradient mode's :class:`Gradients` (stateless: one for every pipeline)
+GRADIENTS = Gradients()
+
+
 class CompressedAllreduce:
     """Sparse allreduce of flattened buckets with error feedback.
 
@@ -147,16 +163,17 @@ class CompressedAllreduce:
         backend: collective transport for the data-parallel group.
         error_feedback: residual store (``ErrorFeedback(enabled=False)`` to drop what is not sent).
         exchange: the exchange scheme over ``backend`` (default :class:`~ds_dragonn.exchange.AllgatherExchange`).
-        momentum: compress each rank's local momentum instead of its gradient (``compress: momentum``):
-            every reduction first folds the gradients into it (:class:`~ds_dragonn.momentum.LocalMomentum`).
+        target: what the residual accumulates: :data:`GRADIENTS` (``compress: gradient``), or each rank's local
+            momentum (``compress: momentum``, a :class:`~ds_dragonn.momentum.LocalMomentum`), into which every
+            reduction first folds the gradients.
         max_age: the age bound in steps (``advanced.max_age``; 0: none): each reduction given an ``age_step``
             also sends that step's block of the bucket whole (``compress/age_bound.py``).
     """
 
     def __init__(self, compressor: Compressor, backend: CommBackend, error_feedback: ErrorFeedback,
-                 exchange: Exchange | None = None, momentum: LocalMomentum | None = None, max_age: int = 0):
+                 exchange: Exchange | None = None, target: LocalMomentum | Gradients = GRADIENTS, max_age: int = 0):
         self.compressor, self.backend = compressor, backend
-        self.error_feedback, self.momentum = error_feedback, momentum
+        self.error_feedback, self.target = error_feedback, target
         self.max_age = int(max_age)
         self.exchange = exchange if exchange is not None else AllgatherExchange(backend)
         self.decoder = SparseDecoder()
@@ -202,8 +219,8 @@ class CompressedAllreduce:
 
         clock = PhaseClock(device)
         inputs = tensors
-        if self.momentum is not None:  # the residual accumulates the local momentum, not the gradient
-            tensors, prescale = self.momentum.update(key, tensors, dtype, prescale, zero_inputs=into_inputs)
+        # the residual accumulates what is compressed: the gradient, or the local momentum (which zeroes the inputs)
+        tensors, prescale = self.target.update(key, tensors, dtype, prescale, zero_inputs=into_inputs)
         zero = into_inputs and bool(tensors) and tensors[0] is inputs[0]  # (else the momentum's update zeroed them)
         compensated = self.error_feedback.compensate_(key, tensors, dtype, prescale, zero_inputs=zero)
         compensate_ms = clock.lap()
@@ -281,8 +298,7 @@ class CompressedAllreduce:
         """
         tensors = list(tensors)
         dtype = dtype or tensors[0].dtype
-        if self.momentum is not None and not raw:
-            tensors, prescale = self.momentum.update(key, tensors, dtype, prescale)
+        tensors, prescale = (GRADIENTS if raw else self.target).update(key, tensors, dtype, prescale)
         compensated = self.error_feedback.compensate_(key, tensors, dtype, prescale)
         # (before the owners' server residual joins it: the exchange undoes that part itself)
         before = compensated.clone() if flush and self.error_feedback.undo_sent else None
@@ -345,4 +361,4 @@ def _imbalance(owner_pairs) -> float:
     return max(owner_pairs) * len(owner_pairs) / total if total else 0.0
 
 
-__all__ = ["CompressedAllreduce", "PhaseClock", "ReduceStats", "Reduced"]
+__all__ = ["CompressedAllreduce", "GRADIENTS", "Gradients", "PhaseClock", "ReduceStats", "Reduced"]

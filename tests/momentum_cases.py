@@ -105,7 +105,7 @@ def pipeline_runs(rank: int, world: int, out_dir: str) -> None:
         ex = (PartitionedExchange(backend, DragonnCompressor(density, min_sample=64)) if exchange == "partitioned"
               else AllgatherExchange(backend))
         ef, mom = ErrorFeedback(True), LocalMomentum(BETA)
-        pipe = CompressedAllreduce(comp, backend, ef, ex, momentum=mom)
+        pipe = CompressedAllreduce(comp, backend, ef, ex, target=mom)
         applied = []
         for step in range(PIPE_STEPS):
             for micro in range(2):  # ZeRO-2 style: a reduction per micro step, decoded sums add up

@@ -406,13 +406,13 @@ def test_a_refresh_step_holds_the_momentum_in_the_residual(transactional):
     for store in (hook.momentum, hook.error_feedback):
         store.end_step(True)
     m1, r1 = hook.momentum.momenta["b"].clone(), hook.error_feedback.residuals["b"].clone()
-    assert hook._refreshes(2) and not hook._refreshes(1) and not hook._refreshes(3)
+    assert hook.mode.refreshes(2) and not hook.mode.refreshes(1) and not hook.mode.refreshes(3)
     if transactional:  # a skipped refresh step: as before
-        hook._hold_momentum("b", [g2 * 3], torch.float64, 0.5)
+        hook.mode.hold(hook, "b", [g2 * 3], torch.float64, 0.5)
         for store in (hook.momentum, hook.error_feedback):
             store.end_step(False)
         assert torch.equal(hook.momentum.momenta["b"], m1) and torch.equal(hook.error_feedback.residuals["b"], r1)
-    hook._hold_momentum("b", [g2, g3[:0]], torch.float64, 0.5)
+    hook.mode.hold(hook, "b", [g2, g3[:0]], torch.float64, 0.5)
     for store in (hook.momentum, hook.error_feedback):
         store.end_step(True)
     m2 = 0.8 * m1 + 0.2 * 0.5 * g2
@@ -494,10 +494,10 @@ def test_no_refresh_without_the_optimizer_pre_hook():
     p = torch.nn.Parameter(torch.ones(3))
     hook = HookBase(fake_engine(optimizer=torch.optim.AdamW([p], lr=0.1)),
                     DragonnConfig(enabled=True, compress="momentum", warmup_steps=1, advanced={"variance_refresh_steps": 2}))
-    assert hook._refreshes(2)
+    assert hook.mode.refreshes(2)
     hook.variance_freeze.handle.remove()
     hook.variance_freeze.handle = None
-    assert not hook._refreshes(2)
+    assert not hook.mode.refreshes(2)
 
 
 def test_a_changed_refresh_setting_is_reported_on_load():
@@ -522,7 +522,7 @@ def test_the_momentum_decodes_into_the_gradients_bit_identically(dtype, micro, t
 
     def pipe():
         return CompressedAllreduce(DragonnCompressor(0.05), LocalBackend(), ErrorFeedback(True, transactional),
-                                   momentum=LocalMomentum(0.9, transactional))
+                                   target=LocalMomentum(0.9, transactional))
 
     a, b = pipe(), pipe()
     gen = torch.Generator().manual_seed(micro)
@@ -538,6 +538,6 @@ def test_the_momentum_decodes_into_the_gradients_bit_identically(dtype, micro, t
             assert torch.equal(torch.cat([t.flatten() for t in into]), out)
         for p in (a, b):
             p.error_feedback.end_step(True)
-            p.momentum.end_step(True)
-    assert torch.equal(a.momentum.momenta["b"], b.momentum.momenta["b"])
+            p.target.end_step(True)
+    assert torch.equal(a.target.momenta["b"], b.target.momenta["b"])
     assert torch.equal(a.error_feedback.residuals["b"], b.error_feedback.residuals["b"])

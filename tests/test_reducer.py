@@ -135,7 +135,7 @@ def test_momentum_mode_sends_the_momentum_from_every_bucket_and_arms_the_varianc
 def test_a_variance_refresh_holds_the_momentum_and_reduces_the_raw_gradient():
     hook = _hook(warmup_steps=1, compress="momentum", advanced={"variance_refresh_steps": 2})
     hook.engine.global_steps = 2
-    assert hook._refreshes(2)
+    assert hook.mode.refreshes(2)
     assert hook.reducer.reduce((torch.ones(8), "a")) == "deepspeed"
     assert hook.events == ["describe", "momentum_input", "dense"] and hook.fake.calls == []
     assert "a" in hook.pending and hook.variance_freeze.armed

@@ -19,7 +19,7 @@ from deepspeed.utils.logging import print_dist
 from ..comm import build_backend
 from ..comm.base import CommBackend
 from ..compress import build_compressor
-from ..config import CompressTarget, DragonnConfig
+from ..config import DragonnConfig
 from ..exchange import Exchange, build_exchange
 from ..exchange.reduce_scatter import ReduceScatterExchange
 from ..feedback import ErrorFeedback
@@ -29,11 +29,10 @@ from ..plan import resolve_defaults
 from ..policy import AutoPolicy
 from ..schedule import DensitySchedule
 from ..telemetry import Telemetry
-from .adam import adam_beta1
 from .checkpoint import install as install_checkpointing
 from .decision import BucketDecision
-from .follow import FollowsOptimizer
-from .pipelines import build_pipeline
+from .follow import MODES, FollowsOptimizer, GradientMode
+from .pipelines import FLAT, FlatLayout, build_pipeline
 from .reducer import BucketReducer
 from .hook_state import HookState
 from .variance import VarianceFreeze
@@ -48,8 +47,9 @@ class HookBase(FollowsOptimizer, HookState):
     Fields: the config (``cfg``); the compressor, error-feedback store and one pipeline per data-parallel
     group; the bucket decision (``decision``: auto policy, density schedule); the reporter (``reporter``:
     logs, monitor, :class:`Telemetry` totals); the step transaction (``steps``); the buckets whose residual
-    may hold unsent gradient (``pending``). The methods that follow the optimizer (online warm-up, momentum
-    mode) are :class:`~ds_dragonn.engine.follow.FollowsOptimizer`'s, the state methods
+    may hold unsent gradient (``pending``); the mode (``mode``: ``compress`` gradient or momentum,
+    :data:`~ds_dragonn.engine.follow.MODES`). The online warm-up is
+    :class:`~ds_dragonn.engine.follow.FollowsOptimizer`'s, the state methods
     :class:`~ds_dragonn.engine.hook_state.HookState`'s.
     """
 
@@ -57,12 +57,19 @@ class HookBase(FollowsOptimizer, HookState):
     hook_name = "base"
     #: whether ``hierarchy`` may resolve to the node-aware pipeline (engine/pipelines.py)
     supports_hierarchy = False
-    #: the node layout of the node-aware pipeline (None: flat), set when the first pipeline is built
+    #: flat or node-aware (``engine/pipelines.py``: :class:`FlatLayout` or :class:`NodeAware`), and the node
+    #: layout of the node-aware pipeline (None: flat); both set when the first pipeline is built
+    topology: FlatLayout = FLAT
     layout = None
 
     @property
     def exchange_name(self) -> str:
         """The exchange scheme this hook runs (``allgather``, ``partitioned`` or ``reduce_scatter``)."""
+        return self.topology.exchange_name(self)
+
+    @property
+    def flat_exchange_name(self) -> str:
+        """The scheme of the flat pipeline (:meth:`_flat_exchange`)."""
         return self.cfg.exchange.value
 
     def __init__(self, engine: Any, cfg: DragonnConfig):
@@ -88,16 +95,11 @@ class HookBase(FollowsOptimizer, HookState):
         self.pending: set = set()  # buckets whose residual may hold unsent gradient
         self._flushing: set = set()  # steps may be skipped: flushed in the open step (still pending if it is)
         self.notes: list = []  # what loading a state did beyond restoring it (also logged as warnings)
-        self.variance_freeze = None
-        self.momentum: Optional[LocalMomentum] = None  # compress: momentum (this rank's local momentum)
-        has_optimizer = engine is not None and hasattr(engine, "optimizer")
-        if cfg.compress == CompressTarget.momentum:
-            beta1 = adam_beta1(engine) if has_optimizer else None
-            self.momentum = LocalMomentum(0.9 if beta1 is None else beta1, transactional=self.transactional)
-            if has_optimizer:
-                schedule = self.decision.schedule
-                self.variance_freeze = VarianceFreeze(engine, schedule.warmup_steps, refresh=schedule.refresh,
-                                                      refresh_steps=schedule.refresh_steps)
+        # compress: gradient or momentum, chosen once (follow.py); the momentum mode's local momentum and variance
+        # freeze (None in the gradient mode) are the state's (state.py, checkpoint.py)
+        self.mode = MODES.get(cfg.compress, GradientMode)(engine, self.decision.schedule, self.transactional)
+        self.momentum: Optional[LocalMomentum] = self.mode.momentum
+        self.variance_freeze: Optional[VarianceFreeze] = self.mode.variance_freeze
 
     def install(self) -> "HookBase":
         """Patch DeepSpeed's reduction (:meth:`_patch`), carry the residuals in ``engine.save_checkpoint`` /
@@ -128,7 +130,12 @@ class HookBase(FollowsOptimizer, HookState):
 
     # -- pieces for the hook points ----------------------------------------------------------------
     def _build_exchange(self, backend: CommBackend) -> Exchange:
+        """``exchange`` over ``backend`` (the flat group, or the ranks of this local index across nodes)."""
         return build_exchange(self.cfg, backend, self.compressor, transactional=self.may_skip)
+
+    def _flat_exchange(self, backend: CommBackend) -> Exchange:
+        """The exchange of the flat pipeline over the whole data-parallel group."""
+        return self._build_exchange(backend)
 
     def _stores(self) -> list:
         """Everything whose state a skipped step must not change: the workers' store, each pipeline's
@@ -228,10 +235,11 @@ class HookBase(FollowsOptimizer, HookState):
 
 class ZeroPartitionHook(HookBase):
     """A ZeRO 1-3 hook's exchange: flat, the sparse reduce-scatter to ZeRO's partition owners, whatever
-    ``exchange`` says; node-aware (``layout`` set), ``exchange`` (allgather/partitioned) for the shard across
-    nodes, whose node sum then gives each owner its slices."""
+    ``exchange`` says; node-aware, ``exchange`` (allgather/partitioned) for the shard across nodes, whose node
+    sum then gives each owner its slices (``topology``: ``engine/pipelines.py``)."""
 
     supports_hierarchy = True  # engine/pipelines.py: owners take their slices of the node-aware result
+    flat_exchange_name = "reduce_scatter"
 
     def __init__(self, engine: Any, cfg: DragonnConfig):
         super().__init__(engine, cfg)
@@ -240,11 +248,8 @@ class ZeroPartitionHook(HookBase):
     def _dp_group(self) -> Any:
         return self.optimizer.dp_process_group
 
-    @property
-    def exchange_name(self) -> str:
-        return "reduce_scatter" if self.layout is None else self.cfg.exchange.value
+    def _scheme(self) -> str:
+        return self.topology.scheme(self)
 
-    def _build_exchange(self, backend: CommBackend) -> Exchange:
-        if self.layout is not None:
-            return super()._build_exchange(backend)
+    def _flat_exchange(self, backend: CommBackend) -> Exchange:
         return ReduceScatterExchange(backend)

@@ -1,75 +1,141 @@
 """The parts of a hook that follow the engine's optimizer: the online end of the dense warm-up
-(``"warmup_steps": "auto"`` without a readable scheduler) and the momentum mode's steps (the local momentum,
-the variance freeze and its refreshes). A mixin of :class:`~ds_dragonn.engine.base.HookBase`, which owns the
-fields it reads (``engine``, ``decision``, ``momentum``, ``variance_freeze``, ``error_feedback``,
-``warmup_tracker``, ``pending``).
+(``"warmup_steps": "auto"`` without a readable scheduler), a mixin of :class:`~ds_dragonn.engine.base.HookBase`,
+which owns the fields it reads (``engine``, ``decision``, ``mode``, ``variance_freeze``, ``warmup_tracker``);
+and the hook's mode, chosen once from ``compress`` (:data:`MODES`): :class:`GradientMode`, or
+:class:`MomentumMode` (the local momentum, the variance freeze and its refreshes).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Hashable, Optional
+from typing import Any, Callable, Hashable, Optional
 
 import torch
 from deepspeed.utils.logging import print_dist
 
+from ..config import CompressTarget
+from ..momentum import LocalMomentum
+from ..pipeline import GRADIENTS, CompressedAllreduce
 from ..schedule import UNDECIDED
 from .adam import adam_beta1, optimizer_lr
+from .variance import VarianceFreeze
 
-if TYPE_CHECKING:
-    from ..pipeline import CompressedAllreduce
+
+class GradientMode:
+    """``compress: gradient``: every reduction sends the gradients themselves; nothing is folded into a momentum,
+    held, frozen or refused. The hook's mode (``HookBase.mode``), chosen once from ``compress`` (:data:`MODES`);
+    :class:`MomentumMode` has the same methods, documented there."""
+
+    momentum = variance_freeze = None  # (the hook's ``momentum`` and ``variance_freeze``)
+    target = GRADIENTS  # what the pipelines compress
+
+    def __init__(self, engine: Any = None, schedule: Any = None, transactional: bool = False):
+        pass
+
+    def follow_beta(self, engine: Any) -> None:
+        pass
+
+    def refreshes(self, step: int) -> bool:
+        return False
+
+    def sends_momentum(self, step: int) -> bool:
+        return False
+
+    def track(self, pipeline: CompressedAllreduce, key: Hashable, dtype: torch.dtype, local: Callable) -> None:
+        pass
+
+    def refuse_unmodelled(self, step: int, what: str) -> None:
+        pass
+
+
+class MomentumMode(GradientMode):
+    """``compress: momentum``: the local momentum (:class:`~ds_dragonn.momentum.LocalMomentum`, following the
+    optimizer's β1), which the pipelines compress and every reduction after the dense warm-up sends, and Adam's
+    variance freeze (:class:`~ds_dragonn.engine.variance.VarianceFreeze`, None for an engine without an
+    optimizer) with its refreshes.
+
+    Args:
+        engine: the DeepSpeed engine (None in unit tests: β1 0.9, no freeze).
+        schedule: the hook's :class:`~ds_dragonn.schedule.DensitySchedule` (its warm-up and refreshes).
+        transactional: the momentum's updates are a step transaction (``steps.py``).
+    """
+
+    def __init__(self, engine: Any, schedule: Any, transactional: bool = False):
+        has_optimizer = engine is not None and hasattr(engine, "optimizer")
+        beta1 = adam_beta1(engine) if has_optimizer else None
+        self.momentum = self.target = LocalMomentum(0.9 if beta1 is None else beta1, transactional=transactional)
+        self.schedule = schedule
+        if has_optimizer:
+            self.variance_freeze = VarianceFreeze(engine, schedule.warmup_steps, refresh=schedule.refresh,
+                                                  refresh_steps=schedule.refresh_steps)
+
+    def follow_beta(self, engine: Any) -> None:
+        """The local momentum follows the optimizer's current β1 (a scheduler may cycle it, e.g. OneCycle)."""
+        beta1 = adam_beta1(engine) if hasattr(engine, "optimizer") else None
+        if beta1 is not None and 0.0 < beta1 < 1.0:
+            self.momentum.beta = beta1
+
+    def refreshes(self, step: int) -> bool:
+        """``step`` refreshes Adam's frozen variance (``schedule.refresh``): every bucket is reduced densely as
+        the raw gradient (:meth:`hold` first), whatever the decision."""
+        freeze = self.variance_freeze  # without its optimizer pre-hook nothing would zero the step's update
+        return freeze is not None and freeze.active and self.schedule.refresh(step)
+
+    def sends_momentum(self, step: int) -> bool:
+        """After the dense warm-up every reduction of ``step``, dense ones included, sends the local momentum
+        (the optimizer applies what arrives as the momentum itself): from now on Adam's variance may be frozen
+        (the freeze is armed)."""
+        sends = not self.schedule.dense(step)
+        if sends and self.variance_freeze is not None:
+            self.variance_freeze.arm()
+        return sends
+
+    def hold(self, hook: Any, key: Hashable, tensors, dtype: torch.dtype, prescale: float, pipeline=None) -> None:
+        """A variance-refresh step, before DeepSpeed's dense reduction of the raw gradients: fold them into the
+        local momentum and add this step's momentum to ``hook``'s residual, unsent (it goes out with later steps;
+        transactional like every residual update)."""
+        self.variance_freeze.arm()
+        skey, tensors, prescale = _shard_view(pipeline, key, tensors, prescale)
+        held, pre = self.momentum.update(skey, tensors, dtype, prescale)
+        hook.error_feedback.compensate_(skey, held, dtype, pre)
+        hook.pending.add(key)
+
+    def track(self, pipeline: CompressedAllreduce, key: Hashable, dtype: torch.dtype, local: Callable) -> None:
+        """The dense warm-up: fold the local gradients (``local()``: ``(tensors, prescale)``, built in this mode
+        only) into the local momentum (sent from the first compressed step on, so that it does not start from
+        zero)."""
+        tensors, prescale = local()
+        if tensors:
+            skey, tensors, prescale = _shard_view(pipeline, key, tensors, prescale)
+            self.momentum.update(skey, tensors, dtype, prescale)
+
+    def refuse_unmodelled(self, step: int, what: str) -> None:
+        """After the warm-up the momentum of ``what`` (gradients DeepSpeed's dense path reduces) would be lost.
+
+        Raises:
+            RuntimeError: ``step`` is past the dense warm-up.
+        """
+        if not self.schedule.dense(step):
+            raise RuntimeError(f"'dragonn.compress': 'momentum' cannot carry the momentum of {what}; use "
+                               f"'compress': 'gradient'")
+
+
+#: the hook's mode per resolved ``compress`` (``auto``, unresolved: the gradient)
+MODES = {CompressTarget.gradient: GradientMode, CompressTarget.momentum: MomentumMode}
 
 
 class FollowsOptimizer:
     """The optimizer-following methods of :class:`~ds_dragonn.engine.base.HookBase` (module docstring)."""
 
-    def _sends_momentum(self, step: int) -> bool:
-        """Momentum mode after the dense warm-up: every reduction of this step, dense ones included, sends
-        the local momentum (the optimizer applies what arrives as the momentum itself). No side effect: the
-        reducer arms the variance freeze (``engine/reducer.py``)."""
-        return self.momentum is not None and not self.decision.schedule.dense(step)
-
-    def _refreshes(self, step: int) -> bool:
-        """Momentum mode: ``step`` refreshes Adam's frozen variance (``schedule.refresh``): every bucket is
-        reduced densely as the raw gradient (:meth:`_hold_momentum` first), whatever the decision."""
-        freeze = self.variance_freeze  # without its optimizer pre-hook nothing would zero the step's update
-        return freeze is not None and freeze.active and self.momentum is not None and self.decision.schedule.refresh(step)
-
-    def _hold_momentum(self, key: Hashable, tensors, dtype: torch.dtype, prescale: float, pipeline=None) -> None:
-        """A variance-refresh step, before DeepSpeed's dense reduction of the raw gradients: fold them into the
-        local momentum and add this step's momentum to the residual, unsent (it goes out with later steps;
-        transactional like every residual update)."""
-        self.variance_freeze.arm()
-        skey, tensors, prescale = _shard_view(pipeline, key, tensors, prescale)
-        held, pre = self.momentum.update(skey, tensors, dtype, prescale)
-        self.error_feedback.compensate_(skey, held, dtype, pre)
-        self.pending.add(key)
-
     def _follow_optimizer(self) -> None:
         """At the start of every reduction: ``"warmup_steps": "auto"`` without a readable scheduler decides
-        the end of the dense warm-up from this step's learning rate (``LrWarmupTracker``). Momentum mode: the
-        local momentum follows the optimizer's current β1 (a scheduler may cycle it, e.g. OneCycle)."""
+        the end of the dense warm-up from this step's learning rate (``LrWarmupTracker``); the mode follows the
+        optimizer's β1 (:meth:`MomentumMode.follow_beta`)."""
         tracker = self.warmup_tracker
         if tracker is not None and tracker.end is None:
             lr = optimizer_lr(self.engine) if hasattr(self.engine, "optimizer") else None
             skipped = int(getattr(self.engine, "skipped_steps", 0) or 0)
             if tracker.observe(int(self.engine.global_steps), lr, skipped) is not None:
                 self._end_warmup(tracker.end, log=True)
-        if self.momentum is None:
-            return
-        beta1 = adam_beta1(self.engine) if hasattr(self.engine, "optimizer") else None
-        if beta1 is not None and 0.0 < beta1 < 1.0:
-            self.momentum.beta = beta1
-
-    def _track_momentum(self, pipeline: "CompressedAllreduce", key: Hashable, dtype: torch.dtype,
-                        local: Callable[[], tuple]) -> None:
-        """Momentum mode, dense warm-up: fold the local gradients (``local()``: ``(tensors, prescale)``, built
-        in this mode only) into the local momentum (sent from the first compressed step on, so that it does
-        not start from zero)."""
-        if self.momentum is None:
-            return
-        tensors, prescale = local()
-        if tensors:
-            skey, tensors, prescale = _shard_view(pipeline, key, tensors, prescale)
-            self.momentum.update(skey, tensors, dtype, prescale)
+        self.mode.follow_beta(self.engine)
 
     #: whether ``"warmup_steps": "auto"`` may follow the learning rate online (else: the scheduler or 30)
     follows_lr = True

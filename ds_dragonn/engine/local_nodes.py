@@ -62,14 +62,6 @@ def node_average_(grads: Sequence[torch.Tensor], node: CommBackend, average: boo
     return sent
 
 
-def outer_dense_bytes(numel: int, itemsize: int, world: int, layout: Any) -> int:
-    """Bytes a rank sends across the slow link in a dense outer step of ``numel`` elements: flat, a ring allreduce
-    over every rank; node-aware (``layout``), its shard's over the N ranks of its local index."""
-    if layout is None:
-        return dense_allreduce_bytes(numel, itemsize, world)
-    return dense_allreduce_bytes(-(-numel // layout.ranks_per_node), itemsize, layout.nodes)
-
-
 def describe(layout: NodeLayout, local_steps: int) -> str:
     """The start-up line's words for the hybrid."""
     return (f"DRAGONN local steps on {layout}: each node is one DiLoCo worker: dense gradient allreduce inside the "
@@ -77,4 +69,4 @@ def describe(layout: NodeLayout, local_steps: int) -> str:
             f"nodes every {local_steps} steps")
 
 
-__all__ = ["describe", "node_average_", "node_gradients", "outer_dense_bytes"]
+__all__ = ["describe", "node_average_", "node_gradients"]

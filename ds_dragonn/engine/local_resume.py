@@ -88,8 +88,7 @@ def restart_from_outer(hook: Any, saved_worlds: List[Optional[int]], moved: Opti
     from_rank0_(info, backend)
     old = "/".join(str(w) for w in sorted(saved))
     since = (f"at world size {world} from a checkpoint of world size {old}" if saved != {world}
-             else f"from a checkpoint of another node layout [{moved}]" if moved.startswith("hierarchy ")
-            else f"from a checkpoint of another setting [{moved}]")
+             else f"from a checkpoint of another node layout [{moved}]")
     if hook.cfg.outer_lr == "auto":  # √(workers) of this run, which may differ from the saved run's
         since += f" (outer_lr auto: {hook.outer_lr:.4g})"
     if not info[0]:

@@ -42,7 +42,6 @@ from .base import HookBase
 from .bucket import OUTER, BucketKey, bucket_seed
 from .checkpoint import install as install_checkpointing
 from .local_norms import install_local_norms
-from .local_nodes import describe as describe_nodes, node_average_, node_gradients, outer_dense_bytes
 from .local_resume import keep_outer, load_replica, replica_state, restart_from_outer
 from .local_weights import (copy_rank0_, holds_in_weights, kept_in_weights, masters_of, masters_to_model,
                             shapes_digest, subtract_)
@@ -98,8 +97,7 @@ class LocalStepsHook(HookBase):
         print_dist(f"DRAGONN enabled ({self.hook_name}): {cfg.warmup_steps} dense warm-up steps, then an outer "
                    f"step every {cfg.local_steps} optimizer steps (outer_lr={lr}); the "
                    f"pseudo-gradient goes out {sent}; comm_backend={cfg.comm_backend.value}", ranks=[0])
-        if self.layout is not None:
-            print_dist(describe_nodes(self.layout, cfg.local_steps), ranks=[0])
+        self.topology.announce(cfg.local_steps)
         ignored = cfg.given(*IGNORED_KEYS)
         if ignored:
             from deepspeed.utils import logger
@@ -110,7 +108,7 @@ class LocalStepsHook(HookBase):
     @property
     def workers(self) -> int:
         """DiLoCo's workers: the nodes when node-aware (known after :meth:`install`), else the data-parallel ranks."""
-        return self.layout.nodes if self.layout is not None else self.where()[1]
+        return self.topology.workers(self)
 
     @property
     def outer_lr(self) -> float:
@@ -142,11 +140,7 @@ class LocalStepsHook(HookBase):
                 self.reporter.dense(numel, itemsize, world, clock.lap())
                 return out
             return self._dense_allreduce_gradients(*args, **kwargs)
-        if self.layout is not None and self.engine.is_gradient_accumulation_boundary():
-            clock = PhaseClock(self.engine.device)
-            sent = node_average_(node_gradients(self.engine.module), self.pipeline(self.group).node,
-                                 average=bool(getattr(self.engine, "gradient_average", True)))
-            self.reporter.node_average(sent, clock.lap())
+        self.topology.between_syncs(self)  # node-aware: the node's average (engine/pipelines.py NodeAware)
         return None
 
     def step(self, *args, **kwargs):
@@ -197,11 +191,11 @@ class LocalStepsHook(HookBase):
         key = BucketKey(OUTER, 0, str(dtype), numel, shapes_digest(masters))
         device = masters[0].device
         # this round started from θ_outer − residual: Δ counts only this round's progress
-        subtract_(deltas, kept_in_weights(pipeline, key, numel, device, self.layout) if self.held else None)
+        subtract_(deltas, kept_in_weights(pipeline, key, numel, device, self.topology) if self.held else None)
         stats = None
         if self.cfg.density >= 1.0:
             out = pipeline.reduce_dense(deltas, key, 1.0, 1.0 / world, dtype)
-            sent = outer_dense_bytes(numel, dtype.itemsize, world, self.layout)
+            sent = self.topology.outer_dense_bytes(numel, dtype.itemsize, world)
         else:
             self.compressor.density = self.cfg.density
             out, stats = pipeline.reduce(deltas, key, bucket_seed(SEED, steps, 0), 1.0, 1.0 / world, dtype,
@@ -210,7 +204,7 @@ class LocalStepsHook(HookBase):
         self.outer.apply_(segment_views(out, deltas))
         self.outer.restart_(masters)
         holds = holds_in_weights(self.cfg, self.error_feedback.enabled)
-        kept = kept_in_weights(pipeline, key, numel, device, self.layout) if holds else None
+        kept = kept_in_weights(pipeline, key, numel, device, self.topology) if holds else None
         subtract_(masters, kept)  # the unsent Δ stays in this rank's weights (error reset, CSER)
         self.held = kept is not None
         self._masters_to_model()

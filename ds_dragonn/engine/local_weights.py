@@ -69,14 +69,12 @@ def holds_in_weights(cfg: Any, error_feedback_enabled: bool) -> bool:
     return cfg.density < 1.0 and error_feedback_enabled
 
 
-def kept_in_weights(pipeline: Any, key: Any, numel: int, device: Any, layout: Any) -> Optional[torch.Tensor]:
+def kept_in_weights(pipeline: Any, key: Any, numel: int, device: Any, topology: Any) -> Optional[torch.Tensor]:
     """What this rank's (node's) weights hold back of the pseudo-gradient: the outer residual, (numel,) float32,
-    divided by the L ranks of a node whose sum it holds (``layout``: the node layout, None when flat); None before
-    the first compressed round."""
+    per worker (``topology.per_worker``: node-aware, divided by the L ranks of a node whose sum it holds); None
+    before the first compressed round."""
     held = pipeline.residual_of(key, numel, device)
-    if held is not None and layout is not None:  # the node's L identical Δ were summed into it
-        held = held / layout.ranks_per_node
-    return held
+    return None if held is None else topology.per_worker(held)
 
 
 @torch.no_grad()

@@ -118,18 +118,16 @@ class BucketReducer:
 
         # 2. Refresh (momentum mode): the raw gradient, densely, refreshes Adam's variance; the step's
         #    momentum is held in the residual, unsent.
-        if hook._refreshes(step):
+        if hook.mode.refreshes(step):
             clock = PhaseClock(b.device)  # fixed: the policy does not record it
             tensors, prescale = hook.momentum_input(b)
-            hook._hold_momentum(b.key, tensors, b.dtype, prescale, b.pipeline)
+            hook.mode.hold(hook, b.key, tensors, b.dtype, prescale, b.pipeline)
             return self._dense_done(b, hook.dense(b), clock, fixed=True)
 
         # 3. Choose dense or compressed. Momentum mode after the warm-up: every bucket of this step, dense
-        #    ones too, sends the momentum, so from now on Adam's variance may be frozen.
+        #    ones too, sends the momentum, so from now on Adam's variance may be frozen (the mode arms it).
         dense, fixed = hook.decision.choose(b.key, b.numel, step, b.pipeline, b.dtype, b.bytes_if_dense)
-        sends_momentum = hook._sends_momentum(step)
-        if sends_momentum and hook.variance_freeze is not None:
-            hook.variance_freeze.arm()
+        sends_momentum = hook.mode.sends_momentum(step)
         flush = dense and (b.key in hook.pending or sends_momentum)
         # timed on the device (a CUDA sync) only where the auto policy records this reduction's time
         timed = hook.decision.times(b.key, step, dense=dense) and not (dense and fixed)
@@ -137,7 +135,7 @@ class BucketReducer:
 
         # 4. Dense: DeepSpeed's own path (the momentum mode's warm-up folds the gradients into the momentum).
         if dense and not flush:
-            hook._track_momentum(b.pipeline, b.key, b.dtype, lambda: hook.momentum_input(b))
+            hook.mode.track(b.pipeline, b.key, b.dtype, lambda: hook.momentum_input(b))
             return self._dense_done(b, hook.dense(b), clock, fixed)
         send = hook.prepare(b, step)
         if send is None:  # the adapter had DeepSpeed reduce what it does not model

@@ -84,6 +84,8 @@ class _Prepared(NamedTuple):
 class Stage3Hook(ZeroPartitionHook):
     """ZeRO stage 3: compresses ``__avg_scatter_grads`` with a sparse reduce-scatter (module docstring)."""
 
+    flat_scheme = "reduce_scatter (ZeRO-3 partitions)"
+    node_scheme = "each rank its chunks"
     hook_name = "ZeRO stage 3 reduce-scatter"
 
     def __init__(self, engine: Any, cfg):
@@ -94,9 +96,6 @@ class Stage3Hook(ZeroPartitionHook):
     def _patch(self) -> None:
         setattr(self.optimizer, HOOKED, self.avg_scatter_grads)
 
-    def _scheme(self) -> str:
-        return ("reduce_scatter (ZeRO-3 partitions)" if self.layout is None else
-                f"node-aware {self.cfg.exchange.value} across nodes, each rank its chunks")
 
     def avg_scatter_grads(self, params: List[Any], communication_data_type: torch.dtype) -> List[torch.Tensor]:
         """Drop-in for DeepSpeed's ``__avg_scatter_grads``: this rank's chunk of each parameter's averaged
@@ -105,9 +104,8 @@ class Stage3Hook(ZeroPartitionHook):
         opt = self.optimizer
         group = opt._get_param_partition_group(params[0])
         if dist.get_world_size(group) != dist.get_world_size(opt.dp_process_group):
-            if self.momentum is not None and not self.decision.schedule.dense(int(self.engine.global_steps)):
-                raise RuntimeError("'dragonn.compress': 'momentum' cannot carry the momentum of gradients reduced "
-                                   "outside the data-parallel group (MoE experts); use 'compress': 'gradient'")
+            self.mode.refuse_unmodelled(int(self.engine.global_steps),
+                                        "gradients reduced outside the data-parallel group (MoE experts)")
             return self._dense(params, communication_data_type)  # MoE expert groups: dense
         return self.reducer.reduce((params, communication_data_type))
 

@@ -55,6 +55,8 @@ class _Call(NamedTuple):
 class Stage12Hook(ZeroPartitionHook):
     """ZeRO stage 1/2: compresses ``DeepSpeedZeroOptimizer.average_tensor`` with a sparse reduce-scatter."""
 
+    flat_scheme = "reduce_scatter (ZeRO partitions)"
+    node_scheme = "ZeRO partitions from the node's sum"
     hook_name = "ZeRO stage 1/2 reduce-scatter"
 
     def __init__(self, engine: Any, cfg):
@@ -64,9 +66,6 @@ class Stage12Hook(ZeroPartitionHook):
     def _patch(self) -> None:
         self.optimizer.average_tensor = self.average_tensor
 
-    def _scheme(self) -> str:
-        return ("reduce_scatter (ZeRO partitions)" if self.layout is None else
-                f"node-aware {self.cfg.exchange.value} across nodes, ZeRO partitions from the node's sum")
 
     # -- the hook -----------------------------------------------------------------------------------
     def average_tensor(self, tensor: torch.Tensor, communication_data_type: torch.dtype):
@@ -100,10 +99,8 @@ class Stage12Hook(ZeroPartitionHook):
         calls = self._record_reductions(tensor, dt)
         mine, ranges, other = self._owners(tensor, calls, b.pipeline.backend.rank)
         if other:
-            if self.momentum is not None and not self.decision.schedule.dense(step):
-                raise RuntimeError("'dragonn.compress': 'momentum' cannot carry the momentum of gradient slices "
-                                   "reduced outside the data-parallel group or owned by several ranks (MoE "
-                                   "experts, Muon); use 'compress': 'gradient'")
+            self.mode.refuse_unmodelled(step, "gradient slices reduced outside the data-parallel group or owned by "
+                                              "several ranks (MoE experts, Muon)")
             for call in calls:
                 getattr(self.optimizer, call.method)(*call.args, **call.kwargs)
             return None

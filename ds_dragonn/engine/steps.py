@@ -38,15 +38,20 @@ def may_skip_steps(engine: Any) -> bool:
         return True
     if type(getattr(engine, "optimizer", None)).__name__ == "BF16_Optimizer":
         return True
-    bf16 = getattr(engine, "bfloat16_enabled", lambda: False)()
+    bf16 = bool(getattr(engine, "bfloat16_enabled", lambda: False)())
     stage = getattr(engine, "zero_optimization_stage", lambda: 0)()
-    if stage == 3:
-        return True
-    if stage not in (1, 2):
-        return bool(bf16)
+    return _SKIPS.get(stage, lambda engine, bf16: bf16)(engine, bf16)  # ZeRO 0: bf16 skips, fp32 never
+
+
+def _skips_zero12(engine: Any, bf16: bool) -> bool:
+    """ZeRO 1/2: bf16 with ``bf16.check_grad_overflow``, fp32 with ``zero_optimization.compute_grad_norm``."""
     if bf16:
         return bool(getattr(getattr(engine._config, "bfloat16_config", None), "check_grad_overflow", True))
     return bool(getattr(getattr(engine._config, "zero_config", None), "compute_grad_norm", True))
+
+
+#: whether a ZeRO stage's optimizer may skip a step (fp16 and ``BF16_Optimizer`` aside): (engine, bf16) -> bool
+_SKIPS = {1: _skips_zero12, 2: _skips_zero12, 3: lambda engine, bf16: True}
 
 
 def step_transaction(engine: Any, exact: Optional[bool]) -> bool:
