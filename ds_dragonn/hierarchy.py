@@ -32,6 +32,7 @@ import torch
 from .comm.base import CommBackend
 from .comm.topology import NodeLayout
 from .exchange import check_buffer_agreement
+from .exchange.quantize import PLAIN, ValueCodec
 from .exchange.wire import dense_allreduce_bytes
 from .pipeline import CompressedAllreduce, PhaseClock, Reduced
 
@@ -137,7 +138,7 @@ class NodeAllreduce:
         self.cross.release(shard_key(key, self.layout, -(-key.numel // self.layout.ranks_per_node)))
 
     def reduce_dense(self, tensors: Sequence[torch.Tensor], key: Hashable, prescale: float = 1.0,
-                     postscale: float = 1.0, dtype: torch.dtype | None = None, codec=None,
+                     postscale: float = 1.0, dtype: torch.dtype | None = None, codec: ValueCodec = PLAIN,
                      raw: bool = False, flush: bool = False) -> torch.Tensor:
         """A dense reduction that also empties the shard's residual (the flat pipeline's ``reduce_dense``, per
         shard): the node's sum, then the shard plus its residual across nodes, gathered inside the node.

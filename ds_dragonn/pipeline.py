@@ -33,7 +33,7 @@ from .compress.base import Compressor, Selection
 from . import sparse_ops
 from .decode import SparseDecoder
 from .exchange import AllgatherExchange, Exchange, check_buffer_agreement, to_wire
-from .exchange.dense_quantized import quantized_allreduce
+from .exchange.quantize import PLAIN, ValueCodec
 from .feedback import ErrorFeedback
 from .momentum import LocalMomentum
 
@@ -274,7 +274,7 @@ class CompressedAllreduce:
         self.error_feedback.release(key)
 
     def reduce_dense(self, tensors: Sequence[torch.Tensor], key: Hashable, prescale: float = 1.0,
-                     postscale: float = 1.0, dtype: torch.dtype | None = None, codec=None,
+                     postscale: float = 1.0, dtype: torch.dtype | None = None, codec: ValueCodec = PLAIN,
                      raw: bool = False, flush: bool = False) -> torch.Tensor:
         """Dense allreduce of ``residual + prescale × gradients``, which empties the residual (flush).
 
@@ -286,10 +286,11 @@ class CompressedAllreduce:
         In the momentum mode every dense reduction after the warm-up runs here: the gradients are folded
         into the local momentum first, and the residual plus that momentum is sent.
 
-        ``codec``: a quantized :class:`~ds_dragonn.exchange.quantize.ValueCodec` (``advanced.dense_values``):
-        the sum travels as int8/int4 codes (``exchange/dense_quantized.py``) and their rounding stays in the
-        residual. ``raw``: reduce the gradients themselves even in the momentum mode (the dense warm-up and
-        the variance refreshes; ``key`` then names a residual of its own, which holds only that rounding).
+        ``codec``: how the sum's values travel (:class:`~ds_dragonn.exchange.quantize.ValueCodec`): the
+        communication dtype, or int8/int4 codes (``advanced.dense_values``, ``exchange/dense_quantized.py``);
+        their rounding stays in the residual. ``raw``: reduce the gradients themselves even in the momentum
+        mode (the dense warm-up and the variance refreshes; ``key`` then names a residual of its own, which holds
+        only that rounding).
         ``flush``: the residual held unsent gradient (a compressed bucket going dense); where a skipped step
         returns what it sent (``ErrorFeedback.undo_sent``), what this sends is logged (n values, this step only).
 
@@ -303,41 +304,13 @@ class CompressedAllreduce:
         # (before the owners' server residual joins it: the exchange undoes that part itself)
         before = compensated.clone() if flush and self.error_feedback.undo_sent else None
         self.exchange.flush_into(key, compensated)
-        if codec is not None and codec.quantized:
-            out = self._reduce_quantized(key, compensated, postscale, dtype, codec)
-        else:
-            out = self._reduce_plain(key, compensated, postscale, dtype)
-        if before is not None:  # what left the residual: added back if DeepSpeed skips the step
-            self.error_feedback.sent_log.add(key, None, before.sub_(compensated))
-        return out
-
-    def _reduce_plain(self, key: Hashable, compensated: torch.Tensor, postscale: float,
-                      dtype: torch.dtype) -> torch.Tensor:
-        """:meth:`reduce_dense`'s sum in the communication dtype; its rounding stays in the residual."""
-        wire = to_wire(compensated, dtype)
-        if wire.data_ptr() == compensated.data_ptr():  # same dtype: reduce a copy, the residual stays
-            wire = wire.clone()
+        out = codec.allreduce_(compensated, self.backend, dtype, keep=self.error_feedback.enabled)
         if self.error_feedback.enabled:
-            compensated.sub_(wire.to(compensated.dtype))
             self.error_feedback.clear_non_finite(key)
-        self.backend.all_reduce_sum_(wire)
-        if postscale != 1.0:
-            wire.mul_(postscale)
-        return wire
-
-    def _reduce_quantized(self, key: Hashable, compensated: torch.Tensor, postscale: float, dtype: torch.dtype,
-                          codec) -> torch.Tensor:
-        """:meth:`reduce_dense`'s quantized sum; both roundings (this rank's and, as an owner, the sum's) stay
-        in the residual."""
-        red = quantized_allreduce(compensated, self.backend, codec)
-        if self.error_feedback.enabled:
-            compensated.sub_(red.sent.to(compensated.dtype))
-            s, e = red.owned
-            compensated[s:e].add_(red.owner_rounding.to(compensated.dtype))
-            self.error_feedback.clear_non_finite(key)
-        out = to_wire(red.out, dtype)
         if postscale != 1.0:
             out.mul_(postscale)
+        if before is not None:  # what left the residual: added back if DeepSpeed skips the step
+            self.error_feedback.sent_log.add(key, None, before.sub_(compensated))
         return out
 
     def residual_of(self, key: Hashable, numel: int, device: torch.device | None = None) -> torch.Tensor | None:

@@ -45,7 +45,7 @@ def dq_cases(rank: int, world: int, out_dir: str) -> None:
     init_distributed()
     from ds_dragonn.comm.torch_backend import TorchCommBackend
     from launch.bench.baselines import TopKCompressor
-    from ds_dragonn.exchange import ValueCodec
+    from ds_dragonn.exchange import value_codec
     from ds_dragonn.exchange.dense_quantized import quantized_allreduce
     from ds_dragonn.feedback import ErrorFeedback
     from ds_dragonn.pipeline import CompressedAllreduce
@@ -53,7 +53,7 @@ def dq_cases(rank: int, world: int, out_dir: str) -> None:
     backend = TorchCommBackend()
     results = []
     for i, case in enumerate(DQ_CASES):
-        codec = ValueCodec(case["values"])
+        codec = value_codec(case["values"])
         ef = ErrorFeedback(True)
         pipe = CompressedAllreduce(TopKCompressor(0.1), backend, ef)
         steps = []
@@ -70,7 +70,7 @@ def dq_cases(rank: int, world: int, out_dir: str) -> None:
     if rank == 0:
         x[130] = float("nan")
     nan_out = CompressedAllreduce(TopKCompressor(0.1), backend, ef).reduce_dense([x], "n", 1.0, 1.0, torch.float32,
-                                                                                ValueCodec("int8"), raw=True)
+                                                                                value_codec("int8"), raw=True)
     engines = {}
     for name, cfg in DQ_ENGINE_RUNS.items():
         engine, hook = train_mlp(cfg, rank, (40, 30, 10), DQ_ENGINE_STEPS)

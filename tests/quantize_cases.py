@@ -46,7 +46,7 @@ def quant_cases(rank: int, world: int, out_dir: str) -> None:
     init_distributed()
     from ds_dragonn.comm.torch_backend import TorchCommBackend
     from ds_dragonn.compress import max_pairs, target_k
-    from ds_dragonn.exchange import BufferMismatchError, PLAIN, ValueCodec
+    from ds_dragonn.exchange import BufferMismatchError, PLAIN, value_codec
     from ds_dragonn.exchange.reduce_scatter import RangeOwnership
     from ds_dragonn.feedback import ErrorFeedback
     from ds_dragonn.pipeline import CompressedAllreduce
@@ -55,7 +55,7 @@ def quant_cases(rank: int, world: int, out_dir: str) -> None:
     results = []
     for i, case in enumerate(QUANT_CASES):
         runs = {}
-        for name, codec in (("quant", ValueCodec(case["values"])), ("plain", PLAIN)):
+        for name, codec in (("quant", value_codec(case["values"])), ("plain", PLAIN)):
             ex = _exchange(case, backend, codec)
             ef = ErrorFeedback(True)
             pipe = CompressedAllreduce(make_compressor("dragonn", case["density"]), backend, ef, ex)
@@ -74,7 +74,7 @@ def quant_cases(rank: int, world: int, out_dir: str) -> None:
             runs[name] = steps
         results.append(runs)
     # ranks on different value formats: one clear error on every rank, then in sync
-    mixed = ValueCodec("int8") if rank == 0 else PLAIN
+    mixed = value_codec("int8") if rank == 0 else PLAIN
     try:
         CompressedAllreduce(make_compressor("dragonn", 0.05), backend, ErrorFeedback(True),
                             _exchange(dict(exchange="allgather"), backend, mixed)).reduce(torch.randn(1000), "m", 1)

@@ -13,6 +13,7 @@ import torch
 from launch.bench import project as pj
 from ds_dragonn.compress.base import target_k
 from ds_dragonn.exchange.allgather import AllgatherExchange
+from ds_dragonn.exchange.quantize import PLAIN
 from ds_dragonn.exchange.wire import pair_block_bytes
 
 FAST = pj.Link(1e9, 0.0)  # an intra-node link that costs nothing measurable
@@ -76,9 +77,9 @@ def test_node_aware_sparse_reduce_scatter_sends_1_over_L_of_flat_across_nodes(N,
     n = 100_000_000
     c = pj.Cluster(N, L, FAST, pj.Link(1.0, 0.0))
     k, shard = target_k(n, 0.01), -(-n // L)
-    flat = pj._all_to_all(c, pj.Group(N, L), pair_block_bytes(-(-k // (N * L)), n, torch.int32, torch.bfloat16))
+    flat = pj._all_to_all(c, pj.Group(N, L), pair_block_bytes(-(-k // (N * L)), n, torch.int32, torch.bfloat16, PLAIN))
     node = pj._all_to_all(c, pj.Group(N, 1), pair_block_bytes(-(-target_k(shard, 0.01) // N), shard, torch.int32,
-                                                              torch.bfloat16))
+                                                              torch.bfloat16, PLAIN))
     assert node[1] / flat[1] <= 1 / L
     if N * L <= 32:  # at 128 ranks a flat block's chunk counts are ~20 % of its pairs: the ratio falls further
         assert node[1] / flat[1] >= 0.9 / L

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from ds_dragonn.exchange.ownership import HashedOwnership
-from ds_dragonn.exchange.quantize import (GROUP, PLAIN, ValueCodec, dequantize, pack_int4, qmax, quantize,
-                                          unpack_int4)
+from ds_dragonn.exchange.quantize import (GROUP, PLAIN, dequantize, pack_int4, qmax, quantize, unpack_int4,
+                                          value_codec)
 from tests.multiproc import ranks_fixture
 from tests.quantize_cases import QUANT_CASES, QUANT_STEPS, quant_case_id, quant_input
 
@@ -53,7 +53,7 @@ def test_int4_packing_round_trips_odd_counts(count):
 @pytest.mark.parametrize("count", COUNTS)
 def test_write_then_read_gives_what_write_returned(fmt, dtype, count):
     """Every rank reads bit for bit what the sender's residual commit subtracts."""
-    codec = ValueCodec(fmt)
+    codec = value_codec(fmt)
     cap = count + 3  # a padded block (the allgather pads to the largest count)
     v = (torch.randn(count, generator=torch.Generator().manual_seed(1)) * 10).to(dtype)
     block = torch.zeros(codec.block_bytes(cap, dtype), dtype=torch.uint8)
@@ -65,7 +65,7 @@ def test_write_then_read_gives_what_write_returned(fmt, dtype, count):
 
 
 def test_zeros_and_non_finite_groups():
-    codec = ValueCodec("int8")
+    codec = value_codec("int8")
     v = torch.zeros(3 * GROUP)
     v[GROUP + 5] = float("nan")
     v[2 * GROUP] = 2.0
@@ -78,12 +78,12 @@ def test_zeros_and_non_finite_groups():
 
 def test_block_bytes():
     assert PLAIN.block_bytes(10, torch.bfloat16) == 24  # 20 bytes, aligned
-    assert ValueCodec("int8").block_bytes(0, torch.bfloat16) == 0
-    assert ValueCodec("int8").block_bytes(1, torch.bfloat16) == 8 + 8
-    assert ValueCodec("int8").block_bytes(1000, torch.bfloat16) == 64 + 1000
-    assert ValueCodec("int4").block_bytes(1001, torch.float32) == 64 + 504
+    assert value_codec("int8").block_bytes(0, torch.bfloat16) == 0
+    assert value_codec("int8").block_bytes(1, torch.bfloat16) == 8 + 8
+    assert value_codec("int8").block_bytes(1000, torch.bfloat16) == 64 + 1000
+    assert value_codec("int4").block_bytes(1001, torch.float32) == 64 + 504
     with pytest.raises(ValueError):
-        ValueCodec("int2")
+        value_codec("int2")
 
 
 # -- every exchange scheme over gloo ---------------------------------------------------------------------
@@ -224,7 +224,7 @@ def test_gather_pairs_hands_back_what_every_rank_decodes_in_the_given_order(fmt)
     picks = [torch.cat([h, tail]) for h in heads]
     values = [torch.randn(p.numel(), generator=torch.Generator().manual_seed(9 + r)) for r, p in enumerate(picks)]
     counts = [p.numel() for p in picks]
-    codec = ValueCodec(fmt)
+    codec = value_codec(fmt)
     out = ThreadGroup(world).run(lambda r, b: gather_pairs(picks[r], values[r], counts, n, torch.int32,
                                                             torch.float32, b, whole=4, codec=codec))
     for r in range(world):

@@ -13,6 +13,7 @@ import torch
 from ds_dragonn.config import DragonnConfig
 from ds_dragonn.engine.base import HookBase
 from ds_dragonn.engine.reducer import Bucket, Send
+from ds_dragonn.exchange.quantize import PLAIN
 from ds_dragonn.pipeline import ReduceStats
 from tests.fakes import fake_engine
 
@@ -98,7 +99,7 @@ def test_warm_up_is_deepspeed_dense_then_compressed_then_a_flush_where_a_residua
     hook.events.clear()
     out = hook.reducer.reduce((g[:3], "small"))
     assert hook.events == ["describe", "prepare", "write"] and hook.fake.calls[-1] == ("reduce_dense", "small", 0.5,
-                                                                                       2.0, None)
+                                                                                       2.0, PLAIN)
     assert "small" not in hook.pending and torch.equal(out, g[:3]) and hook.fake.flushes[-1] == ("small", True)
     # one owes nothing: DeepSpeed's own path
     hook.events.clear()

@@ -24,6 +24,7 @@ from typing import Any, Hashable, NamedTuple, Optional, Protocol, Sequence
 import torch
 
 from ..constants import SEED
+from ..exchange.quantize import PLAIN, ValueCodec
 from ..pipeline import PhaseClock, timed_scope
 from .bucket import bucket_seed
 
@@ -67,14 +68,15 @@ class Send(NamedTuple):
 
     ``inputs``: the bucket's tensors; ``prescale``/``postscale``: the averaging applied before/after the sum;
     ``ownership``: which rank keeps which range (ZeRO partitions; None: every rank all of it); ``into``: decode
-    straight into ``inputs``; ``codec``: the value codec of a flush (None: the communication dtype).
+    straight into ``inputs``; ``codec``: the value codec of a flush (:data:`~ds_dragonn.exchange.quantize.PLAIN`: the
+    communication dtype).
     """
     inputs: Sequence[torch.Tensor]
     prescale: float
     postscale: float
     ownership: Any = None
     into: bool = False
-    codec: Any = None
+    codec: ValueCodec = PLAIN
 
 
 class StageAdapter(Protocol):

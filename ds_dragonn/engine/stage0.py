@@ -19,7 +19,7 @@ from typing import Any, NamedTuple, Optional
 
 from ..exchange.dense_quantized import quantized_allreduce_bytes
 from ..exchange.wire import dense_allreduce_bytes
-from ..exchange.quantize import value_codec
+from ..exchange.quantize import PLAIN, value_codec
 from .base import HookBase
 from .bucket import ALLREDUCE, DENSE, BucketKey
 from .reducer import Bucket, Send
@@ -29,6 +29,12 @@ class Scales(NamedTuple):
     """Factors applied before (to the local buffer) and after (to the sum) the reduction."""
     prescale: float
     postscale: float
+
+
+class Local(NamedTuple):
+    """What a stage-0 bucket keeps between the adapter's methods: its averaging and how its dense steps go."""
+    scales: Scales
+    dense: Any  # _DeepSpeedDense, _QuantizedDense or _QuantizedWarmup
 
 
 def reduction_scales(engine: Any, dp_world_size: float) -> Scales:
@@ -50,8 +56,13 @@ class Stage0Hook(HookBase):
     def __init__(self, engine: Any, cfg):
         super().__init__(engine, cfg)
         self._dense_allreduce_bucket = engine.allreduce_bucket  # DeepSpeed's bound method
+        # how the dense steps go (advanced.dense_values): DeepSpeed's allreduce, or quantized where that costs less
+        self._deepspeed = self._dense = _DeepSpeedDense(self)
+        self.dense_codec = None  # the quantized dense steps' codec (None: DeepSpeed's allreduce only)
         codec = value_codec(cfg.dense_values)
-        self.dense_codec = codec if codec.quantized else None  # advanced.dense_values
+        if codec.quantized:
+            self.dense_codec = codec
+            self._dense = (_QuantizedWarmup if self.momentum is not None else _QuantizedDense)(self, codec)
 
     def _dp_group(self):
         from deepspeed.utils import groups
@@ -94,55 +105,31 @@ class Stage0Hook(HookBase):
         if dp_world_size is None:
             dp_world_size = world
         key = BucketKey(ALLREDUCE, ordinal, str(dt), numel, self._layout(bucket))
-        quantized = self._quantized_bytes(numel, world, dt.itemsize)  # None: DeepSpeed's allreduce
+        # ties go to DeepSpeed's allreduce: quantized only where the codes' scales and alignment cost less
+        way = min((self._deepspeed, self._dense), key=lambda w: w.sent_bytes(numel, world, dt.itemsize))
         return Bucket(key, ordinal, numel, dt, pipeline, bucket[0].device, (bucket, dp_group, dp_world_size, into),
-                      quantized_bytes=quantized, local=reduction_scales(self.engine, dp_world_size))
+                      quantized_bytes=way.quantized_bytes(numel, world, dt.itemsize),
+                      local=Local(reduction_scales(self.engine, dp_world_size), way))
 
     def momentum_input(self, b: Bucket) -> tuple:
-        return b.call[0], b.local.prescale
+        return b.call[0], b.local.scales.prescale
 
     def prepare(self, b: Bucket, step: int) -> Send:
         """No flatten: the pipeline compensates the gradients straight into the persistent residual; it decodes
         into the gradients themselves (from ``allreduce_and_copy``, where it can), or returns its persistent
         decode buffer, which is unflattened and copied into them."""
         bucket, _, _, into = b.call
-        if self.momentum is not None and self.dense_codec is not None:
-            b.pipeline.release(b.key._replace(hook=DENSE))  # the warm-up is over
-        return Send(bucket, *b.local, into=into and b.pipeline.can_reduce_into(bucket, b.dtype), codec=self._codec(b))
+        self._dense.prepare(b)
+        return Send(bucket, *b.local.scales, into=into and b.pipeline.can_reduce_into(bucket, b.dtype),
+                    codec=b.local.dense.codec)
 
     def write(self, b: Bucket, out):
         return out
 
-    def _codec(self, b: Bucket):
-        """The value codec of the dense steps (``advanced.dense_values``), or None: the communication dtype."""
-        return self.dense_codec if b.quantized_bytes is not None else None
-
     def dense(self, b: Bucket):
-        """The raw gradients, densely: DeepSpeed's allreduce (no codec), or quantized (``advanced.dense_values``)
-        with their rounding kept in a residual: the bucket's own in the gradient mode (where it is gradient too,
-        and goes out with the next reduction). In the momentum mode the bucket's holds momentum, which these
-        steps do not send: the dense warm-up keeps its rounding in one of its own (:data:`DENSE`), freed at the
-        first step after it (:meth:`prepare`; at most half a quantization step per value dropped, once), and a
-        variance refresh keeps none (its sum only refreshes the variance), so no buffer outlives the warm-up."""
-        bucket, dp_group, dp_world_size, _ = b.call
-        codec = self._codec(b)
-        if codec is None:
-            return self._dense_allreduce_bucket(bucket, dp_group, dp_world_size)
-        rkey = b.key._replace(hook=DENSE) if self.momentum is not None else b.key
-        out = b.pipeline.reduce_dense(bucket, rkey, *b.local, b.dtype, codec, raw=True)
-        if rkey == b.key:
-            self._flushed(b.key)
-        elif not self.decision.schedule.dense(int(self.engine.global_steps)):
-            b.pipeline.release(rkey)  # a refresh
-        return out
-
-    def _quantized_bytes(self, numel: int, world: int, itemsize: int) -> Optional[int]:
-        """Bytes of this bucket's dense step quantized (``advanced.dense_values``), or None where it goes through
-        DeepSpeed's allreduce: no codec, or a bucket so small that the codes' scales and alignment cost more."""
-        if self.dense_codec is None:
-            return None
-        sent = quantized_allreduce_bytes(numel, world, self.dense_codec)
-        return sent if sent < dense_allreduce_bytes(numel, itemsize, world) else None
+        """The raw gradients, densely, the bucket's way (:class:`_DeepSpeedDense`, :class:`_QuantizedDense`,
+        :class:`_QuantizedWarmup`)."""
+        return b.local.dense.reduce(b)
 
     def _layout(self, bucket) -> str:
         """Digest of the bucket's layout: its parameters' names (matched by gradient storage), or the
@@ -156,6 +143,67 @@ class Stage0Hook(HookBase):
                 names[g.data_ptr()] = name
         layout = repr(tuple(names.get(t.data_ptr(), tuple(t.shape)) for t in bucket))
         return hashlib.blake2b(layout.encode(), digest_size=8).hexdigest()
+
+
+class _DeepSpeedDense:
+    """Dense steps through DeepSpeed's own allreduce, in the communication dtype; a flush sends the residual in
+    that dtype too."""
+    codec = PLAIN
+
+    def __init__(self, hook: Stage0Hook):
+        self.hook = hook
+
+    def sent_bytes(self, numel: int, world: int, itemsize: int) -> int:
+        """Bytes per rank of a bucket's dense step this way."""
+        return dense_allreduce_bytes(numel, itemsize, world)
+
+    def quantized_bytes(self, numel: int, world: int, itemsize: int) -> Optional[int]:
+        """:attr:`Bucket.quantized_bytes <ds_dragonn.engine.reducer.Bucket>`: None, the stage's dense collective."""
+        return None
+
+    def prepare(self, b: Bucket) -> None:
+        """A bucket's compressed step (or flush) begins."""
+
+    def reduce(self, b: Bucket):
+        bucket, dp_group, dp_world_size, _ = b.call
+        return self.hook._dense_allreduce_bucket(bucket, dp_group, dp_world_size)
+
+
+class _QuantizedDense(_DeepSpeedDense):
+    """``advanced.dense_values`` int8 / int4 (the gradient mode): the raw gradients' sum travels quantized, its
+    rounding kept in the bucket's own residual (gradient too: it goes out with the next reduction); a flush
+    sends the residual quantized too."""
+
+    def __init__(self, hook: Stage0Hook, codec):
+        super().__init__(hook)
+        self.codec = codec
+
+    def sent_bytes(self, numel: int, world: int, itemsize: int) -> int:
+        return quantized_allreduce_bytes(numel, world, self.codec)
+
+    quantized_bytes = sent_bytes
+
+    def reduce(self, b: Bucket):
+        out = b.pipeline.reduce_dense(b.call[0], b.key, *b.local.scales, b.dtype, self.codec, raw=True)
+        self.hook._flushed(b.key)
+        return out
+
+
+class _QuantizedWarmup(_QuantizedDense):
+    """``advanced.dense_values`` int8 / int4 in the momentum mode: the bucket's residual holds momentum, which
+    these steps do not send. The dense warm-up keeps its rounding in a residual of its own (:data:`DENSE`),
+    freed at the first step after it (:meth:`prepare`; at most half a quantization step per value dropped, once),
+    and a variance refresh keeps none (its sum only refreshes the variance), so no buffer outlives the warm-up."""
+
+    def prepare(self, b: Bucket) -> None:
+        b.pipeline.release(b.key._replace(hook=DENSE))  # the warm-up is over
+
+    def reduce(self, b: Bucket):
+        rkey = b.key._replace(hook=DENSE)
+        out = b.pipeline.reduce_dense(b.call[0], rkey, *b.local.scales, b.dtype, self.codec, raw=True)
+        if not self.hook.decision.schedule.dense(int(self.hook.engine.global_steps)):
+            b.pipeline.release(rkey)  # a refresh
+        return out
 
 
 def check_hook_point(engine_cls: Optional[type] = None) -> None:

@@ -132,8 +132,7 @@ def allgather_exchange(selection: Selection, numel: int, wire_dtype: torch.dtype
     got = gather_pairs(selection.indices, selection.values, counts, numel, index_dtype(numel), wire_dtype, backend,
                        selection.whole, codec)
     moved = (backend.world_size - 1) * (HEADER_INTS * 8 + got.payload_bytes)
-    return Gathered(got.indices, got.values, counts, moved, moved, sent=got.sent if codec.quantized else None,
-                    finite=finite)
+    return Gathered(got.indices, got.values, counts, moved, moved, sent=codec.as_sent([got.sent]), finite=finite)
 
 
 class AllgatherExchange(Exchange):

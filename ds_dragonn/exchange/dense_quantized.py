@@ -19,11 +19,12 @@ int4, against ``2(P−1)/P × n × itemsize`` for the dense ring allreduce (0.53
 """
 from __future__ import annotations
 
-from typing import List, NamedTuple, Tuple
+from typing import TYPE_CHECKING, List, NamedTuple, Tuple
 
 import torch
 
-from .quantize import ValueCodec
+if TYPE_CHECKING:  # (exchange/quantize.py imports this module: its codecs' dense sum)
+    from .quantize import QuantizedCodec
 
 
 class QuantizedReduction(NamedTuple):
@@ -56,7 +57,7 @@ def shard_bounds(numel: int, world: int) -> List[Tuple[int, int]]:
     return bounds
 
 
-def quantized_allreduce_bytes(numel: int, world: int, codec: ValueCodec) -> int:
+def quantized_allreduce_bytes(numel: int, world: int, codec: QuantizedCodec) -> int:
     """Bytes each rank sends in :func:`quantized_allreduce` of ``numel`` elements over ``world`` ranks (the
     largest shard's, so every rank's model is the same upper bound); 0 at world size 1."""
     if world <= 1:
@@ -66,23 +67,20 @@ def quantized_allreduce_bytes(numel: int, world: int, codec: ValueCodec) -> int:
 
 
 @torch.no_grad()
-def quantized_allreduce(x: torch.Tensor, backend, codec: ValueCodec) -> QuantizedReduction:
+def quantized_allreduce(x: torch.Tensor, backend, codec: QuantizedCodec) -> QuantizedReduction:
     """Sum ``x`` over the ranks of ``backend`` with its values quantized by ``codec`` (module docstring).
 
     Args:
         x: (n,) float32 or float64, this rank's contribution (residual + gradient); not modified. Same ``n``
             on every rank.
         backend: a :class:`~ds_dragonn.comm.base.CommBackend` (``all_to_all_bytes``, ``all_gather_bytes``).
-        codec: a quantized :class:`~ds_dragonn.exchange.quantize.ValueCodec` (int8 or int4).
+        codec: a :class:`~ds_dragonn.exchange.quantize.QuantizedCodec` (int8 or int4).
     Returns:
         :class:`QuantizedReduction`. A non-finite value decodes its whole group of 64 to NaN (the overflow
         check downstream sees it, as with the dense allreduce).
     Raises:
-        ValueError: ``codec`` is not quantized.
         CommError: a collective failed.
     """
-    if not codec.quantized:
-        raise ValueError(f"quantized_allreduce needs an int8 or int4 codec, got {codec!r}")
     world, rank = backend.world_size, backend.rank
     v = x.reshape(-1).float()
     n = v.numel()

@@ -142,8 +142,7 @@ def sparse_reduce_scatter(selection: Selection, numel: int, wire_dtype: torch.dt
     header_bytes = counts_header_bytes(world)
     sent = header_bytes + sum(s for d, s in enumerate(send_sizes) if d != rank)
     received = header_bytes + sum(s for d, s in enumerate(recv_sizes) if d != rank)
-    as_sent = unpermute(torch.cat(decoded), order) if codec.quantized and decoded else None
-    return Scattered(slots, vals, matrix, sent, received, as_sent, finite)
+    return Scattered(slots, vals, matrix, sent, received, codec.as_sent(decoded, order), finite)
 
 
 def max_scatter_bytes(numel: int, pairs: int, wire_dtype: torch.dtype, world_size: int,
@@ -153,9 +152,7 @@ def max_scatter_bytes(numel: int, pairs: int, wire_dtype: torch.dtype, world_siz
     more scale per destination for a group cut by a block's end)."""
     if world_size <= 1:
         return 0
-    padding = 2 * ALIGN * (world_size - 1)  # each destination's block is aligned
-    if codec.quantized:
-        padding += (world_size - 1) * (ALIGN + 4)
+    padding = (2 * ALIGN + codec.split_bytes) * (world_size - 1)  # each destination's block is aligned
     values = codec.block_bytes(pairs, wire_dtype)
     plain = align(pairs * index_dtype(numel).itemsize) + values
     # a block's positions are packed where smaller: at most its chunk counts + 2 bytes a position

@@ -18,12 +18,14 @@ bf16/fp16 and 4 for fp32; a packed position costs 2 more.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from enum import Enum
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-from .wire import align
+from .dense_quantized import quantized_allreduce
+from .wire import ALIGN, align, to_wire
 
 #: Values per float32 scale, in travel order (sorted positions: neighbours in the bucket share a scale).
 GROUP = 64
@@ -39,7 +41,7 @@ class ValueFormat(str, Enum):
     int4 = "int4"
 
 
-_BITS = {ValueFormat.auto: 0, ValueFormat.dtype: 0, ValueFormat.int8: 8, ValueFormat.int4: 4}
+_BITS = {ValueFormat.int8: 8, ValueFormat.int4: 4}
 
 
 class Quantized(NamedTuple):
@@ -111,42 +113,34 @@ def unpack_int4(packed: torch.Tensor, count: int) -> torch.Tensor:
     return nib.to(torch.int8) - 8
 
 
-class ValueCodec:
-    """Writes and reads the values block of one list (wire dtype, or codes + scales), and sizes it.
+class ValueCodec(ABC):
+    """How the values of one list travel: writes and reads its values block, sizes it, and sums a dense buffer.
 
-    Args:
-        fmt: :class:`ValueFormat` (or its name); ``auto`` sends the values in the wire dtype, unchanged.
-        group: values per scale (:data:`GROUP`).
-    Raises:
-        ValueError: an unknown format name.
+    One class per kind, chosen once by :func:`value_codec`: :class:`DtypeCodec` (the wire dtype, unchanged) and
+    :class:`QuantizedCodec` (int8 / int4 codes with per-group scales).
+
+    Attributes:
+        format: the :class:`ValueFormat`.
+        code: small integer naming the format in wire headers (0 dtype, 8, 4): ranks on different formats fail
+            fast.
+        quantized: whether values change on the wire.
+        split_bytes: most bytes a values block grows by when one list is cut into several blocks.
     """
+    code = 0
+    quantized = False
+    split_bytes = 0
 
-    def __init__(self, fmt=ValueFormat.auto, group: int = GROUP):
-        self.format = ValueFormat(fmt.value if isinstance(fmt, Enum) else fmt)
-        self.bits = _BITS[self.format]
-        self.group = int(group)
-
-    @property
-    def quantized(self) -> bool:
-        return self.bits > 0
-
-    @property
-    def code(self) -> int:
-        """Small integer naming the format in wire headers (0 dtype, 8, 4): ranks on different formats fail fast."""
-        return self.bits
+    def __init__(self, fmt: ValueFormat):
+        self.format = fmt
 
     def __repr__(self) -> str:
-        return f"ValueCodec({self.format.value!r})"
+        return f"{type(self).__name__}({self.format.value!r})"
 
-    def _regions(self, capacity: int) -> tuple:
-        return align(4 * num_groups(capacity, self.group)), align(-(-int(capacity) * self.bits // 8))
-
+    @abstractmethod
     def block_bytes(self, capacity: int, wire_dtype: torch.dtype) -> int:
         """Bytes of a values block with room for ``capacity`` values (aligned; 0 for none)."""
-        if not self.quantized:
-            return align(int(capacity) * wire_dtype.itemsize)
-        return sum(self._regions(capacity)) if capacity else 0
 
+    @abstractmethod
     def write(self, block: torch.Tensor, values: torch.Tensor, capacity: int) -> torch.Tensor:
         """Write ``values`` into ``block`` and return them as every rank will read them.
 
@@ -155,12 +149,77 @@ class ValueCodec:
             values: (c,) in the wire dtype, ``c <= capacity``, in travel order.
             capacity: the block's room (fixes where the codes start).
         Returns:
-            (c,) wire dtype: ``values`` themselves (``auto``) or their dequantization.
+            (c,) wire dtype: ``values`` themselves (dtype) or their dequantization.
         """
+
+    @abstractmethod
+    def read(self, block: torch.Tensor, count: int, capacity: int, wire_dtype: torch.dtype) -> torch.Tensor:
+        """The ``count`` values :meth:`write` put into ``block`` (same capacity): (count,) ``wire_dtype``."""
+
+    @abstractmethod
+    def as_sent(self, decoded: Sequence[torch.Tensor], order: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """An exchange's ``Gathered.sent`` from what :meth:`write` returned for each of its blocks (in travel
+        order; ``order``: the permutation that put the caller's values in travel order, see :func:`unpermute`):
+        None where the values travel unchanged (or there are none), else (c,) the values every rank decodes."""
+
+    @abstractmethod
+    def allreduce_(self, x: torch.Tensor, backend, dtype: torch.dtype, keep: bool) -> torch.Tensor:
+        """Dense sum of ``x`` over the ranks of ``backend`` (a :class:`~ds_dragonn.comm.base.CommBackend`) with its
+        values in this format: a new (n,) ``dtype`` tensor. ``x``: (n,) float32 or wider; with ``keep`` it is
+        left holding what the wire took from it (its rounding, for the residual), else it is not modified."""
+
+
+class DtypeCodec(ValueCodec):
+    """``dtype`` (an unresolved ``auto`` too): the values travel in the wire dtype, unchanged; the dense sum is the
+    backend's allreduce in that dtype."""
+
+    def block_bytes(self, capacity: int, wire_dtype: torch.dtype) -> int:
+        return align(int(capacity) * wire_dtype.itemsize)
+
+    def write(self, block: torch.Tensor, values: torch.Tensor, capacity: int) -> torch.Tensor:
+        block[:values.numel() * values.element_size()].view(values.dtype).copy_(values)
+        return values
+
+    def read(self, block: torch.Tensor, count: int, capacity: int, wire_dtype: torch.dtype) -> torch.Tensor:
+        return block[:count * wire_dtype.itemsize].view(wire_dtype)
+
+    def as_sent(self, decoded: Sequence[torch.Tensor], order: Optional[torch.Tensor] = None) -> None:
+        return None
+
+    def allreduce_(self, x: torch.Tensor, backend, dtype: torch.dtype, keep: bool) -> torch.Tensor:
+        wire = to_wire(x, dtype)
+        if wire.data_ptr() == x.data_ptr():  # same dtype: reduce a copy, ``x`` stays
+            wire = wire.clone()
+        if keep:
+            x.sub_(wire.to(x.dtype))
+        backend.all_reduce_sum_(wire)
+        return wire
+
+
+class QuantizedCodec(ValueCodec):
+    """``int8`` / ``int4``: codes with one float32 scale per ``group`` values (module docstring); the dense sum is
+    :func:`~ds_dragonn.exchange.dense_quantized.quantized_allreduce`.
+
+    Args:
+        fmt: ``ValueFormat.int8`` or ``ValueFormat.int4``.
+        group: values per scale (:data:`GROUP`).
+    """
+    quantized = True
+    split_bytes = ALIGN + 4  # one more scale for a group cut by a block's end, aligned
+
+    def __init__(self, fmt: ValueFormat, group: int = GROUP):
+        super().__init__(fmt)
+        self.bits = self.code = _BITS[fmt]
+        self.group = int(group)
+
+    def _regions(self, capacity: int) -> tuple:
+        return align(4 * num_groups(capacity, self.group)), align(-(-int(capacity) * self.bits // 8))
+
+    def block_bytes(self, capacity: int, wire_dtype: torch.dtype) -> int:
+        return sum(self._regions(capacity)) if capacity else 0
+
+    def write(self, block: torch.Tensor, values: torch.Tensor, capacity: int) -> torch.Tensor:
         c = values.numel()
-        if not self.quantized:
-            block[:c * values.element_size()].view(values.dtype).copy_(values)
-            return values
         if c == 0:
             return values
         q = quantize(values, self.bits, self.group)
@@ -171,9 +230,6 @@ class ValueCodec:
         return dequantize(q.codes, q.scales, values.dtype, self.group)
 
     def read(self, block: torch.Tensor, count: int, capacity: int, wire_dtype: torch.dtype) -> torch.Tensor:
-        """The ``count`` values :meth:`write` put into ``block`` (same capacity): (count,) ``wire_dtype``."""
-        if not self.quantized:
-            return block[:count * wire_dtype.itemsize].view(wire_dtype)
         if count == 0:
             return torch.empty(0, dtype=wire_dtype, device=block.device)
         sb, _ = self._regions(capacity)
@@ -184,14 +240,35 @@ class ValueCodec:
             codes = unpack_int4(block[sb:sb + -(-count // 2)], count)
         return dequantize(codes, scales, wire_dtype, self.group)
 
+    def as_sent(self, decoded: Sequence[torch.Tensor], order: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        return unpermute(torch.cat(list(decoded)), order) if decoded else None
+
+    def allreduce_(self, x: torch.Tensor, backend, dtype: torch.dtype, keep: bool) -> torch.Tensor:
+        red = quantized_allreduce(x, backend, self)
+        if keep:  # both roundings: this rank's and, as an owner, the sum's
+            x.sub_(red.sent.to(x.dtype))
+            s, e = red.owned
+            x[s:e].add_(red.owner_rounding.to(x.dtype))
+        return to_wire(red.out, dtype)
+
 
 #: The default: values in the communication dtype.
-PLAIN = ValueCodec()
+PLAIN = DtypeCodec(ValueFormat.auto)
+
+_CODECS = {ValueFormat.auto: DtypeCodec, ValueFormat.dtype: DtypeCodec, ValueFormat.int8: QuantizedCodec,
+           ValueFormat.int4: QuantizedCodec}
 
 
-def value_codec(fmt: Optional[object]) -> ValueCodec:
-    """The codec of a ``values`` setting (None or ``auto``: :data:`PLAIN`)."""
-    return PLAIN if fmt is None else ValueCodec(fmt)
+def value_codec(fmt: Optional[object] = None) -> ValueCodec:
+    """The codec of a ``values`` setting: a :class:`ValueFormat` or its name (None: :data:`PLAIN`).
+
+    Raises:
+        ValueError: an unknown format name.
+    """
+    if fmt is None:
+        return PLAIN
+    fmt = ValueFormat(fmt.value if isinstance(fmt, Enum) else fmt)
+    return _CODECS[fmt](fmt)
 
 
 def unpermute(travel: torch.Tensor, order: Optional[torch.Tensor]) -> torch.Tensor:
@@ -203,5 +280,5 @@ def unpermute(travel: torch.Tensor, order: Optional[torch.Tensor]) -> torch.Tens
     return out
 
 
-__all__ = ["GROUP", "PLAIN", "Quantized", "ValueCodec", "ValueFormat", "dequantize", "num_groups", "pack_int4",
-           "qmax", "quantize", "unpack_int4", "unpermute", "value_codec"]
+__all__ = ["DtypeCodec", "GROUP", "PLAIN", "Quantized", "QuantizedCodec", "ValueCodec", "ValueFormat", "dequantize",
+           "num_groups", "pack_int4", "qmax", "quantize", "unpack_int4", "unpermute", "value_codec"]

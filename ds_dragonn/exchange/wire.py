@@ -89,14 +89,13 @@ def index_block_bytes(capacity: int, numel: int, idx_dtype: torch.dtype) -> int:
     return index_bytes(capacity, numel) if packs(capacity, numel, idx_dtype) else align(int(capacity) * idx_dtype.itemsize)
 
 
-def pair_block_bytes(count: int, numel: int, idx_dtype: torch.dtype, wire_dtype: torch.dtype, codec=None) -> int:
+def pair_block_bytes(count: int, numel: int, idx_dtype: torch.dtype, wire_dtype: torch.dtype, codec) -> int:
     """Bytes of one block of ``count`` (position, value) pairs as :func:`write_indices` lays it out: the
     positions (packed or plain, :func:`index_block_bytes`) then the values, each aligned; 0 for no pairs.
-    ``codec``: a :class:`~ds_dragonn.exchange.quantize.ValueCodec` sizing the values (None: ``wire_dtype``)."""
+    ``codec``: the :class:`~ds_dragonn.exchange.quantize.ValueCodec` sizing the values."""
     if not count:
         return 0
-    values = codec.block_bytes(count, wire_dtype) if codec is not None else align(count * wire_dtype.itemsize)
-    return index_block_bytes(count, numel, idx_dtype) + values
+    return index_block_bytes(count, numel, idx_dtype) + codec.block_bytes(count, wire_dtype)
 
 
 def pack_indices(indices: torch.Tensor, numel: int) -> tuple:

@@ -126,6 +126,7 @@ def exchange_cost(c: Cluster, g: Group, numel: int, density: float, wire: torch.
     """(seconds, inter-node bytes per node) of one DRAGONN exchange of a ``numel`` bucket among group ``g``."""
     from ds_dragonn.compress.base import index_dtype, target_k
     from ds_dragonn.exchange.allgather import HEADER_INTS
+    from ds_dragonn.exchange.quantize import PLAIN
     from ds_dragonn.exchange.wire import align, counts_header_bytes, index_block_bytes, pair_block_bytes
     size, vb, idt = g.nodes * g.per_node, wire.itemsize, index_dtype(numel)  # size 1: every collective costs 0
     header, k = (size - 1) * HEADER_INTS * 8, target_k(numel, density)
@@ -137,7 +138,7 @@ def exchange_cost(c: Cluster, g: Group, numel: int, density: float, wire: torch.
     owner = align(target_k(part, density))
     gathered = min(index_block_bytes(owner, numel, idt), align(-(-part // 8))) + owner * vb
     return _sum([_ring(c, g, size - 1, counts_header_bytes(size)),
-                 _all_to_all(c, g, pair_block_bytes(-(-k // size), numel, idt, wire)),
+                 _all_to_all(c, g, pair_block_bytes(-(-k // size), numel, idt, wire, PLAIN)),
                  _ring(c, g, 2 * (size - 1), header + (size - 1) * gathered)])
 
 
