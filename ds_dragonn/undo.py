@@ -1,22 +1,22 @@
-"""How a store's buffers come back from a step DeepSpeed skipped: one strategy per store, chosen once.
+"""How a store's buffers come back from a step DeepSpeed skipped: one strategy per store, chosen when it is built.
 
 A store (the residuals of :class:`~ds_dragonn.feedback.ErrorFeedback`, the momenta of
-:class:`~ds_dragonn.momentum.LocalMomentum`, the partitioned exchange's server residuals) keeps one persistent
-(n,) buffer per key in a dict. During a step it asks its strategy which buffer to write (:meth:`StepUndo.open`)
-and tells it what it changes (:meth:`StepUndo.save`) and what left a buffer (:meth:`StepUndo.sent`);
-:meth:`StepUndo.end_step` then keeps or undoes the step (``engine/steps.py`` says whether it was applied):
+:class:`~ds_dragonn.momentum.LocalMomentum`, the partitioned exchange's server residuals) keeps a dict of persistent
+(n,) buffers by key. During a step it asks its strategy which buffer to write (:meth:`StepUndo.open`) and tells it
+what is about to change (:meth:`StepUndo.save`) and what was sent (:meth:`StepUndo.sent`); at the end of the step
+(``engine/steps.py`` says whether DeepSpeed applied it) :meth:`StepUndo.end_step` keeps or undoes it:
 
-* :class:`StepUndo` (keep): nothing is undone (steps that are never skipped);
-* :class:`WorkingCopies` (exact): the step writes a second persistent buffer per key, which becomes the buffer
-  when the step is applied (a swap) and is discarded when it is skipped. Memory: a second buffer per key;
-* :class:`SavedValues` (exact, sparse writes): the old values of every entry about to change, restored newest
+* :class:`StepUndo`: nothing is undone (steps that are never skipped);
+* :class:`WorkingCopies` (exact): the step writes a second buffer per key, which becomes the buffer when the step
+  is applied (a swap, no copy) and is discarded when it is skipped. Memory: a second buffer per key;
+* :class:`SavedValues` (exact, for sparse writes): the old values of every entry about to change, restored newest
   first. Memory: O(changed entries) for the open step;
 * :class:`ReturnSent` (O(k), in place): what the step sent is added back (its finite values) and the non-finite
   entries of the buffers it wrote are reset to 0; the rest of the step (its finite gradient) stays.
 """
 from __future__ import annotations
 
-from typing import Dict, Hashable, List, Optional, Tuple
+from typing import Dict, Hashable, Optional, Tuple
 
 import torch
 
@@ -25,13 +25,13 @@ from .buffers import persistent_zeros
 
 
 class StepUndo:
-    """Keep: a skipped step's changes stay. The base of the strategies (module docstring)."""
+    """Nothing to undo; the base of the strategies (module docstring)."""
 
-    #: whether :meth:`sent` keeps what it is given (a dense flush then logs what it sends)
-    returns_sent = False
+    returns_sent = False  # whether :meth:`sent` logs (a dense flush then logs what it sends: ``ReturnSent.add``)
 
     def __init__(self):
         self.opened: set = set()  # keys the open step wrote
+        self.log: list = []  # the open step's record, (key, indices or None: all of the buffer, values) each
 
     def open(self, key: Hashable, base: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """(the buffer the open step writes for ``key``, the buffer it reads): ``(base, base)``, in place."""
@@ -39,7 +39,7 @@ class StepUndo:
         return base, base
 
     def current(self, key: Hashable, base: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """The buffer holding ``key``'s state in the open step (``base``: the store's own buffer, or None)."""
+        """The buffer holding ``key``'s state in the open step (``base``: the store's own, or None)."""
         return base
 
     def save(self, key: Hashable, buf: torch.Tensor, indices: Optional[torch.Tensor]) -> None:
@@ -59,6 +59,7 @@ class StepUndo:
     def clear(self) -> None:
         """No step is open any more, nothing to undo (also after a reset or a load)."""
         self.opened.clear()
+        self.log.clear()
 
 
 class WorkingCopies(StepUndo):
@@ -81,44 +82,35 @@ class WorkingCopies(StepUndo):
         return self._work[key] if key in self.opened else base
 
     def end_step(self, buffers: Dict[Hashable, torch.Tensor], applied: bool) -> None:
-        """Applied: each working buffer becomes the buffer (a swap, no copy); skipped: they are discarded."""
         if applied:
             for key in self.opened:
                 buffers[key], self._work[key] = self._work[key], buffers[key]
-        self.opened.clear()
+        self.opened.clear()  # (the working buffers stay: the next step writes them again)
 
     def forget(self, key: Hashable) -> None:
         self._work.pop(key, None)
         self.opened.discard(key)
 
     def clear(self) -> None:
+        super().clear()
         self._work.clear()
-        self.opened.clear()
 
 
 class SavedValues(StepUndo):
     """Exact for sparse writes: the old values of each change, restored newest first when the step is skipped."""
 
-    def __init__(self):
-        super().__init__()
-        self.saved: List[Tuple[Hashable, Optional[torch.Tensor], torch.Tensor]] = []  # (key, indices, old values)
-
     def save(self, key: Hashable, buf: torch.Tensor, indices: Optional[torch.Tensor]) -> None:
         if indices is None or indices.numel():
-            self.saved.append((key, indices, (buf if indices is None else buf[indices.long()]).clone()))
+            self.log.append((key, indices, (buf if indices is None else buf[indices.long()]).clone()))
 
     def end_step(self, buffers: Dict[Hashable, torch.Tensor], applied: bool) -> None:
         if not applied:
-            for key, idx, old in reversed(self.saved):
+            for key, idx, old in reversed(self.log):
                 if idx is None:
                     buffers[key].copy_(old)
                 else:
                     buffers[key][idx.long()] = old
         self.clear()
-
-    def clear(self) -> None:
-        self.saved.clear()
-        self.opened.clear()
 
 
 class ReturnSent(StepUndo):
@@ -126,39 +118,32 @@ class ReturnSent(StepUndo):
 
     returns_sent = True
 
-    def __init__(self):
-        super().__init__()
-        self.log: List[Tuple[Hashable, Optional[torch.Tensor], torch.Tensor]] = []  # (key, indices or None, values)
-
     def sent(self, key: Hashable, buf: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:
         self.add(key, indices.clone(), values.to(buf.dtype, copy=True))
 
     def add(self, key: Hashable, indices: Optional[torch.Tensor], values: torch.Tensor) -> None:
-        """``values`` (kept as given: the caller's copy, in the buffer's dtype) left ``key``'s buffer at
-        ``indices`` (None: the whole buffer, a dense flush) this step."""
+        """``values`` (kept as given: the caller's copy, in the buffer's dtype) left ``key``'s buffer at ``indices``
+        (None: the whole buffer, a dense flush) this step."""
         self.log.append((key, indices, values))
 
     def end_step(self, buffers: Dict[Hashable, torch.Tensor], applied: bool) -> None:
         """Skipped: add the finite sent values back into ``buffers``, then reset the non-finite entries of the
         buffers the step wrote."""
-        if not applied:
-            for key, idx, sent in self.log:
-                buf = buffers.get(key)
-                if buf is None or not buf.numel():
-                    continue
-                sent = torch.nan_to_num(sent, nan=0.0, posinf=0.0, neginf=0.0)
-                if idx is None:
-                    buf.add_(sent)
-                elif idx.numel():
-                    sparse_ops.add_(buf, idx, sent)
-            for key in self.opened:
-                if key in buffers:
-                    buffers[key].masked_fill_(~torch.isfinite(buffers[key]), 0.0)
+        if applied:
+            return self.clear()
+        for key, idx, sent in self.log:
+            buf = buffers.get(key)
+            if buf is None or not buf.numel():
+                continue
+            sent = torch.nan_to_num(sent, nan=0.0, posinf=0.0, neginf=0.0)
+            if idx is None:
+                buf.add_(sent)
+            elif idx.numel():
+                sparse_ops.add_(buf, idx, sent)
+        for key in self.opened:
+            if key in buffers:
+                buffers[key].masked_fill_(~torch.isfinite(buffers[key]), 0.0)
         self.clear()
-
-    def clear(self) -> None:
-        self.log.clear()
-        self.opened.clear()
 
 
 def for_steps(transactional: bool, otherwise: type = StepUndo, exact: type = WorkingCopies) -> StepUndo:
