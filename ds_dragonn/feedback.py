@@ -17,19 +17,13 @@ Non-finite entries (NaN/±Inf) must not stay in the residual: a compressor that 
 non-finite entry when the buffer has any (DRAGONN, top-k: they rank first) lets the pipeline skip the full
 ``isfinite`` pass unless a sent value is non-finite (``clear_non_finite``, overflow steps only).
 
-Skipped steps (``ds_dragonn.undo``, the strategy chosen at construction): DeepSpeed learns that a step overflowed
-only after every bucket was reduced, and then skips it.
-
-* exact (``transactional``: fp16, or ``advanced.exact_skipped_steps``; ``engine/steps.py``;
-  :class:`~ds_dragonn.undo.WorkingCopies`): the step's compensated residual is written into a second persistent
-  buffer (``working = residual + gradient``: the same single pass, out of place) and becomes the residual only
-  when the step is applied (:meth:`ErrorFeedback.end_step`: a buffer swap, no copy); a skipped step discards it,
-  leaving the residual exactly as it was before the step. Memory: two residuals per bucket instead of one.
-* O(k) (``undo_sent``: bf16 and fp32 engines; :class:`~ds_dragonn.undo.ReturnSent`): the residual is updated in
-  place, and each commit logs the positions and values it sent; a skipped step adds them back (the residual then
-  holds ``old residual + gradient`` to its float32 rounding, so nothing sent is lost) and resets the non-finite
-  entries of the residuals it touched. Memory: O(k) per bucket for the open step, n values for a bucket whose
-  residual a dense reduction flushed in it (``CompressedAllreduce.reduce_dense(flush=True)``, a policy switch).
+Skipped steps (DeepSpeed learns that a step overflowed only after every bucket was reduced, then skips it): the
+strategy chosen at construction (``ds_dragonn.undo``) keeps or undoes the step. Exact (``transactional``: fp16, or
+``advanced.exact_skipped_steps``; ``engine/steps.py``): the compensation goes into a working copy of the residual
+(the same single pass, out of place), swapped in when the step is applied; two residuals per bucket. O(k)
+(``undo_sent``: bf16 and fp32): in place, each commit logging what it sent, which a skipped step adds back (the
+residual then holds ``old residual + gradient`` to its float32 rounding) before resetting the non-finite entries;
+n values for a bucket whose residual a dense reduction flushed in the step (``reduce_dense(flush=True)``).
 """
 from __future__ import annotations
 

@@ -144,7 +144,7 @@ def budget(compress: str, wire: torch.dtype, transactional: bool, stage: int = 0
     if decode_into is None:
         decode_into = ((per_node == 1 and (stage == 0 or wire != torch.float16))
                        or (per_node > 1 and wire == torch.float32))
-    copies = 2 if transactional else 1  # the rank's stores each keep a working copy (``undo.WorkingCopies``)
+    copies = 2 if transactional else 1  # exact: a working copy of each of the rank's stores (``undo.WorkingCopies``)
     shard = {name: 4.0 / per_node for name in _MODE_STORES[compress]}
     out = {**shard, **{f"{name} working copy": (copies - 1) * b for name, b in shard.items()},
            **{name: 4.0 * copies / world for name in _EXCHANGE_STORES.get(exchange, ())}}
