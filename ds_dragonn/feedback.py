@@ -17,27 +17,23 @@ Non-finite entries (NaN/±Inf) must not stay in the residual: a compressor that 
 non-finite entry when the buffer has any (DRAGONN, top-k: they rank first) lets the pipeline skip the full
 ``isfinite`` pass unless a sent value is non-finite (``clear_non_finite``, overflow steps only).
 
-Skipped steps, exact (``transactional``: fp16, or ``advanced.exact_skipped_steps``; ``engine/steps.py``): DeepSpeed
-learns that a step overflowed only after every bucket was reduced, and then skips it. So the step's
-compensated residual is written into a second persistent buffer (``working = residual + gradient``: the
-same single pass, out of place) and becomes the residual only when the step is applied
-(:meth:`end_step`: a buffer swap, no copy); a skipped step discards it, leaving the residual exactly as it
-was before the step. Memory: two residuals per bucket instead of one.
-
-Skipped steps, O(k) (``undo_sent``: bf16 and fp32 engines, ``engine/steps.py``): the residual is updated in
-place, and each commit logs the positions and values it sent; a skipped step adds them back (the residual then
-holds ``old residual + gradient`` to its float32 rounding, so nothing sent is lost) and resets the non-finite
-entries of the residuals it touched. Memory: O(k) per bucket for the open step, n values for a bucket whose
-residual a dense reduction flushed in it (``CompressedAllreduce.reduce_dense(flush=True)``, a policy switch).
+Skipped steps (DeepSpeed learns that a step overflowed only after every bucket was reduced, then skips it): the
+strategy chosen at construction (``ds_dragonn.undo``) keeps or undoes the step. Exact (``transactional``: fp16, or
+``advanced.exact_skipped_steps``; ``engine/steps.py``): the compensation goes into a working copy of the residual
+(the same single pass, out of place), swapped in when the step is applied; two residuals per bucket. O(k)
+(``undo_sent``: bf16 and fp32): in place, each commit logging what it sent, which a skipped step adds back (the
+residual then holds ``old residual + gradient`` to its float32 rounding) before resetting the non-finite entries;
+n values for a bucket whose residual a dense reduction flushed in the step (``reduce_dense(flush=True)``).
 """
 from __future__ import annotations
 
-from typing import Dict, Hashable, List, Optional, Sequence, Tuple
+from typing import Dict, Hashable, List, Optional, Sequence
 
 import torch
 
 from . import sparse_ops
 from .buffers import persistent_zeros
+from .undo import ReturnSent, StepUndo, for_steps
 
 
 def residual_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -54,38 +50,6 @@ def segment_views(buf: torch.Tensor, tensors: Sequence[torch.Tensor]) -> List[to
     return views
 
 
-class SentLog:
-    """What the open step sent from each residual, and which residuals it compensated: a skipped step's undo in
-    O(k) (module docstring, ``undo_sent``)."""
-
-    def __init__(self):
-        self.sent: List[Tuple[Hashable, Optional[torch.Tensor], torch.Tensor]] = []  # (key, positions or None, values)
-        self.touched: set = set()
-
-    def add(self, key: Hashable, indices: Optional[torch.Tensor], values: torch.Tensor) -> None:
-        """``values`` left ``key``'s residual at ``indices`` (None: the whole buffer, a dense flush) this step."""
-        self.sent.append((key, indices, values))
-
-    def undo(self, residuals: Dict[Hashable, torch.Tensor]) -> None:
-        """Add the finite sent values back into ``residuals``, then reset the touched ones' non-finite entries."""
-        for key, idx, sent in self.sent:
-            buf = residuals.get(key)
-            if buf is None or not buf.numel():
-                continue
-            sent = torch.nan_to_num(sent, nan=0.0, posinf=0.0, neginf=0.0)
-            if idx is None:
-                buf.add_(sent)
-            elif idx.numel():
-                sparse_ops.add_(buf, idx, sent)
-        for key in self.touched:
-            if key in residuals:
-                residuals[key].masked_fill_(~torch.isfinite(residuals[key]), 0.0)
-
-    def clear(self) -> None:
-        self.sent.clear()
-        self.touched.clear()
-
-
 class ErrorFeedback:
     """Persistent per-bucket buffers: the residual (error feedback on) or a scratch buffer (off).
 
@@ -98,18 +62,29 @@ class ErrorFeedback:
             whether DeepSpeed applied the step (module docstring); ``residuals`` always holds the state
             after the last applied step.
         undo_sent: (not transactional) log what each commit sent, added back by ``end_step(False)``.
+        undo: the skipped-step strategy (``ds_dragonn.undo``) instead of the one these switches choose (the
+            partitioned exchange's server residuals: :class:`~ds_dragonn.undo.SavedValues`); error feedback off
+            keeps nothing to undo.
     """
 
-    def __init__(self, enabled: bool = True, transactional: bool = False, undo_sent: bool = False):
+    def __init__(self, enabled: bool = True, transactional: bool = False, undo_sent: bool = False,
+                 undo: Optional[StepUndo] = None):
         self.enabled = enabled
-        self.transactional = transactional and enabled
-        self.undo_sent = undo_sent and enabled and not self.transactional
-        self.sent_log = SentLog()  # undo_sent: the open step's sends
-        self._work: Dict[Hashable, torch.Tensor] = {}  # transactional: each bucket's working buffer
-        self._open: set = set()  # transactional: keys compensated in the step not yet ended
+        chosen = undo or for_steps(transactional, ReturnSent if undo_sent else StepUndo)
+        self.undo = chosen if enabled else StepUndo()
         self.residuals: Dict[Hashable, torch.Tensor] = {}  # error feedback on: what was not sent yet
         self._scratch: Dict[Hashable, torch.Tensor] = {}  # error feedback off: the step's work buffer
         self._views: Dict[Hashable, tuple] = {}  # (buffer, shapes, segment views) per key
+
+    @property
+    def undo_sent(self) -> bool:
+        """Whether a skipped step returns what it sent; the pipeline's dense flush then logs what it sends in
+        :attr:`sent_log` (``ReturnSent.add``)."""
+        return self.undo.returns_sent
+
+    @property
+    def sent_log(self) -> StepUndo:
+        return self.undo
 
     def _buffer(self, key: Hashable, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         store = self.residuals if self.enabled else self._scratch
@@ -146,7 +121,7 @@ class ErrorFeedback:
 
     def current(self, key: Hashable) -> torch.Tensor:
         """The buffer the step works on: the working buffer of an open transactional step, else the residual."""
-        return self._work[key] if key in self._open else self.residuals[key]
+        return self.undo.current(key, self.residuals[key])
 
     def compensate_(self, key: Hashable, tensors: Sequence[torch.Tensor], dtype: torch.dtype,
                     prescale: float = 1.0, zero_inputs: bool = False) -> torch.Tensor:
@@ -170,57 +145,30 @@ class ErrorFeedback:
         numel = sum(t.numel() for t in tensors)
         device = tensors[0].device if tensors else torch.device("cpu")
         buf = self._buffer(key, numel, residual_dtype(dtype), device)
-        if self.transactional:
-            return self._compensate_working(key, buf, tensors, prescale, zero_inputs)
-        if self.undo_sent:
-            self.sent_log.touched.add(key)
+        work, src = self.undo.open(key, buf)  # (buf, buf) in place, else (working buffer, what it starts from)
         if not tensors:
-            return buf
-        if self.enabled and sparse_ops.compensate_fast(buf, tensors, prescale, zero_inputs):
-            return buf
-        views = self._views_of(key, buf, tensors)
-        if self.enabled:
-            torch._foreach_add_(views, tensors, alpha=prescale)  # (alpha 1.0: the same bits)
-        else:
+            if src is not work:
+                work.copy_(src)
+            return work
+        if self.enabled and sparse_ops.compensate_fast(work, tensors, prescale, zero_inputs, base=src):
+            return work
+        views = self._views_of(key, work, tensors)
+        if not self.enabled:
             torch._foreach_copy_(views, tensors)
             if prescale != 1.0:
                 torch._foreach_mul_(views, prescale)
-        if zero_inputs:
-            torch._foreach_zero_(tensors)
-        return buf
-
-    def _compensate_working(self, key: Hashable, base: torch.Tensor, tensors: List[torch.Tensor], prescale: float,
-                            zero_inputs: bool) -> torch.Tensor:
-        """Transactional compensation: ``working = residual + prescale × gradients`` on the step's first
-        reduction of ``key`` (the residual is only read), ``working += ...`` on later ones (micro steps)."""
-        opened = key in self._open
-        work = self._work.get(key)
-        if work is None or work.shape != base.shape or work.dtype != base.dtype or work.device != base.device:
-            work = self._work[key] = persistent_zeros(base.numel(), base.dtype, base.device)
-        self._open.add(key)
-        src = work if opened else base
-        if not tensors:
-            if not opened:
-                work.copy_(base)
-            return work
-        if sparse_ops.compensate_fast(work, tensors, prescale, zero_inputs, base=src):
-            return work
-        for w, b, t in zip(self._views_of(key, work, tensors), self._views_of(key, src, tensors), tensors):
-            torch.add(b, t, alpha=prescale, out=w) if prescale != 1.0 else torch.add(b, t, out=w)
+        elif work is buf:  # in place
+            torch._foreach_add_(views, tensors, alpha=prescale)  # (alpha 1.0: the same bits)
+        else:  # a working buffer: the same single pass, out of place on the step's first reduction
+            for w, b, t in zip(views, self._views_of(key, src, tensors), tensors):
+                torch.add(b, t, alpha=prescale, out=w) if prescale != 1.0 else torch.add(b, t, out=w)
         if zero_inputs:
             torch._foreach_zero_(tensors)
         return work
 
     def end_step(self, applied: bool) -> None:
-        """DeepSpeed applied the step (transactional: its working buffers become the residuals, a swap) or
-        skipped it (transactional: they are discarded; ``undo_sent``: :meth:`SentLog.undo`)."""
-        if applied:
-            for key in self._open:
-                self.residuals[key], self._work[key] = self._work[key], self.residuals[key]
-        else:
-            self.sent_log.undo(self.residuals)
-        self.sent_log.clear()
-        self._open.clear()
+        """DeepSpeed applied the step or skipped it: the strategy keeps or undoes it (module docstring)."""
+        self.undo.end_step(self.residuals, applied)
 
     def rescale_(self, factor: float, key: Optional[Hashable] = None) -> None:
         """Multiply every residual (or only ``key``'s, where it has one) by ``factor``: a changed fp16 loss
@@ -245,9 +193,9 @@ class ErrorFeedback:
         buf = self.current(key)
         diff = kept.to(buf.dtype) - sent.to(buf.dtype)
         torch.nan_to_num_(diff, nan=0.0, posinf=0.0, neginf=0.0)
+        self.undo.save(key, buf, indices)
         sparse_ops.set_(buf, indices, diff)
-        if self.undo_sent:
-            self.sent_log.add(key, indices.clone(), sent.to(buf.dtype, copy=True))
+        self.undo.sent(key, buf, indices, sent)
 
     def clear_non_finite(self, key: Hashable, sent: Optional[torch.Tensor] = None,
                          sends_non_finite: bool = False) -> None:
@@ -258,19 +206,19 @@ class ErrorFeedback:
         buffer finite and the pass is skipped."""
         if sent is not None and sends_non_finite and bool(torch.isfinite(sent).all()):
             return
-        buf = (self.current(key) if key in self._open else self.residuals.get(key)) if self.enabled else None
+        buf = self.undo.current(key, self.residuals.get(key)) if self.enabled else None
         if buf is not None:
             buf.masked_fill_(~torch.isfinite(buf), 0.0)
 
     def reset(self) -> None:
-        for store in (self.sent_log, self.residuals, self._scratch, self._views, self._work, self._open):
+        for store in (self.undo, self.residuals, self._scratch, self._views):
             store.clear()
 
     def release(self, key: Hashable) -> None:
         """Free ``key``'s buffers; what its residual held is dropped (nothing to do where it holds none)."""
-        held = [store.pop(key, None) for store in (self.residuals, self._scratch, self._work)]
+        held = [store.pop(key, None) for store in (self.residuals, self._scratch)]
         if any(buf is not None for buf in held):
-            self._open.discard(key)
+            self.undo.forget(key)
             self._views = {slot: v for slot, v in self._views.items() if slot[0] != key}
 
     def state_dict(self) -> dict:
@@ -281,6 +229,4 @@ class ErrorFeedback:
         self.residuals = {k: v.to(device).clone() if device is not None else v.clone()
                           for k, v in state["residuals"].items()}
         self._views.clear()
-        self._work.clear()
-        self._open.clear()
-        self.sent_log.clear()
+        self.undo.clear()

@@ -18,12 +18,16 @@ import torch
 
 #: the persistent stores and the path fragment (as :func:`persistent_tensors` names it) that finds each
 COMPONENTS = (
-    (".error_feedback._work", "residual working copy"), (".error_feedback.residuals", "residual"),
-    (".momentum._work", "momentum working copy"), (".momentum.momenta", "momentum"),
+    (".error_feedback.undo._work", "residual working copy"), (".error_feedback.residuals", "residual"),
+    (".momentum.undo._work", "momentum working copy"), (".momentum.momenta", "momentum"),
     ("decoder._acc", "decode accumulator"), ("decoder._out", "decode buffer"),
-    (".server._work", "server residual working copy"), (".server.residuals", "server residual"),
-    ("._undo", "server undo log"),
+    (".server.residuals", "server residual"), (".server.undo", "server undo log"),
 )
+
+#: the fp32 stores of the rank's shard (one element per bucket element) in each ``compress`` mode
+_MODE_STORES = {"gradient": ("residual",), "momentum": ("residual", "momentum")}
+#: the exchanges' fp32 stores of the rank's 1/world part of each bucket (the others keep none)
+_EXCHANGE_STORES = {"partitioned": ("server residual",)}
 
 
 def component_of(path: str) -> str:
@@ -140,21 +144,15 @@ def budget(compress: str, wire: torch.dtype, transactional: bool, stage: int = 0
     if decode_into is None:
         decode_into = ((per_node == 1 and (stage == 0 or wire != torch.float16))
                        or (per_node > 1 and wire == torch.float32))
-    copies = 2 if transactional else 1
-    out = {"residual": 4.0 / per_node}
-    if transactional:
-        out["residual working copy"] = 4.0 / per_node
-    if compress == "momentum":
-        out["momentum"] = 4.0 / per_node
-        if transactional:
-            out["momentum working copy"] = 4.0 / per_node
+    copies = 2 if transactional else 1  # exact: a working copy of each of the rank's stores (``undo.WorkingCopies``)
+    shard = {name: 4.0 / per_node for name in _MODE_STORES[compress]}
+    out = {**shard, **{f"{name} working copy": (copies - 1) * b for name, b in shard.items()},
+           **{name: 4.0 * copies / world for name in _EXCHANGE_STORES.get(exchange, ())}}
     if not decode_into:
         out["decode buffer"] = torch.empty(0, dtype=wire).element_size() / per_node
     if wire == torch.float16:
         out["decode accumulator"] = 4.0 / per_node
-    if exchange == "partitioned":
-        out["server residual"] = 4.0 * copies / world
-    return out
+    return {name: b for name, b in out.items() if b}
 
 
 __all__ = ["COMPONENTS", "budget", "component_of", "deepspeed_storages", "persistent_tensors"]

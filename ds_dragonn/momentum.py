@@ -14,9 +14,10 @@ of the same step (ZeRO stage 2 reduces at every micro step) only add (``M += c·
 with ``c = (1 − β1) × prescale``. Invariant (tests check it in float64): everything applied plus all
 residuals equals the sum over steps of the ranks' averaged momenta.
 
-Skipped steps (``transactional``): as for the residuals, the step's momentum is computed into a second
-persistent buffer and becomes the momentum only when DeepSpeed applies the step (:meth:`end_step`).
-Otherwise a skipped step's gradient stays in the momentum, its non-finite entries reset to 0.
+Skipped steps (``ds_dragonn.undo``): ``transactional``, as for the residuals, the step's momentum is computed into
+a second persistent buffer and becomes the momentum only when DeepSpeed applies the step (:meth:`end_step`,
+:class:`~ds_dragonn.undo.WorkingCopies`). Otherwise a skipped step's gradient stays in the momentum, its non-finite
+entries reset to 0 (:class:`~ds_dragonn.undo.ReturnSent`: nothing is sent from a momentum).
 Memory: one fp32 buffer per bucket element (two when transactional), beside the residual.
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 
 from .buffers import persistent_zeros
 from .feedback import residual_dtype, segment_views
+from .undo import ReturnSent, for_steps
 
 
 class LocalMomentum:
@@ -42,10 +44,8 @@ class LocalMomentum:
         if not 0.0 <= beta < 1.0:
             raise ValueError(f"momentum coefficient must be in [0, 1), got {beta}")
         self.beta = float(beta)
-        self.transactional = transactional
         self.momenta: Dict[Hashable, torch.Tensor] = {}  # the momentum after the last applied step
-        self._work: Dict[Hashable, torch.Tensor] = {}
-        self._open: set = set()  # keys already updated in the open step
+        self.undo = for_steps(transactional, ReturnSent)  # (its keys opened: already updated in the open step)
 
     def update(self, key: Hashable, tensors: Sequence[torch.Tensor], dtype: torch.dtype,
                prescale: float = 1.0, zero_inputs: bool = False) -> tuple:
@@ -74,19 +74,10 @@ class LocalMomentum:
             raise ValueError(f"momentum for bucket {key} has shape {tuple(base.shape)}, dtype {base.dtype} on "
                              f"{base.device}; the buffer has ({numel},) of {rdt} on {device}")
         c = (1.0 - self.beta) * prescale
-        first = key not in self._open
-        self._open.add(key)
-        if self.transactional:
-            work = self._work.get(key)
-            if work is None or work.shape != base.shape or work.dtype != base.dtype or work.device != device:
-                work = self._work[key] = persistent_zeros(numel, rdt, device)
-            if first:
-                torch.mul(base, self.beta, out=work)
-            m = work
-        else:
-            m = base
-            if first:
-                m.mul_(self.beta)
+        first = key not in self.undo.opened
+        m, src = self.undo.open(key, base)
+        if first:
+            torch.mul(src, self.beta, out=m)
         if tensors:
             torch._foreach_add_(segment_views(m, tensors), tensors, alpha=c)
             if zero_inputs and first:
@@ -97,14 +88,7 @@ class LocalMomentum:
         """The step ended: transactional, an applied step's momenta replace the old (a swap), a skipped
         step's are discarded; in place, a skipped step's gradient stays in the momenta and their non-finite
         entries are reset to 0 (one pass, skipped steps only). Either way the next reduction starts a new step."""
-        if self.transactional and applied:
-            for key in self._open:
-                self.momenta[key], self._work[key] = self._work[key], self.momenta[key]
-        elif not self.transactional and not applied:
-            for key in self._open:
-                if key in self.momenta:
-                    self.momenta[key].masked_fill_(~torch.isfinite(self.momenta[key]), 0.0)
-        self._open.clear()
+        self.undo.end_step(self.momenta, applied)
 
     def rescale_(self, factor: float) -> None:
         """Multiply every momentum by ``factor`` (a changed fp16 loss scale, as the residuals)."""
@@ -116,16 +100,14 @@ class LocalMomentum:
         return {"beta": self.beta, "momenta": {k: v.detach().clone() for k, v in self.momenta.items()}}
 
     def load_state_dict(self, state: dict, device: Optional[torch.device] = None) -> None:
-        """Restore :meth:`state_dict` (tensors onto ``device`` if given); β1 stays as configured."""
+        """Restore :meth:`state_dict` (tensors onto ``device`` if given; None: start at 0); β1 stays as configured."""
         self.momenta = {k: v.to(device).clone() if device is not None else v.clone()
-                        for k, v in state.get("momenta", {}).items()}
-        self._work.clear()
-        self._open.clear()
+                        for k, v in (state or {}).get("momenta", {}).items()}
+        self.undo.clear()
 
     def reset(self) -> None:
         self.momenta.clear()
-        self._work.clear()
-        self._open.clear()
+        self.undo.clear()
 
 
 __all__ = ["LocalMomentum"]

@@ -88,7 +88,7 @@ def test_walker_counts_each_storage_once_and_skips_deepspeed():
     engine.module.weight = param
     counted = persistent_tensors(hook, deepspeed_storages(engine))
     assert [n for n, _ in counted.values()] == [400]
-    assert component_of("hook._pipelines[1].error_feedback._work['b']") == "residual working copy"
+    assert component_of("hook._pipelines[1].error_feedback.undo._work['b']") == "residual working copy"
     assert component_of("hook.variance_freeze.params[0]") == "other"  # (DeepSpeed's: excluded by the walker)
 
 

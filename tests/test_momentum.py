@@ -11,6 +11,7 @@ from ds_dragonn.config import DragonnConfig, DragonnConfigError
 from ds_dragonn.engine.variance import VarianceFreeze
 from ds_dragonn.feedback import ErrorFeedback
 from ds_dragonn.momentum import LocalMomentum
+from ds_dragonn.undo import WorkingCopies
 from tests.momentum_cases import BETA, ENGINE_RUNS, PIPE_CASES, PIPE_STEPS, REFRESH_RUNS, pipe_input
 from tests.multiproc import ranks_fixture
 
@@ -397,11 +398,12 @@ def test_a_refresh_step_holds_the_momentum_in_the_residual(transactional):
     opt = torch.optim.AdamW([p], lr=0.1, betas=(0.8, 0.99))
     hook = HookBase(fake_engine(optimizer=opt), DragonnConfig(enabled=True, compress="momentum", warmup_steps=1,
                                                              advanced={"variance_refresh_steps": 2}))
-    hook.error_feedback.transactional = hook.momentum.transactional = transactional
+    if transactional:  # (the fake engine's steps are not: working copies, as an fp16 engine's)
+        hook.error_feedback.undo, hook.momentum.undo = WorkingCopies(), WorkingCopies()
     gen = torch.Generator().manual_seed(1)
     g1, g2, g3 = (torch.randn(7, generator=gen, dtype=torch.float64) for _ in range(3))
     hook.momentum.update("b", [g1], torch.float64, 0.5)
-    hook.error_feedback.compensate_("b", [hook.momentum.momenta["b"] if not transactional else hook.momentum._work["b"]],
+    hook.error_feedback.compensate_("b", [hook.momentum.momenta["b"] if not transactional else hook.momentum.undo._work["b"]],
                                     torch.float64)
     for store in (hook.momentum, hook.error_feedback):
         store.end_step(True)

@@ -259,7 +259,7 @@ def test_light_store_returns_what_a_skipped_step_sent_in_float64():
             torch.testing.assert_close(light.residuals["b"][~bad], want[~bad], rtol=0, atol=1e-12)
             plain.residuals["b"] = light.residuals["b"].clone()
     assert torch.equal(light.residuals["b"], plain.residuals["b"])
-    assert not light.sent_log.sent and not light.sent_log.touched
+    assert not light.undo.log and not light.undo.opened
 
 
 def test_resumed_residuals_keep_the_loss_scale_they_were_saved_in():

@@ -138,10 +138,9 @@ class HookBase(FollowsOptimizer, HookState):
         return self._build_exchange(backend)
 
     def _stores(self) -> list:
-        """Everything whose state a skipped step must not change: the workers' store, each pipeline's
-        exchange, and this hook's record of which residuals still need a flush."""
-        momentum = [self.momentum] if self.momentum is not None else []
-        return [self.error_feedback] + momentum + [p.exchange for p in self._pipelines.values()] + [self]
+        """Everything whose state a skipped step must not change: the workers' stores (:meth:`residual_stores`),
+        each pipeline's exchange, and this hook's record of which residuals still need a flush."""
+        return self.residual_stores() + [p.exchange for p in self._pipelines.values()] + [self]
 
     def _flushed(self, key: Hashable) -> None:
         """The residual of ``key`` went out with a dense reduction: no flush is owed any more (once the step

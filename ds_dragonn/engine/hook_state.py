@@ -18,6 +18,11 @@ class HookState:
         """The pipelines built so far, one per data-parallel group, in creation order."""
         return list(self._pipelines.values())
 
+    def residual_stores(self) -> list:
+        """This hook's stores of unsent gradients (or momenta): its error feedback, and its momentum where it has one
+        (:data:`~ds_dragonn.engine.state.RESIDUALS`)."""
+        return list(state.stores(self, state.RESIDUALS).values())
+
     def where(self) -> tuple:
         """(rank, world size) of this hook's data-parallel group."""
         backend = next(iter(self._pipelines.values())).backend if self._pipelines else None

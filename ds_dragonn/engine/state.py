@@ -48,8 +48,36 @@ _KEPT_FIELDS = ("density", "kernel", "warmup_steps", "policy", "min_compress_num
                 "density_warmup_steps", "density_warmup_start", "variance_refresh_steps", "local_steps", "outer_lr",
                 "values", "selection", "dense_values", "max_age")
 
-#: the modes whose residuals hold different things (``compress`` as resolved at start-up)
-_MODES = ("gradient", "momentum")
+#: Settings of the "dragonn" block whose difference resets the residuals, with the value a state saved before the
+#: setting existed holds: under ``sync`` other than every step they hold pseudo-gradients, not gradients.
+_RESET_FIELDS = {"sync": "every_step"}
+
+#: what the residuals hold in each ``compress`` mode (as resolved at start-up)
+_HELD = {"gradient": "unsent gradients", "momentum": "unsent Adam momenta"}
+
+#: how a bucketing entry absent from a description reads (a flat run describes no node layout)
+_ABSENT = {"hierarchy": "flat"}
+
+#: The hook's stores a state holds beside the exchanges: the state's part -> the hook's attribute, which is None
+#: where the hook has none (the momentum and the variance freeze outside the momentum mode, the warm-up tracker
+#: without ``"warmup_steps": "auto"``): the part then holds None. Each store has ``state_dict()``; those of
+#: :data:`RESIDUALS` have ``reset()``, those loaded with the residuals ``load_state_dict(saved, device)``.
+STORES = {"error_feedback": "error_feedback", "momentum": "momentum", "variance": "variance_freeze",
+          "warmup": "warmup_tracker"}
+
+#: The parts holding unsent gradients (or momenta), each a dict of bucket key -> (n,) tensor in its named field:
+#: emptied where a state does not apply.
+RESIDUALS = {"error_feedback": ("residuals", "residual"), "momentum": ("momenta", "momentum")}
+
+#: The parts loaded where a state applies (the frozen variance the saved momenta were divided by with them); the
+#: warm-up tracker's is the steps', loaded whatever the residuals (``HookBase.load_warmup_state``).
+_LOADED = ("error_feedback", "momentum", "variance")
+
+
+def stores(hook: Any, parts: Any = STORES) -> Dict[str, Any]:
+    """The hook's stores among ``parts`` (of :data:`STORES`), by part; those it does not have are left out."""
+    held = {part: getattr(hook, STORES[part], None) for part in parts}
+    return {part: store for part, store in held.items() if store is not None}
 
 
 def describe(hook: Any) -> Dict[str, Any]:
@@ -88,9 +116,8 @@ def compare(saved: Dict[str, Any], current: Dict[str, Any]) -> Tuple[List[str], 
             reset.append(f"{field.replace('_', ' ')} {saved.get(field)} (now {current[field]})")
     sb, cb = saved.get("bucketing", {}), current["bucketing"]
     for field in sorted(set(sb) | set(cb)):
-        if sb.get(field) != cb.get(field):
-            was, now = ((sb.get(field) or "flat", cb.get(field) or "flat") if field == "hierarchy"
-                        else (sb.get(field), cb.get(field)))
+        was, now = sb.get(field, _ABSENT.get(field)), cb.get(field, _ABSENT.get(field))
+        if was != now:
             reset.append(f"{field} {was} (now {now})")
     sp = [(n, tuple(s)) for n, s in saved.get("parameters", [])]
     cp = current["parameters"]
@@ -101,13 +128,13 @@ def compare(saved: Dict[str, Any], current: Dict[str, Any]) -> Tuple[List[str], 
         reset.append("trainable parameters " + ("; ".join(diff[:3]) + (" ..." if len(diff) > 3 else "")
                                                 if diff else "in another order"))
     sd, cd = saved.get("dragonn", {}), current["dragonn"]
-    if sd.get("sync", "every_step") != cd.get("sync", "every_step"):  # a gradient residual is no pseudo-gradient's
-        reset.append(f"dragonn.sync {sd.get('sync', 'every_step')} (now {cd.get('sync', 'every_step')})")
+    for field, default in _RESET_FIELDS.items():
+        if sd.get(field, default) != cd.get(field, default):
+            reset.append(f"dragonn.{field} {sd.get(field, default)} (now {cd.get(field, default)})")
     ms, mc = sd.get("compress"), cd.get("compress")
-    if ms != mc and ms in _MODES and mc in _MODES:
-        held = {"gradient": "unsent gradients", "momentum": "unsent Adam momenta"}
-        reset.append(f"dragonn.compress {ms} (now {mc}): the residuals hold {held[ms]}, which this mode would "
-                     f"apply as {held[mc]}")
+    if ms != mc and ms in _HELD and mc in _HELD:
+        reset.append(f"dragonn.compress {ms} (now {mc}): the residuals hold {_HELD[ms]}, which this mode would "
+                     f"apply as {_HELD[mc]}")
     if sd.get("error_feedback", True) != cd["error_feedback"] and not cd["error_feedback"]:
         reset.append("error_feedback off now")
     ran, runs = saved.get("exchange", sd.get("exchange")), current["exchange"]  # the scheme the hook ran
@@ -157,11 +184,11 @@ def validate(state: Any, where: str) -> None:
         raise bad("'exchange' holds something other than dicts")
     if not isinstance(state.get("telemetry", {}), dict):
         raise bad("'telemetry' is not a dict")
-    momentum = state.get("momentum")
-    if momentum is not None and (not isinstance(momentum, dict) or not isinstance(momentum.get("momenta", {}), dict)):
-        raise bad("'momentum' is not a dict with a 'momenta' dict")
-    _check_buffers(bad, "residual", ef.get("residuals", {}))
-    _check_buffers(bad, "momentum", (momentum or {}).get("momenta", {}))
+    for part, (field, what) in RESIDUALS.items():  # (the error feedback's is there: checked above)
+        held = state.get(part)
+        if held is not None and (not isinstance(held, dict) or not isinstance(held.get(field, {}), dict)):
+            raise bad(f"'{part}' is not a dict with a '{field}' dict")
+        _check_buffers(bad, what, (held or {}).get(field, {}))
 
 
 def _check_buffers(bad: Any, what: str, buffers: dict) -> None:
@@ -192,24 +219,19 @@ def state_dict(hook: Any) -> dict:
     hook.settle()
     desc = describe(hook)
     return {"description": desc, "rank": desc["rank"], "world_size": desc["world_size"],
-            "error_feedback": hook.error_feedback.state_dict(),
+            **dict.fromkeys(STORES), **{part: store.state_dict() for part, store in stores(hook).items()},
             "exchange": [p.exchange.state_dict() for p in hook.pipelines],
             "pending": [tuple(k) if isinstance(k, tuple) else k for k in hook.pending],
             "telemetry": asdict(hook.telemetry), "loss_scale_units": hook.steps.units,
-            "age_skipped": hook.steps.skipped_ticks,
-            "momentum": hook.momentum.state_dict() if hook.momentum is not None else None,
-            "variance": hook.variance_freeze.state_dict() if hook.variance_freeze is not None else None,
-            "warmup": hook.warmup_tracker.state_dict() if hook.warmup_tracker is not None else None,
-            **hook.extra_state()}
+            "age_skipped": hook.steps.skipped_ticks, **hook.extra_state()}
 
 
 def reset_state(hook: Any, why: str) -> None:
     """Empty residuals (and no pending flush), with a warning saying why."""
     rank, _ = hook.where()
     note(hook, f"[rank {rank}] DRAGONN: residuals start empty: {why}")
-    hook.error_feedback.reset()
-    if hook.momentum is not None:
-        hook.momentum.reset()
+    for store in stores(hook, RESIDUALS).values():
+        store.reset()
     for pipe in hook.pipelines:
         pipe.exchange.reset()
     hook.pending.clear()
@@ -228,8 +250,9 @@ def load_state_dict(hook: Any, state: dict, source: str = "the state") -> None:
     validate(state, f"[rank {rank}] DRAGONN: {source}")
     hook.load_warmup_state(state.get("warmup"))  # where the dense warm-up ended: the steps', not the residuals'
     saved = state.get("description") or {"rank": state.get("rank"), "world_size": state.get("world_size")}
+    current = describe(hook)
     if "description" in state:
-        reset, fold, kept = compare(saved, describe(hook))
+        reset, fold, kept = compare(saved, current)
     else:  # a bare state (rank and world size only)
         reset = [] if (saved["rank"], saved["world_size"]) == (rank, world) else \
             [f"saved by rank {saved['rank']} of {saved['world_size']} not loaded into rank {rank} of {world}"]
@@ -241,24 +264,19 @@ def load_state_dict(hook: Any, state: dict, source: str = "the state") -> None:
     hook.forget_round()
     hook.steps.skipped_ticks = saved_count(state.get("age_skipped"))  # the age clock's, with the residuals it follows
     device = getattr(hook.engine, "device", None)
-    ef = dict(state["error_feedback"])
-    ef["residuals"] = {_key(k): v for k, v in ef.get("residuals", {}).items()}
+    parts = {part: _rekey(state.get(part)) for part in _LOADED}  # (a part saved as None: the store starts afresh)
+    residuals = parts["error_feedback"].setdefault("residuals", {})
     if getattr(hook, "dense_codec", False) is None:  # stage 0, its dense steps DeepSpeed's allreduce now
-        rounding = [k for k in ef["residuals"] if isinstance(k, BucketKey) and k.hook == DENSE]
+        rounding = [k for k in residuals if isinstance(k, BucketKey) and k.hook == DENSE]
         for k in rounding:
-            ef["residuals"].pop(k)
+            residuals.pop(k)
         if rounding:
             note(hook, f"[rank {rank}] DRAGONN: {source} holds the rounding of quantized dense steps "
                        f"('advanced.dense_values'), whose steps now go through DeepSpeed's allreduce: dropped "
                        f"({len(rounding)} buffer(s), at most half a quantization step per value)")
-    hook.error_feedback.load_state_dict(ef, device)
-    if hook.variance_freeze is not None:  # the frozen variance the saved run divided by (else: recorded anew)
-        hook.variance_freeze.load_state_dict(state.get("variance"))
-    if hook.momentum is not None:  # a state saved in the gradient mode has none: the momentum starts at 0
-        saved_m = state.get("momentum") or {}
-        hook.momentum.load_state_dict({"momenta": {_key(k): v for k, v in saved_m.get("momenta", {}).items()}},
-                                      device)
-    exchanges = [_exchange_state(ex) for ex in state.get("exchange", [])]
+    for part, store in stores(hook, _LOADED).items():
+        store.load_state_dict(parts[part], device)
+    exchanges = [_rekey(ex) for ex in state.get("exchange", [])]
     pipes = hook.pipelines
     for pipe in pipes:
         pipe.exchange.reset()
@@ -271,16 +289,16 @@ def load_state_dict(hook: Any, state: dict, source: str = "the state") -> None:
             pipe.exchange.load_state_dict(ex_state, device)
     hook.load_extra_state(state)
     hook.pending.clear()
-    hook.pending.update({_key(k) for k in state.get("pending") or ()} | set(ef["residuals"]))
+    hook.pending.update({_key(k) for k in state.get("pending") or ()} | set(residuals))
     # the fp16 loss scale the residuals are in (rescaled at the next reduction if the scale differs)
     hook.steps.units = state.get("loss_scale_units")
     for field, value in (state.get("telemetry") or {}).items():
         if hasattr(hook.telemetry, field) and isinstance(value, (int, float)):
             setattr(hook.telemetry, field, value)
     if kept:
-        what = "momenta" if hook.momentum is not None else "gradients"
+        held = _HELD.get(current["dragonn"].get("compress"), _HELD["gradient"])
         note(hook, f"[rank {rank}] DRAGONN: {source} was saved with {'; '.join(kept)}; its residuals are "
-                   f"kept (unsent {what}, in the same units whatever these settings)")
+                   f"kept ({held}, in the same units whatever these settings)")
 
 
 def fold_server_residuals(hook: Any, exchanges: list) -> None:
@@ -319,17 +337,10 @@ def _key(key: Any) -> Any:
     return parsed if parsed is not None else key
 
 
-def _exchange_state(state: dict) -> dict:
-    """A saved exchange state with its bucket keys read by :func:`_key`."""
-    def rekey(d: Any) -> Any:
-        return {_key(k): v for k, v in d.items()} if isinstance(d, dict) else d
-    out = dict(state)
-    if "numel" in out:
-        out["numel"] = rekey(out["numel"])
-    if isinstance(out.get("server"), dict):
-        out["server"] = {**out["server"], "residuals": rekey(out["server"].get("residuals", {}))}
-    return out
+def _rekey(saved: Any) -> Any:
+    """A saved part with the bucket keys of its dicts, at every depth, read by :func:`_key` (other keys never parse)."""
+    return {_key(k): _rekey(v) for k, v in saved.items()} if isinstance(saved, dict) else saved
 
 
-__all__ = ["FORMAT", "compare", "describe", "fold_server_residuals", "load_state_dict", "reset_state",
-           "saved_count", "state_dict", "validate"]
+__all__ = ["FORMAT", "RESIDUALS", "STORES", "compare", "describe", "fold_server_residuals", "load_state_dict",
+           "reset_state", "saved_count", "state_dict", "stores", "validate"]

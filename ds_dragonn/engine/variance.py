@@ -230,9 +230,9 @@ class VarianceFreeze:
         saves, so a resumed run divides by exactly the same values."""
         return {"armed": self.armed, "recorded": self.recorded}
 
-    def load_state_dict(self, state: Optional[dict]) -> None:
-        """Restore :meth:`state_dict` (the optimizer's state holds ``V̂``); without one, ``V̂`` is recorded again at
-        the next step."""
+    def load_state_dict(self, state: Optional[dict], device: Any = None) -> None:
+        """Restore :meth:`state_dict` (the optimizer's state holds ``V̂``; ``device``: unused, it holds no tensor);
+        without one, ``V̂`` is recorded again at the next step."""
         self.reset()
         if not state:
             return

@@ -40,6 +40,7 @@ from .. import sparse_ops
 from ..comm.base import CommBackend
 from ..compress.base import Compressor, Selection, index_dtype, max_pairs, target_k
 from ..feedback import ErrorFeedback
+from ..undo import SavedValues, StepUndo, for_steps
 from .allgather import HEADER_INTS, exchange_header, gather_pairs, header_row
 from .base import Exchange, Gathered, check_agreement
 from .quantize import PLAIN, ValueCodec, unpermute
@@ -181,12 +182,10 @@ class PartitionedExchange(Exchange):
                  transactional: bool = False, values: ValueCodec = PLAIN):
         super().__init__(backend, values)
         self.compressor = compressor
-        self.server = ErrorFeedback(error_feedback)  # keyed like the workers' residuals; (n_r,) each
-        # transactional (steps DeepSpeed may skip): the old values of every server-residual entry this step
-        # changed, in order, so a skipped step is undone exactly; the changes are sparse (received and
-        # sent slots), except a dense flush, which saves the whole part
-        self.transactional = transactional and error_feedback
-        self._undo: List[Tuple[Hashable, torch.Tensor | None, torch.Tensor]] = []
+        # keyed like the workers' residuals, (n_r,) each. transactional (steps DeepSpeed may skip): the old values
+        # of every server-residual entry a step changes, so a skipped step is undone exactly; the changes are
+        # sparse (received and sent slots), except a dense flush, which saves the whole part
+        self.server = ErrorFeedback(error_feedback, undo=for_steps(transactional, StepUndo, SavedValues))
         self._ownership: Dict[int, Ownership] = {}
         self._numel: Dict[Hashable, int] = {}  # bucket length of each server residual's key
 
@@ -207,7 +206,7 @@ class PartitionedExchange(Exchange):
         # owner: server residual += every rank's pairs (rank order: deterministic), then re-sparsify
         part = self.server.buffer(key, own.size(rank), wire_dtype, device)
         for slots, vals in zip(scattered.slots, scattered.values):
-            self._save(key, part, slots)
+            self.server.undo.save(key, part, slots)
             sparse_ops.add_(part, slots, vals)
         sel = self.compressor.compress(part, owner_seed(seed, rank))
         # fp16: the owner's float32 sum of P ranks can exceed 65504 where the average does not; send the
@@ -219,7 +218,6 @@ class PartitionedExchange(Exchange):
         counts, server_finite = exchange_header(sel.count, numel, wire_dtype, backend, device, values=self.values,
                                                 sent=sel.values)
         idx, val, moved, wire = self._gather(own, sel.indices, wire, counts, numel, wire_dtype)
-        self._save(key, part, sel.indices)
         self.server.commit(key, sel.indices, sel.values, wire if scale == 1.0 else wire.float() / scale)
         if self.server.enabled and not (server_finite and getattr(self.compressor, "sends_non_finite", False)):
             self.server.clear_non_finite(key)
@@ -282,24 +280,12 @@ class PartitionedExchange(Exchange):
             return
         own = self.ownership(buf.numel())
         sparse_ops.add_(buf, own.to_index(self.backend.rank, torch.arange(part.numel(), device=part.device)), part)
-        self._save(key, part, None)
+        self.server.undo.save(key, part, None)
         part.zero_()
-
-    def _save(self, key: Hashable, part: torch.Tensor, slots: torch.Tensor | None) -> None:
-        """Transactional: remember ``part[slots]`` (all of it for None) before they change."""
-        if self.transactional and (slots is None or slots.numel()):
-            self._undo.append((key, slots, (part if slots is None else part[slots.long()]).clone()))
 
     def end_step(self, applied: bool) -> None:
         """A skipped step's changes to the server residuals are undone, newest first (exact)."""
-        if not applied:
-            for key, slots, old in reversed(self._undo):
-                part = self.server.residuals[key]
-                if slots is None:
-                    part.copy_(old)
-                else:
-                    part[slots.long()] = old
-        self._undo.clear()
+        self.server.end_step(applied)
 
     def rescale_(self, factor: float) -> None:
         self.server.rescale_(factor)
@@ -321,7 +307,7 @@ class PartitionedExchange(Exchange):
             ValueError: a residual's length does not match its bucket's owner map here (a corrupt or
                 foreign state), naming the bucket.
         """
-        self._undo.clear()  # a step left open before the load must not undo into the loaded state
+        self.server.undo.clear()  # a step left open before the load must not undo into the loaded state
         saved_world, saved_rank = state.get("world_size"), state.get("rank")
         world, rank = self.backend.world_size, self.backend.rank
         if (saved_world, saved_rank) != (world, rank):
@@ -345,7 +331,6 @@ class PartitionedExchange(Exchange):
     def reset(self) -> None:
         self.server.reset()
         self._numel = {}
-        self._undo.clear()
 
 
 __all__ = ["PartitionedExchange", "Scattered", "owner_seed", "sparse_reduce_scatter"]
