@@ -19,12 +19,9 @@ int4, against ``2(P−1)/P × n × itemsize`` for the dense ring allreduce (0.53
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, NamedTuple, Tuple
+from typing import Any, List, NamedTuple, Tuple
 
 import torch
-
-if TYPE_CHECKING:  # (exchange/quantize.py imports this module: its codecs' dense sum)
-    from .quantize import QuantizedCodec
 
 
 class QuantizedReduction(NamedTuple):
@@ -57,7 +54,7 @@ def shard_bounds(numel: int, world: int) -> List[Tuple[int, int]]:
     return bounds
 
 
-def quantized_allreduce_bytes(numel: int, world: int, codec: QuantizedCodec) -> int:
+def quantized_allreduce_bytes(numel: int, world: int, codec: Any) -> int:
     """Bytes each rank sends in :func:`quantized_allreduce` of ``numel`` elements over ``world`` ranks (the
     largest shard's, so every rank's model is the same upper bound); 0 at world size 1."""
     if world <= 1:
@@ -67,7 +64,7 @@ def quantized_allreduce_bytes(numel: int, world: int, codec: QuantizedCodec) -> 
 
 
 @torch.no_grad()
-def quantized_allreduce(x: torch.Tensor, backend, codec: QuantizedCodec) -> QuantizedReduction:
+def quantized_allreduce(x: torch.Tensor, backend, codec: Any) -> QuantizedReduction:
     """Sum ``x`` over the ranks of ``backend`` with its values quantized by ``codec`` (module docstring).
 
     Args:
