@@ -3,7 +3,7 @@
 Two measures, each at ZeRO 0-3, bf16 and fp32, the gradient and momentum modes (``policy: always``, short
 warm-ups), flat and (``--node``) 2 x 2 node-aware:
 
-    exact   the bytes of every tensor the hook keeps between steps (``ds_dragonn.memory.persistent_tensors``:
+    exact   the bytes of every tensor the hook keeps between steps (``launch.bench.memory_budget.persistent_tensors``:
             residuals, working copies, momenta, decode buffers, frozen variance, server residuals), by component
     rss     the process's VmRSS after the steps and its peak VmHWM (reset after start-up), CPU; on CUDA
             ``torch.cuda.memory_allocated`` / ``max_memory_allocated``; against the same config without the
@@ -75,7 +75,7 @@ def run_case(case: dict, layers, steps: int, warmup: int, rank: int) -> dict:
     import torch
 
     import ds_dragonn
-    from ds_dragonn.memory import deepspeed_storages, persistent_tensors
+    from launch.bench.memory_budget import deepspeed_storages, persistent_tensors
     from launch.bench.common import build_mlp
 
     cuda = torch.cuda.is_available()
@@ -157,7 +157,7 @@ def launch(case_list: list, layers, steps: int, warmup: int, world: int, per_nod
 
 def summarise(results: list, measure: str) -> list:
     """Rows with bytes per parameter, DRAGONN against the dense case of the same (stage, dtype, layout)."""
-    from ds_dragonn.memory import component_of
+    from launch.bench.memory_budget import component_of
     dense = {(r["stage"], r["dtype"], r["layout"]): r for r in results if r["mode"] == "dense" and "error" not in r}
     rows = []
     for r in results:

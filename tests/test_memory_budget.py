@@ -1,5 +1,5 @@
 """The memory budget pinned: every persistent tensor ds_dragonn keeps per compressed bucket, counted, against
-the stated table (``ds_dragonn.memory.budget``; docs/design.md, "Memory budget per bucket").
+the stated table (``launch.bench.memory_budget.budget``; docs/design.md, "Memory budget per bucket").
 
 The engine cases train a 19 k-parameter MLP for 4 steps (2 dense warm-up steps, then compressed) on 2 ranks
 (flat) and 2 x 2 ranks (node-aware), at ZeRO 0-3, bf16 and fp32, the gradient and momentum modes, and count
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds_dragonn.memory import budget, component_of, deepspeed_storages, persistent_tensors
+from launch.bench.memory_budget import budget, component_of, deepspeed_storages, persistent_tensors
 from ds_dragonn.decode import SparseDecoder
 from ds_dragonn.feedback import ErrorFeedback
 from ds_dragonn.momentum import LocalMomentum

@@ -1,5 +1,5 @@
 """The memory projection (``launch/bench/memory_projection.py``): dense model state per ZeRO stage against the
-ZeRO paper's formulas, DRAGONN's bytes against the stated budget (``ds_dragonn.memory.budget``), the fits, and
+ZeRO paper's formulas, DRAGONN's bytes against the stated budget (``launch.bench.memory_budget.budget``), the fits, and
 the command line. Fast: no processes."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from ds_dragonn.memory import budget
+from launch.bench.memory_budget import budget
 from launch.bench import memory_projection as mp
 
 

@@ -8,7 +8,7 @@ For each ZeRO stage and layout it reports the bytes per GPU of:
 - dense: mixed-precision Adam's model state (ZeRO paper, Rajbhandari et al. SC 2020, Sec. 3: 2 bytes of
   16-bit weights, 2 of 16-bit gradients, 12 of fp32 master weights and Adam's two moments per parameter),
   partitioned over the P data-parallel ranks as ZeRO does: stage 0 nothing, 1 the 12, 2 the 12 + 2, 3 all 16;
-- DRAGONN: the stated budget per parameter of ``ds_dragonn.memory.budget`` (the one
+- DRAGONN: the stated budget per parameter of ``launch.bench.memory_budget.budget`` (the one
   ``tests/test_memory_budget.py`` holds the code to), every parameter in a compressed bucket;
 
 and the largest model whose state fits in 80 GB (H100) and 141 GB (H200), dense and with DRAGONN.
@@ -33,7 +33,7 @@ for _path in (REPO, REPO / "launch"):  # the package; launch/ for bench.common
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-from ds_dragonn.memory import budget  # noqa: E402
+from launch.bench.memory_budget import budget  # noqa: E402
 
 GB = 1e9
 CAPACITIES_GB = {"H100 80 GB": 80.0, "H200 141 GB": 141.0}
@@ -59,7 +59,7 @@ def dense_bytes_per_param(stage: int, world: int) -> float:
 
 def dragonn_bytes_per_param(compress: str, stage: int, world: int, per_node: int, txn: bool = False,
                             exchange: Optional[str] = None) -> float:
-    """DRAGONN's stated budget per parameter per GPU (``ds_dragonn.memory.budget``, bf16 wire): ``per_node``
+    """DRAGONN's stated budget per parameter per GPU (``launch.bench.memory_budget.budget``, bf16 wire): ``per_node``
     ranks per node (1: flat). The exchange: ZeRO 1-3 flat reduce-scatter, else allgather."""
     if exchange is None:
         exchange = "reduce_scatter" if stage >= 1 and per_node == 1 else "allgather"
