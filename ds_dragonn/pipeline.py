@@ -1,22 +1,8 @@
 """The compressed allreduce of one bucket: compensate → compress → exchange → commit residual → decode.
 
-This is the only place that fixes that order. The residual is committed only once the exchange has
-succeeded, so a failed exchange leaves ``old residual + gradient`` in it: nothing recorded as sent that
-never left, nothing lost.
-
-Step budget (memory passes over the bucket of n elements, per step):
-
-1. compensate: residual += gradient, in place (reads the gradients and the residual, writes the
-   residual; the bucket is never flattened into a new tensor). With ``into_inputs`` the gradients are
-   zeroed in the same pass, block by block while in cache (CPU library);
-2. the selection kernel's scan of the compensated buffer (its threshold sample reads ~0.1 % of it);
-
-and nothing else of size n: the residual commit, the non-finite check, the decode (into the gradients,
-or into a persistent buffer whose previous positions are cleared) and the averaging all touch only the
-~k (commit) or ~P·k (decode) selected positions. A full pass is added only where it is needed: an
-overflow step (a sent value is non-finite: the residual's non-finite entries are cleared), a compressor
-that does not always send non-finite entries (random-k), or a decode buffer somebody else wrote into.
-Measured: ``launch/bench_step.py``, ``docs/results/step/phases_24m_1thread.txt``.
+This is the only place that fixes that order. The residual is committed only once the exchange has succeeded, so a
+failed exchange leaves ``old residual + gradient`` in it. Memory passes per step: see docs/design.md, 'The data path
+of one bucket' (Step budget).
 """
 from __future__ import annotations
 
@@ -109,9 +95,7 @@ def timed_scope(on: bool) -> Iterator[None]:
 
 
 class PhaseClock:
-    """Phase timer. Timed (``timed``, default :func:`timing_requested`), it synchronises a CUDA device at each
-    mark so that the times are the device's; untimed, a CUDA clock never synchronises and every lap is 0.0
-    (a CPU clock reads the host's time, which is the device's, either way).
+    """Phase timer: timed, it synchronises a CUDA device at each mark; untimed, every CUDA lap is 0.0.
 
     Args:
         device: the device whose work is timed.
@@ -262,10 +246,8 @@ class CompressedAllreduce:
         return Reduced(out, stats)
 
     def can_reduce_into(self, tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> bool:
-        """Whether :meth:`reduce` can decode into ``tensors`` (:meth:`SparseDecoder.serves
-        <ds_dragonn.decode.SparseDecoder.serves>`: CPU fp32/bf16 contiguous, or one contiguous tensor; wire
-        dtype equal to theirs; error feedback on: the zeroing rides on the compensation pass, or the
-        momentum's update)."""
+        """Whether :meth:`reduce` can decode into ``tensors``: :meth:`SparseDecoder.serves
+        <ds_dragonn.decode.SparseDecoder.serves>`, wire dtype equal to theirs, and error feedback on."""
         return (self.error_feedback.enabled and bool(tensors)
                 and tensors[0].dtype == dtype and SparseDecoder.serves(tensors))
 
@@ -278,22 +260,14 @@ class CompressedAllreduce:
                      raw: bool = False, flush: bool = False) -> torch.Tensor:
         """Dense allreduce of ``residual + prescale × gradients``, which empties the residual (flush).
 
-        Used when a bucket that has been compressed goes dense (the auto policy's choice): what its
-        residual (and, for the partitioned exchange, this rank's server residual) still holds is sent now
-        instead of being lost. The residual keeps only the rounding of the wire dtype. Allocates a buffer
-        (this runs on switches, not every step).
+        Used when a compressed bucket goes dense (auto policy), and for every dense reduction after the warm-up in
+        the momentum mode; the residual keeps only the wire dtype's rounding. See docs/design.md, 'The auto policy'.
 
-        In the momentum mode every dense reduction after the warm-up runs here: the gradients are folded
-        into the local momentum first, and the residual plus that momentum is sent.
-
-        ``codec``: how the sum's values travel (:class:`~ds_dragonn.exchange.quantize.ValueCodec`): the
-        communication dtype, or int8/int4 codes (``advanced.dense_values``, ``exchange/dense_quantized.py``);
-        their rounding stays in the residual. ``raw``: reduce the gradients themselves even in the momentum
-        mode (the dense warm-up and the variance refreshes; ``key`` then names a residual of its own, which holds
-        only that rounding).
-        ``flush``: the residual held unsent gradient (a compressed bucket going dense); where a skipped step
-        returns what it sent (``ErrorFeedback.undo_sent``), what this sends is logged (n values, this step only).
-
+        Args:
+            codec: how the sum's values travel (:class:`~ds_dragonn.exchange.quantize.ValueCodec`): the wire dtype
+                or int8/int4 codes (``advanced.dense_values``); their rounding stays in the residual.
+            raw: reduce the gradients themselves even in the momentum mode (``key`` then names its own residual).
+            flush: the residual held unsent gradient; with ``ErrorFeedback.undo_sent`` what this sends is logged.
         Returns:
             A new (n,) tensor of ``dtype``: ``postscale × Σ_ranks (residual + prescale × gradients)``.
         """
@@ -329,7 +303,6 @@ class CompressedAllreduce:
 
 
 def _imbalance(owner_pairs) -> float:
-    """max / mean of the pairs each owner received (0 without owners or pairs)."""
     total = sum(owner_pairs)
     return max(owner_pairs) * len(owner_pairs) / total if total else 0.0
 

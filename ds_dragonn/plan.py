@@ -12,9 +12,7 @@ A row is checked in the phases it names:
 - ``engine``: the engine DeepSpeed built (its optimizer), before a hook is installed;
 - ``layout``: the hook's data-parallel group, when its pipeline is built (``engine/pipelines.py``).
 
-This module imports nothing from the package when it loads (one row asks the kernels when it is checked):
-``config.py`` and ``engine/`` read it, and it reads the block
-through its attributes (the enums are ``str`` enums, compared with their values).
+This module imports nothing from the package when it loads (``config.py`` and ``engine/`` read it).
 """
 from __future__ import annotations
 
@@ -385,9 +383,7 @@ def resolve_compress(cfg: Any, facts: Facts) -> Tuple[str, str]:
 
 def step_transaction(exact: Optional[bool], may_skip: Optional[bool], loss_scaler: Optional[bool]) -> Tuple[bool, str]:
     """Whether a skipped step must leave no trace (working copies of the residuals and momenta), and why:
-    ``advanced.exact_skipped_steps`` where set, else only under the fp16 loss scaler, whose skips are routine
-    (bf16 and fp32 skip only on a non-finite gradient; there a skipped step's sent pairs return to the residuals
-    instead, an O(k) log: ``feedback.py``)."""
+    ``advanced.exact_skipped_steps`` where set, else only under the fp16 loss scaler (``feedback.py``)."""
     if not may_skip:
         return False, "no step is skipped: no loss scaler, no overflow check"
     if exact is not None:

@@ -1,38 +1,10 @@
 """DRAGONN selection, the pure-PyTorch definition (Wang et al., ICML 2022, Sec. 3).
 
 The kernels (``kernels/``) reproduce these functions bit for bit; ``dragonn.DragonnCompressor`` drives them.
-
-Per flattened buffer of ``n`` elements with target ``k = ceil(density * n)``:
-
-1. :func:`sample_threshold` — draw ``s = max(min_sample, ceil(sample_ratio * n), ceil(256 / density))``
-   elements (capped at n; all of them when s ≥ n, which makes the threshold exact) and take the
-   ``ceil(c * s)``-th largest magnitude, where ``c = candidate_density(density, table_factor)`` (1.151 ×
-   density for table_factor 4) is raised above the density by what collisions will drop, so that about k
-   pairs are kept. The threshold stays on the device: no host sync. The compressor draws a
-   *stratified hashed* sample (:func:`sample_positions`): one element per stratum ``[j·n/s, (j+1)·n/s)``
-   at ``murmur3(j, seed) mod`` the stratum length — every element equally likely, every layer of a bucket
-   sampled in proportion, positions computable by any kernel (so all kernels get the same threshold),
-   and reads in ascending order (cheap on a CPU).
-2. :func:`build_table` — every element with ``|g| >= thr`` (and ``g != 0``) writes its index into slot
-   ``murmur3(index, seed) mod m`` of a table of ``m = min(ceil(table_factor * k), n)`` slots. No sort, no prefix
-   sum. Each slot stores a *priority key* (:func:`priority_keys`: magnitude bits above the index bits)
-   and a collision keeps the largest key (``scatter_reduce(amax)``; an atomic max on a GPU): the
-   larger magnitude wins, ties go to the larger index. The winner is defined, so every implementation
-   produces the same table, and it does not depend on position (element 0 is not disadvantaged).
-   Losers stay in the residual. When ``m >= n`` the table is indexed directly (slot = index): a
-   perfect hash, nothing collides.
-3. :func:`gather_table` — valid slots (≠ ``EMPTY_SLOT``) give the kept indices; values are gathered.
-
-Non-finite entries (NaN, ±Inf) count as infinitely large: they are always candidates and win every
-collision against finite values, so every slot they hash to sends one of them to every rank, as with the
-dense allreduce, where DeepSpeed's overflow check sees them; the threshold is estimated from the finite
-sample entries only. Ties: every element equal to the threshold is a candidate, so a buffer of many
-equal magnitudes fills the table (up to m = table_factor·k slots); ``Compressor.compress`` then cuts the
-selection to ``max_pairs(k) = ceil(1.1·k)`` pairs (``base.trim``), so the bytes stay bounded.
-
-Steps 1–3 have three implementations that give identical results (``DragonnCompressor(kernel=...)``):
-``reference`` (the pure-PyTorch functions below), ``cpu`` (C++ one-pass library, ``kernels/cpu_table``)
-and ``triton`` (GPU kernels, ``kernels/triton_table``); ``auto`` picks the fastest available.
+Per buffer: :func:`sample_threshold` (stratified hashed sample, :func:`sample_positions`), :func:`build_table`
+(hashed table of :func:`priority_keys`, a collision keeps the largest key; direct when m ≥ n), :func:`gather_table`.
+Non-finite entries count as infinitely large. See docs/design.md, 'The data path of one bucket', and
+docs/kernels.md.
 """
 from __future__ import annotations
 
@@ -44,16 +16,12 @@ from .base import EMPTY_SLOT, index_dtype, magnitude, target_k
 from .hashing import murmur3_index_hash
 
 
-#: The sample always holds at least this many expected above-threshold hits, so that the threshold
-#: quantile is estimated from more than a couple of elements (relative spread ~ 1/sqrt(hits)).
+#: The sample always holds at least this many expected above-threshold hits (docs/kernels.md).
 MIN_SAMPLE_HITS = 256
 
 
 def sample_size(numel: int, sample_ratio: float, min_sample: int, density: float = 1.0) -> int:
-    """Threshold sample size ``s = min(n, max(min_sample, ceil(sample_ratio·n), ceil(256/density)))``.
-
-    256 expected hits put the relative spread of the candidate count near 1/sqrt(256) ≈ 6 %.
-    """
+    """Threshold sample size ``s = min(n, max(min_sample, ceil(sample_ratio·n), ceil(256/density)))``."""
     need = MIN_SAMPLE_HITS / density  # inf for densities below ~1e-306: then the whole buffer
     if not need < numel:
         return numel
@@ -63,11 +31,9 @@ def sample_size(numel: int, sample_ratio: float, min_sample: int, density: float
 def candidate_density(density: float, table_factor: float, direct: bool = False) -> float:
     """Fraction of the buffer the threshold should pass so that about ``k`` pairs survive the table.
 
-    ``c`` candidates hashed into ``m = table_factor·k`` slots occupy ``m·(1 − exp(−c/m))`` of them
-    (balls into bins), so ``c = −table_factor·ln(1 − 1/table_factor)·k`` candidates keep ``k`` in
-    expectation (1.151·k for the paper's table_factor 4). Without this the achieved density is ~0.885 of
-    the configured one. The factor is capped at ``table_factor`` (the table cannot hold more); a
-    direct table (``direct``: m ≥ n, nothing collides) needs no correction.
+    ``c`` candidates in ``m = table_factor·k`` slots occupy ``m·(1 − exp(−c/m))`` of them, so
+    ``c = −table_factor·ln(1 − 1/table_factor)·k`` keep ``k`` in expectation (docs/kernels.md); capped at
+    ``table_factor``. A direct table (``direct``: m ≥ n) needs no correction.
     """
     if direct or table_factor <= 1.0:
         return density
@@ -77,8 +43,6 @@ def candidate_density(density: float, table_factor: float, direct: bool = False)
 
 def table_capacity(k: int, table_factor: float, numel: int | None = None) -> int:
     """Hash-table slots ``m = min(ceil(table_factor * k), numel)`` (0 when k == 0).
-
-    Capped at the buffer length: there a direct table (slot = index) holds every element.
     """
     if k <= 0:
         return 0
@@ -99,9 +63,8 @@ def step_sample_seed(seed: int) -> int:
 def sample_positions(numel: int, num_samples: int, seed: int, device=None) -> torch.Tensor:
     """Stratified hashed sample: position ``j`` is drawn from stratum ``[j·n//s, (j+1)·n//s)``.
 
-    ``pos_j = start_j + murmur3(j, seed) mod (end_j − start_j)``, with ``start_j = j·q + (j·r)//s``
-    (``q, r = divmod(n, s)``, exact in int64 for s < 3·10^9). Every element has inclusion probability
-    ≈ s/n; positions ascend. The CPU and Triton kernels compute the same positions.
+    ``pos_j = start_j + murmur3(j, seed) mod (end_j − start_j)``, ``start_j = j·q + (j·r)//s``, ``q, r = divmod(n, s)``;
+    positions ascend. The CPU and Triton kernels compute the same positions.
 
     Args:
         numel: n ≥ 1. num_samples: s in [1, n]. seed: 32-bit seed (see :func:`step_sample_seed`).
@@ -141,9 +104,8 @@ def sample_threshold(flat: torch.Tensor, density: float, num_samples: int,
 
 
 def sample_kth(flat: torch.Tensor, num_samples: int, kk: int, seed: int) -> torch.Tensor:
-    """The ``kk``-th largest finite magnitude (non-finite count as 0) of the stratified hashed sample of
-    :func:`sample_positions` (the whole buffer when ``num_samples ≥ n``): :func:`sample_threshold` with the rank
-    given directly (chunk-wise selection, ``chunks.chunk_rank``).
+    """The ``kk``-th largest finite magnitude of the :func:`sample_positions` sample: :func:`sample_threshold`
+    with the rank given directly (chunk-wise selection, ``chunks.chunk_rank``).
 
     Args:
         flat: (n,) float tensor, n ≥ 1. num_samples: s ≥ 1. kk: rank in [1, min(s, n)]. seed: 32-bit seed.

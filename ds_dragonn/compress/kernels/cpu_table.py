@@ -1,18 +1,9 @@
 """The fast CPU path: a small C++ library (``cpu_table.cpp``) loaded with ctypes.
 
-One pass over the buffer tests blocks of elements with a vectorised integer compare (magnitude bit
-patterns against the threshold's), and only the ~density fraction that passes is hashed; candidates are
-bucketed per thread by table range and each range is then filled from cache with a plain max (a thread
-whose bucket overflows stores the rest straight into the table with an atomic max). The threshold sample and the table compaction run in the same library. Results equal
-the pure-PyTorch reference in ``reference.py`` bit for bit (tests/test_kernels.py).
-
-Threads: where torch runs on GNU OpenMP and the process already holds its ``libgomp.so.1`` (the pip wheels),
-the library is built with ``-fopenmp`` and its parallel regions run on torch's own thread pool; otherwise
-(or with ``DS_DRAGONN_CPU_OPENMP=0``, or when that build fails to compile or load) it uses std::thread.
-The library has no torch headers, so it builds in about a second with the system C++ compiler; it is
-cached under ``$TORCH_EXTENSIONS_DIR/ds_dragonn_cpu/`` (default ``~/.cache/torch_extensions``), keyed by a
-hash of the source, the compiler and the CPU's feature flags, and written atomically (ranks that build at
-once do not race). Without a compiler :func:`available` is False and callers fall back to the reference.
+One pass over the buffer with a vectorised compare; candidates are hashed into a cache-blocked table. Results
+equal ``reference.py`` bit for bit (tests/test_kernels.py). Threading (torch's OpenMP pool or std::thread), the
+build and its cache under ``$TORCH_EXTENSIONS_DIR/ds_dragonn_cpu/``: see docs/kernels.md. Without a compiler
+:func:`available` is False and callers fall back to the reference.
 """
 from __future__ import annotations
 
@@ -40,15 +31,13 @@ CXXFLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fno-math-errn
 #: dtype codes of the C++ side
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
 
-#: Table building (speed only, results are identical): bytes of table per partition of the cache-blocked
-#: path (0: the library's default, 1 MiB; -1: no blocking, atomic stores) and candidates per
-#: (thread, partition) bucket (0: default). Tests set small values to cross the blocking boundaries.
+#: Table building (speed only): bytes of table per partition of the cache-blocked path (0: default, 1 MiB;
+#: -1: no blocking, atomic stores) and candidates per (thread, partition) bucket (0: default).
 BLOCK_BYTES = 0
 BUCKET_CAP = 0
 
-#: Widest vector path of the table scan: "auto" (the CPU's best), "avx512", "avx2", "sse2" or "scalar"
-#: (clamped to what the CPU has; speed only, results are identical). Read at each call; its default
-#: comes from the environment variable ``DS_DRAGONN_CPU_ISA``. Tests run every path the CPU supports.
+#: Widest vector path of the table scan: "auto", "avx512", "avx2", "sse2" or "scalar" (clamped to what the CPU
+#: has; speed only). Read at each call; default from ``DS_DRAGONN_CPU_ISA``.
 ISA = os.environ.get("DS_DRAGONN_CPU_ISA", "auto")
 ISA_CODES = {"auto": 0, "scalar": 1, "sse2": 2, "avx2": 3, "avx512": 4}
 
@@ -83,7 +72,6 @@ def _cpu_flags() -> str:
 
 
 def _loaded_libgomp() -> list[str]:
-    """Paths of the GNU OpenMP runtimes mapped into this process (Linux; else empty)."""
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
@@ -99,11 +87,8 @@ def _loaded_libgomp() -> list[str]:
 def openmp_flags() -> list[str]:
     """``["-fopenmp"]`` when the build can share torch's OpenMP runtime, else ``[]``.
 
-    Only then: torch's parallel backend is OpenMP and exactly one file named ``libgomp.so.1*`` is loaded
-    (torch's ``libgomp.so.1``, or ``libgomp.so.1.0.0`` in conda and system installs; the library's NEEDED
-    ``libgomp.so.1`` then binds to it by soname: one thread pool, not two competing for the cores). Copies
-    renamed by auditwheel (e.g. scikit-learn's ``libgomp-<hash>.so.1.0.0``) have other sonames and do not
-    interfere. ``DS_DRAGONN_CPU_OPENMP=0`` forces std::thread.
+    Only when torch's parallel backend is OpenMP and exactly one ``libgomp.so.1*`` is loaded (the library then
+    binds to it by soname: one thread pool). ``DS_DRAGONN_CPU_OPENMP=0`` forces std::thread.
     """
     if os.environ.get("DS_DRAGONN_CPU_OPENMP", "1") == "0":
         return []
@@ -302,9 +287,8 @@ def select(flat: torch.Tensor, threshold: torch.Tensor, capacity: int, seed: int
            index_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``gather_table(flat, build_table(flat, threshold, capacity, seed, ...))`` in one go.
 
-    The cache-blocked table build also records each slot's winning value (it has the element in cache
-    when it finds it), so the gather reads the table's values in slot order instead of ~count scattered
-    reads of ``flat``. Same result as the two calls, bit for bit (tests/test_kernels.py).
+    Also records each slot's winning value, so the gather reads values in slot order. Same result as the two
+    calls, bit for bit (tests/test_kernels.py).
     """
     flat = _check(flat)
     table, vtab = _build_table(flat, threshold, capacity, seed, index_bits, with_values=True)
@@ -387,7 +371,6 @@ def sparse_update(dst: torch.Tensor, indices: torch.Tensor, mode: str, src: Opti
 
 
 def _update_operands(fn: str, mode: str, dtype: torch.dtype, count: int, src: Optional[torch.Tensor]):
-    """(mode code, contiguous src or None, tmp tensor or None) for :func:`sparse_update` / :func:`addr_update`."""
     code = _SPARSE_MODES[mode]
     if code in (0, 1):
         if src is None or src.numel() != count or src.dtype != dtype:
