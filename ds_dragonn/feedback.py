@@ -1,29 +1,12 @@
 """Error feedback: a residual per flattened buffer, so that nothing selected away is lost, only delayed.
 
-Order (fixed in ``ds_dragonn.pipeline`` and nowhere else, cf. GRACE's communicator template):
-:meth:`ErrorFeedback.compensate_` (residual += gradient, in place) → compress → exchange →
-:meth:`ErrorFeedback.commit` (residual at the sent positions = compensated − sent), the commit only
-after the exchange succeeded. A failed exchange therefore leaves ``old residual + gradient`` in the
-residual: nothing is recorded as sent that never left, and nothing is lost.
+Order (fixed in ``ds_dragonn.pipeline``, cf. GRACE's communicator template): :meth:`ErrorFeedback.compensate_`
+→ compress → exchange → :meth:`ErrorFeedback.commit`, the commit only after the exchange succeeded.
 
-Invariant, exactly (tests check it): ``scatter(sent) + residual == compensated``. Residuals of
-fp16/bf16 buffers are kept in float32 so that small entries are not rounded away; what was actually
-sent (in the wire dtype) is subtracted, so the rounding of sent values stays in the residual too.
-
-Step budget (cheaper than the wire it saves): the residual is a persistent buffer that doubles
-as the compensated buffer of the step, so a step allocates nothing of the buffer's size and makes one
-memory pass (read gradient, read and write residual); the commit touches only the ~k sent positions.
-Non-finite entries (NaN/±Inf) must not stay in the residual: a compressor that always sends at least one
-non-finite entry when the buffer has any (DRAGONN, top-k: they rank first) lets the pipeline skip the full
-``isfinite`` pass unless a sent value is non-finite (``clear_non_finite``, overflow steps only).
-
-Skipped steps (DeepSpeed learns that a step overflowed only after every bucket was reduced, then skips it): the
-strategy chosen at construction (``ds_dragonn.undo``) keeps or undoes the step. Exact (``transactional``: fp16, or
-``advanced.exact_skipped_steps``; ``engine/steps.py``): the compensation goes into a working copy of the residual
-(the same single pass, out of place), swapped in when the step is applied; two residuals per bucket. O(k)
-(``undo_sent``: bf16 and fp32): in place, each commit logging what it sent, which a skipped step adds back (the
-residual then holds ``old residual + gradient`` to its float32 rounding) before resetting the non-finite entries;
-n values for a bucket whose residual a dense reduction flushed in the step (``reduce_dense(flush=True)``).
+Invariant, exactly (tests check it): ``scatter(sent) + residual == compensated``. Residuals of fp16/bf16 buffers
+are float32; what was actually sent (in the wire dtype) is subtracted, so its rounding stays in the residual.
+Skipped steps: the strategy chosen at construction (``ds_dragonn.undo``) keeps or undoes the step. See
+docs/design.md, 'The data path of one bucket' and 'Around the step'.
 """
 from __future__ import annotations
 
@@ -53,18 +36,15 @@ def segment_views(buf: torch.Tensor, tensors: Sequence[torch.Tensor]) -> List[to
 class ErrorFeedback:
     """Persistent per-bucket buffers: the residual (error feedback on) or a scratch buffer (off).
 
-    Each bucket (a stable key) holds one (n,) buffer in :func:`residual_dtype` of the wire dtype, reused every step.
-
     Args:
         enabled: when False, :meth:`compensate_` returns ``prescale × gradient`` in a scratch buffer and
             :meth:`commit` keeps nothing (``residuals`` stays empty).
         transactional: a step's residual updates stay in a working buffer until :meth:`end_step` says
-            whether DeepSpeed applied the step (module docstring); ``residuals`` always holds the state
+            whether DeepSpeed applied the step (docs/design.md, 'Around the step'); ``residuals`` holds the state
             after the last applied step.
         undo_sent: (not transactional) log what each commit sent, added back by ``end_step(False)``.
-        undo: the skipped-step strategy (``ds_dragonn.undo``) instead of the one these switches choose (the
-            partitioned exchange's server residuals: :class:`~ds_dragonn.undo.SavedValues`); error feedback off
-            keeps nothing to undo.
+        undo: the skipped-step strategy (``ds_dragonn.undo``) instead of the one these switches choose; error
+            feedback off keeps nothing to undo.
     """
 
     def __init__(self, enabled: bool = True, transactional: bool = False, undo_sent: bool = False,
@@ -98,9 +78,8 @@ class ErrorFeedback:
         return buf
 
     def buffer(self, key: Hashable, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """The key's persistent (numel,) buffer in :func:`residual_dtype` of ``dtype``, for sparse
-        compensation (the partitioned exchange's owner adds the pairs it receives into it): the residual
-        when enabled, else a scratch buffer zeroed now.
+        """The key's persistent (numel,) buffer in :func:`residual_dtype` of ``dtype``, for sparse compensation:
+        the residual when enabled, else a scratch buffer zeroed now.
 
         Raises:
             ValueError: the key's buffer has another length, dtype or device.
@@ -120,7 +99,6 @@ class ErrorFeedback:
         return cached[2]
 
     def current(self, key: Hashable) -> torch.Tensor:
-        """The buffer the step works on: the working buffer of an open transactional step, else the residual."""
         return self.undo.current(key, self.residuals[key])
 
     def compensate_(self, key: Hashable, tensors: Sequence[torch.Tensor], dtype: torch.dtype,
@@ -167,13 +145,12 @@ class ErrorFeedback:
         return work
 
     def end_step(self, applied: bool) -> None:
-        """DeepSpeed applied the step or skipped it: the strategy keeps or undoes it (module docstring)."""
+        """DeepSpeed applied the step or skipped it: the strategy keeps or undoes it."""
         self.undo.end_step(self.residuals, applied)
 
     def rescale_(self, factor: float, key: Optional[Hashable] = None) -> None:
         """Multiply every residual (or only ``key``'s, where it has one) by ``factor``: a changed fp16 loss
-        scale (residuals stay in the units of the gradients they are added to; a power-of-two factor is
-        exact), or the local-steps mode's decaying accumulator. One pass, only when ``factor != 1``."""
+        scale, or the local-steps mode's decaying accumulator. One pass, only when ``factor != 1``."""
         if factor == 1.0:
             return
         for buf in (self.residuals.values() if key is None else
@@ -201,9 +178,8 @@ class ErrorFeedback:
                          sends_non_finite: bool = False) -> None:
         """Reset every non-finite residual entry to 0 (one full pass; needed only on overflow steps).
 
-        With ``sent`` (the values just sent from this buffer) of a compressor that ``sends_non_finite``
-        (NaN/Inf rank first, so a buffer holding any sends at least one), finite ``sent`` values prove the
-        buffer finite and the pass is skipped."""
+        With finite ``sent`` values of a compressor that ``sends_non_finite``, the buffer is finite and the pass
+        is skipped."""
         if sent is not None and sends_non_finite and bool(torch.isfinite(sent).all()):
             return
         buf = self.undo.current(key, self.residuals.get(key)) if self.enabled else None

@@ -1,31 +1,16 @@
 """Collectives over MPI through mpi4py (``"comm_backend": "mpi"``).
 
-``torch.distributed`` has no MPI backend in pip builds, so this transport calls mpi4py directly, as
-DeepSpeed's former ``runtime/comm/mpi.py`` did. It implements only the primitives of
-:class:`~ds_dragonn.comm.base.CommBackend`; packing, padding and the agreement check on buffer sizes live
-in the exchange scheme (``ds_dragonn.exchange``) and are shared with the torch transport, so for the same
-inputs both transports move the same bytes and return bit-identical results.
+``torch.distributed`` has no MPI backend in pip builds, so this transport calls mpi4py directly, as DeepSpeed's
+former ``runtime/comm/mpi.py`` did. It implements only :class:`~ds_dragonn.comm.base.CommBackend`'s primitives;
+packing and the agreement checks live in ``ds_dragonn.exchange``, so both transports move the same bytes and
+return bit-identical results. CPU tensors go to MPI without a copy; device tensors are staged through host
+memory, or with ``cuda_aware`` handed over after a stream sync (docs/mpi.md).
 
-Buffers go to MPI through the buffer protocol / DLPack (mpi4py accepts torch tensors as they are):
-
-* CPU tensors are always passed without a copy.
-* Device (CUDA) tensors with ``cuda_aware=False`` are staged: copied to host memory, exchanged, and the
-  result copied back to the device.
-* Device tensors with ``cuda_aware=True`` are handed to MPI directly after the current stream is
-  synchronised (MPI is not stream-aware). The MPI library must be CUDA-aware (e.g. Open MPI or MPICH
-  built with CUDA/UCX); the ``mpich`` wheel on PyPI is not.
-
-Timeout: mpi4py's blocking collectives wait for ever, so a rank that hangs alive would block the others
-for ever. With ``timeout_s`` (``"comm_timeout_s"``) every collective is started non-blocking
-(``Iallgather``/``Ialltoallv``/``Iallreduce``) and polled against that deadline; past it the rank raises
-:class:`~ds_dragonn.comm.base.CommError`, as gloo's own timeout does for the torch transport. MPI cannot
-cancel a started collective, so the run cannot go on after that error: it is for ending the job. And
-``MPI_Finalize`` at interpreter exit would wait for that collective for ever, so a process in which one timed
-out calls ``MPI_Abort`` at exit instead (:func:`_abort_at_exit`), which makes the launcher end every rank.
-
-The collectives run on a duplicate of ``MPI_COMM_WORLD`` (the user's own MPI traffic cannot interleave
-with ours). Every MPI failure is raised as :class:`~ds_dragonn.comm.base.CommError` whose message starts
-with ``[rank r]``.
+Timeout: with ``timeout_s`` every collective is started non-blocking and polled against the deadline, then
+raises :class:`~ds_dragonn.comm.base.CommError`. MPI cannot cancel a started collective, so that error ends the
+job, and a process in which one timed out calls ``MPI_Abort`` at exit (:func:`_abort_at_exit`) instead of
+``MPI_Finalize``, which would wait for ever. The collectives run on a duplicate of ``MPI_COMM_WORLD``; every MPI
+failure is a ``CommError`` whose message starts with ``[rank r]``.
 """
 from __future__ import annotations
 
@@ -60,14 +45,12 @@ class MPICommBackend(CommBackend):
         cuda_aware: hand device buffers to MPI directly (True) or stage them through host memory (False).
         comm: the MPI communicator to duplicate (default ``MPI.COMM_WORLD``).
         group: the ``torch.distributed`` process group this transport stands in for (None = the default
-            group). When ``torch.distributed`` is initialised, its size and this process's rank in it must
-            equal the MPI ones.
+            group); where initialised, its size and this rank must equal the MPI ones.
         timeout_s: seconds a collective may wait for the other ranks before :class:`CommError` (None: for ever).
     Raises:
         ImportError: mpi4py is not installed.
-        MPIWorldMismatchError: MPI and ``torch.distributed`` disagree on the world size or on this
-            process's rank (e.g. the job was started by a non-MPI launcher: every process is then its
-            own MPI world of size 1).
+        MPIWorldMismatchError: MPI and ``torch.distributed`` disagree on the world size or on this process's
+            rank (e.g. a non-MPI launcher: every process is its own MPI world of size 1).
     """
 
     name = "mpi"
@@ -102,8 +85,7 @@ class MPICommBackend(CommBackend):
     def all_gather_ints(self, values: Sequence[int] | torch.Tensor, device: torch.device) -> List[List[int]]:
         """Gather ``len(values)`` int64s from every rank: ``result[r]`` is rank r's list.
 
-        ``device`` is ignored (the ints travel through host memory). Every rank must pass the same
-        number of values.
+        ``device`` is ignored (host memory). Every rank must pass the same number of values.
         """
         local = np.asarray(values.tolist() if torch.is_tensor(values) else list(values), dtype=np.int64)
         out = np.empty((self._world_size, local.size), dtype=np.int64)
@@ -164,8 +146,8 @@ class MPICommBackend(CommBackend):
     def all_reduce_sum_(self, tensor: torch.Tensor) -> None:
         """In-place sum over ranks of a dense tensor (any shape, contiguous; any device).
 
-        fp16/bf16 are summed in float32 and rounded once (MPI has no reduction for them). Floating-point
-        sums follow MPI's reduction order, which may differ from NCCL/gloo in the last bit.
+        fp16/bf16 are summed in float32 and rounded once. Sums follow MPI's reduction order (may differ from
+        NCCL/gloo in the last bit).
 
         Raises:
             ValueError: ``tensor`` is not contiguous.
@@ -225,9 +207,8 @@ _ABORT_REGISTERED = False
 
 
 def _abort_at_exit(comm: Any) -> None:
-    """At interpreter exit, ``MPI_Abort`` instead of mpi4py's ``MPI_Finalize``, which would wait for the
-    collective that timed out for ever. Python's ``atexit`` handlers run before mpi4py's finalisation
-    (registered with ``Py_AtExit``, which runs later)."""
+    """At interpreter exit, ``MPI_Abort`` instead of mpi4py's ``MPI_Finalize``, which would wait for ever for the
+    collective that timed out (``atexit`` handlers run before mpi4py's ``Py_AtExit`` finalisation)."""
     global _ABORT_REGISTERED
     if _ABORT_REGISTERED:
         return

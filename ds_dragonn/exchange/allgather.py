@@ -1,23 +1,11 @@
 """Allgather exchange (DRAGONN paper, Sec. 4): every rank gathers every rank's (index, value) pairs.
 
-Wire format per rank, one ``all_gather`` of bytes after one small header ``all_gather``:
-
-* header: ``[count, numel, dtype code, whole]`` (int64 × 4). It sizes the payload and lets every rank
-  check that all ranks reduce the same buffer — a mismatch raises the same error on every rank instead of
-  hanging in a collective of unequal size.
-* payload: ``C`` positions then ``V`` values as raw bytes, ``V`` = the largest count over ranks and ``C``
-  the largest count less ``whole``, each rounded up to a multiple of 8 (keeps every block aligned for a
-  zero-copy view). Shorter lists are padded. Positions are packed where that is smaller
-  (``wire.write_indices``): sorted, as 16-bit offsets in chunks of 65 536 elements after one int32 count
-  per chunk, so a bf16 pair costs 4 bytes instead of 6. The last ``whole`` values of a list are the elements of
-  the tensors sent whole (per-tensor selection, ``Selection.whole``): the same positions on every rank,
-  so their indices are not sent. With ``advanced.values`` int8/int4 the values block holds per-group
-  scales then codes (``exchange/quantize.py``), quantized in travel order; ``Gathered.sent`` hands back
-  what every rank decodes of this rank's list, in the caller's order, for the residual.
-
-Bytes reported are those a ring allgather makes each rank send (and receive): ``(P - 1) × (header +
-payload)``. Each rank receives P·k pairs, so the traffic grows with the world size; the ``partitioned``
-scheme does not.
+Per rank: one small header ``all_gather`` (``[count, numel, dtype code, whole, finite]``: sizes the payload and
+checks that all ranks reduce the same buffer), then one ``all_gather`` of ``[positions][values]`` rows padded to
+the largest count, positions packed where smaller (``wire.write_indices``), values in the wire dtype or int8/int4
+codes (``exchange/quantize.py``). The last ``whole`` values of a list need no indices. Each rank receives P·k
+pairs; bytes reported are a ring allgather's ``(P - 1) × (header + payload)``. See docs/design.md, 'The exchange
+schemes'.
 """
 from __future__ import annotations
 
@@ -79,9 +67,6 @@ def gather_pairs(indices: torch.Tensor, values: torch.Tensor, counts: List[int],
                  codec: ValueCodec = PLAIN) -> GatheredPairs:
     """Allgather every rank's ``counts[r]`` pairs (counts from :func:`exchange_header`); the last ``whole``
     pairs of every list (the same positions on every rank) travel without their indices.
-
-    A row is ``[positions][values]``; the positions travel packed (``wire.write_indices``: sorted, 16-bit
-    offsets after per-chunk counts, the values in the same order) where that is smaller than plain indices.
 
     Args:
         numel: the buffer's length (fixes the chunk grid of the packed positions).

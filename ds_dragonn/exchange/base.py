@@ -1,17 +1,8 @@
 """The exchange interface: a rank's selected pairs in, every rank's decodable pairs out.
 
-An exchange scheme moves the pairs each rank selected (``compress``) to where they are decoded; the
-pipeline (``ds_dragonn.pipeline``) calls :meth:`Exchange.exchange` between the selection and the residual
-commit and does not know which scheme runs. Every scheme hands back a :class:`Gathered`: lists of
-(indices, values) whose sum over the lists is the bucket's reduced sparse gradient, the same on every rank.
-
-* ``allgather`` (``exchange/allgather.py``): every rank receives every rank's pairs, P·k in all.
-* ``partitioned`` (``exchange/partitioned.py``): a sparse reduce-scatter to hash-balanced owners, which
-  re-sparsify their sum with a second (server) residual, then an allgather of the owners' results:
-  about 2k(P−1)/P pairs sent per rank whatever P.
-
-The wire header shared by both (``[.., numel, dtype code]``) lets every rank check that all ranks reduce
-the same buffer: a mismatch raises :class:`BufferMismatchError` on every rank instead of hanging.
+The pipeline calls :meth:`Exchange.exchange` between the selection and the residual commit and does not know
+which scheme runs (``allgather``, ``partitioned``, ``reduce_scatter``). Every scheme hands back a
+:class:`Gathered`, the same on every rank. See docs/design.md, 'The exchange schemes'.
 """
 from __future__ import annotations
 
@@ -41,8 +32,7 @@ class Gathered(NamedTuple):
         owner_pairs: ``partitioned`` only: pairs each owner received in the reduce-scatter (self
             included); ``max / mean`` is the owner imbalance.
         scale: the values were already multiplied by this (``partitioned`` with fp16 values: the owners
-            send their sum ÷ P, which fits fp16 where the sum may not); the decode multiplies by
-            ``postscale / scale``.
+            send their sum ÷ P); the decode multiplies by ``postscale / scale``.
         sent: (c,) wire dtype: this rank's selection as every rank decodes it, in the selection's order,
             where that differs from the values given (quantized values, ``exchange/quantize.py``): the
             residual keeps ``kept − sent``. None: the values given were sent unchanged.
@@ -76,12 +66,8 @@ def check_buffer_agreement(numel: int, dtype: torch.dtype, backend: CommBackend,
                            scheme: str = "allgather", key: Hashable = None) -> None:
     """One small allgather of ``(numel, dtype, exchange scheme, bucket code)``: every rank raises
     :class:`BufferMismatchError` naming what differs and each rank's value when they disagree. The bucket
-    code (:func:`bucket_code` of ``key``) catches ranks whose buckets hold different parameters of the same
-    total size (e.g. a rank that froze another layer).
-
-    The pipeline runs it the first time it sees a bucket, before it touches the residual and before the
-    scheme's own collectives (schemes send different headers: ranks on different schemes would otherwise
-    crash or hang in them); the header of every exchange repeats the size/dtype check.
+    code (:func:`bucket_code` of ``key``) catches buckets of equal size holding different parameters. Run once
+    per bucket, before the residual is touched and before the scheme's own collectives.
     """
     code = bucket_code(key) if key is not None else 0
     rows = backend.all_gather_ints([numel, dtype_code(dtype), SCHEME_CODES.get(scheme, -1), code], device)

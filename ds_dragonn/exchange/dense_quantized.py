@@ -8,14 +8,8 @@ with error feedback instead of qgZ's two-level hierarchy):
    rank ``j`` (one all-to-all); the owner decodes the ``P`` shards and sums them in rank order (float32);
 2. allgather: each owner quantizes its summed shard and every rank gathers and decodes all ``P`` of them.
 
-Every rank decodes the same codes with the same operations, so the result is bit-identical on every rank.
-What rounding takes away is handed back to the caller for the residual (nothing lost): ``x − sent`` from the
-first phase (this rank's contribution), plus the owner's rounding of its summed shard in the second (a sum
-over ranks: kept by the owner alone, it returns to the sum exactly once).
-
-Bytes per rank (ring allgather): ``Σ_{j≠r} block(shard_j) + (P − 1) · block(max shard)``, a block being the
-codes and scales of one shard: about ``2(P−1)/P × n × (1 + 4/64)`` bytes for int8 and ``× (0.5 + 4/64)`` for
-int4, against ``2(P−1)/P × n × itemsize`` for the dense ring allreduce (0.53× / 0.28× of bf16's).
+Every rank decodes the same codes with the same operations (bit-identical results); the rounding of both phases
+is handed back for the residual. Bytes: see docs/design.md, 'Quantized dense steps'.
 """
 from __future__ import annotations
 

@@ -1,34 +1,13 @@
 """Partitioned exchange: a sparse reduce-scatter to balanced owners, a second residual, an allgather.
 
 The two-phase scheme of DeepSpeed's former compressed backends (``runtime/comm/nccl.py``
-``compressed_allreduce(buffer, worker_error, server_error)``, last shipped in 0.19.7) and of Ok-Topk
-(PPoPP'22), with owners balanced by a shared index permutation as in Zen (OSDI'25):
+``compressed_allreduce(buffer, worker_error, server_error)``, last shipped in 0.19.7) and of Ok-Topk (PPoPP'22),
+with owners balanced by a shared index permutation as in Zen (OSDI'25). Phases: :func:`sparse_reduce_scatter`,
+owner reduce + re-sparsify into the server residual, allgather of the owners' results (pairs or bitmap + values).
+See docs/design.md, 'The exchange schemes' and 'Quantized values'.
 
-1. **Sparse reduce-scatter** (:func:`sparse_reduce_scatter`). Each rank sends each selected pair to the
-   owner of its index (:class:`~ds_dragonn.exchange.ownership.HashedOwnership`: every owner holds n/P
-   indices and receives about k/P pairs from every rank). Counts go first in one small allgather (which
-   also carries the agreement check), then one ``all_to_all`` of bytes; pairs travel as (slot in the
-   owner's part, value), the slots packed to 16 bits where that is smaller (``wire.write_indices``).
-2. **Owner reduce + re-sparsify.** The owner adds the pairs into its part's *second residual* (the server
-   error, a persistent (n/P,) buffer), rank after rank so that the sum is deterministic, and selects
-   ``ceil(density · n/P)`` entries of it with the same compressor. What it does not send stays in the
-   server residual: nothing is lost, only delayed.
-3. **Allgather of the owners' results**, as pairs (global index packed to 16 bits, value; see
-   ``wire.pack_indices``) or — when it is smaller, i.e. above ~6 % density — as a bitmap over the owner's part plus the values in slot order (Zen). Every rank
-   decodes the same lists, so all ranks end bit-identical.
-
-Quantized values (``advanced.values``, ``exchange/quantize.py``): each phase-1 block is quantized by its
-sender, whose residual keeps the rounding; each owner re-quantizes its selection for phase 3 and keeps that
-rounding in its server residual, so nothing is lost in either phase.
-
-Traffic per rank: phase 1 sends ≈ k(P−1)/P pairs and phase 2 ≈ k(P−1)/P, together the lower bound
-2k(P−1)/P of any sparse allreduce (Ok-Topk, Sec. 3), against (P−1)·k for the allgather exchange. Only
-k pairs (not P·k) are decoded. The owner's selection and its server-residual pass over n/P elements
-are timed inside the pipeline's exchange phase.
-
-Failure: a collective that fails after phase 1 leaves the server residual holding what it received
-while the senders keep it in their own residuals (they commit only after the exchange); a failed
-collective ends the run, so this state is never used.
+A failed collective after phase 1 leaves the server residual holding what it received while the senders keep it
+too; a failed collective ends the run, so this state is never used.
 """
 from __future__ import annotations
 
@@ -52,7 +31,7 @@ _BIT_WEIGHTS = [1 << b for b in range(8)]
 
 
 class Scattered(NamedTuple):
-    """What this rank (an owner) received in a sparse reduce-sparse_ops.
+    """What this rank (an owner) received in a sparse reduce-scatter.
 
     Attributes:
         slots: per source rank r, (c_r,) int32/int64 distinct slots in this rank's part.
@@ -82,8 +61,8 @@ def sparse_reduce_scatter(selection: Selection, numel: int, wire_dtype: torch.dt
                           backend: CommBackend, codec: ValueCodec = PLAIN) -> Scattered:
     """Send each selected pair to the rank that owns its index (phase 1 of the partitioned exchange).
 
-    Also the primitive ZeRO-1/2 needs: with a :class:`~ds_dragonn.exchange.reduce_sparse_ops.RangeOwnership`
-    of the gradient partitions, each rank receives exactly the pairs of the partition it owns.
+    Also ZeRO-1/2's primitive: with a :class:`~ds_dragonn.exchange.reduce_scatter.RangeOwnership` of the
+    gradient partitions, each rank receives exactly the pairs of the partition it owns.
 
     Args:
         selection: this rank's pairs; indices distinct, in [0, numel); values already in ``wire_dtype``.
@@ -105,7 +84,7 @@ def sparse_reduce_scatter(selection: Selection, numel: int, wire_dtype: torch.dt
         raise ValueError(f"[rank {rank}] ownership map of {ownership.numel} elements over {ownership.world_size} "
                          f"ranks used for a bucket of {numel} over {world}")
     owner, slot = ownership.owner_and_slot(selection.indices)
-    # group the pairs by owner; torch sorts 1-byte keys by radix (~8x faster than int64 at k = 2.4e5)
+        # group the pairs by owner; torch sorts 1-byte keys by radix (faster than int64)
     owner, order = torch.sort(owner.to(torch.uint8 if world <= 256 else torch.int32), stable=True)
     # the counts stay on the device and travel in the header: its rows are this scatter's one read-back
     row = header_row([0] * world + [numel, dtype_code(wire_dtype, codec.code)], selection.values, device)
@@ -182,9 +161,8 @@ class PartitionedExchange(Exchange):
                  transactional: bool = False, values: ValueCodec = PLAIN):
         super().__init__(backend, values)
         self.compressor = compressor
-        # keyed like the workers' residuals, (n_r,) each. transactional (steps DeepSpeed may skip): the old values
-        # of every server-residual entry a step changes, so a skipped step is undone exactly; the changes are
-        # sparse (received and sent slots), except a dense flush, which saves the whole part
+        # transactional: the old values of every server-residual entry a step changes, so a skipped step is
+        # undone exactly (sparse, except a dense flush, which saves the whole part)
         self.server = ErrorFeedback(error_feedback, undo=for_steps(transactional, StepUndo, SavedValues))
         self._ownership: Dict[int, Ownership] = {}
         self._numel: Dict[Hashable, int] = {}  # bucket length of each server residual's key
@@ -240,10 +218,9 @@ class PartitionedExchange(Exchange):
 
     def _gather(self, own: Ownership, slots: torch.Tensor, wire: torch.Tensor, counts: List[int], numel: int,
                 wire_dtype: torch.dtype) -> Tuple[List[torch.Tensor], List[torch.Tensor], int, torch.Tensor]:
-        """Allgather the owners' (slot, value) selections as pairs or as bitmap + values, whichever is
-        smaller (every rank decides the same from ``counts``). Returns (global indices, values, bytes
-        each rank sends and receives: (P−1) × payload, this owner's values as every rank decodes them in
-        the order of ``slots``)."""
+        """Allgather the owners' (slot, value) selections as pairs or as bitmap + values, whichever is smaller.
+        Returns (global indices, values, bytes sent, bytes received, this owner's values as decoded, in the order
+        of ``slots``)."""
         world, rank, device = self.backend.world_size, self.backend.rank, wire.device
         idt, codec = index_dtype(numel), self.values
         cap = align(max(counts, default=0))
@@ -299,10 +276,8 @@ class PartitionedExchange(Exchange):
     def load_state_dict(self, state: dict, device: torch.device | None = None) -> None:
         """Restore server residuals saved by :meth:`state_dict`.
 
-        Rule: residuals saved by another owner (another world size or rank) are dropped with a warning
-        naming what differs: they hold sums of indices this rank no longer owns. Every rank of a
-        resized job drops its own, so all ranks stay consistent.
-
+        Residuals saved by another owner (another world size or rank) are dropped with a warning naming what
+        differs; every rank of a resized job drops its own, so all ranks stay consistent.
         Raises:
             ValueError: a residual's length does not match its bucket's owner map here (a corrupt or
                 foreign state), naming the bucket.

@@ -1,20 +1,10 @@
 """Quantized values on the wire: symmetric int8 / int4 codes with one float32 scale per group of values.
 
-A list of ``c`` values travels as ``ceil(c / GROUP)`` float32 scales (the absmax of each group of
-:data:`GROUP` consecutive values in travel order ÷ ``qmax``) then ``c`` codes in ``[−qmax, qmax]``
-(int8: one byte, qmax 127; int4: two per byte, qmax 7), each array aligned to ``wire.ALIGN``. The sender
-rounds to nearest (``torch.round``: half to even), deterministically; every rank, the sender included,
-decodes ``code × scale`` rounded to the wire dtype with the same operations, so all ranks hold the same
-values bit for bit. What rounding takes away stays in the sender's residual (error feedback, Karimireddy
-et al. 2019): the exchanges hand back what was sent (``Gathered.sent``) and the pipeline commits
-``kept − sent``. Group-wise absmax scales follow ZeRO++ qgZ (Wang et al. 2023, int4 gradients) and
-SparseLoCo (Sarfi et al. 2025, 2-bit values of a top-k selection with error feedback).
-
-Non-finite values: a group holding NaN/±Inf gets a NaN scale, so every value of the group decodes to NaN
-and DeepSpeed's overflow check sees it as with the dense allreduce (the residual never keeps NaN).
-
-Bytes per value: int8 ``1 + 4/GROUP``, int4 ``0.5 + 4/GROUP`` (GROUP 64: 1.06 and 0.56), against 2 for
-bf16/fp16 and 4 for fp32; a packed position costs 2 more.
+A list of ``c`` values travels as ``ceil(c / GROUP)`` float32 scales (absmax of each group ÷ ``qmax``) then ``c``
+codes (int8: qmax 127; int4: two per byte, qmax 7), each array aligned to ``wire.ALIGN``. Every rank decodes
+the same values bit for bit; the rounding stays in the sender's residual (error feedback, Karimireddy et al.
+2019). Group-wise absmax scales follow ZeRO++ qgZ (Wang et al. 2023) and SparseLoCo (Sarfi et al. 2025). A group
+holding NaN/±Inf gets a NaN scale. See docs/design.md, 'Quantized values'.
 """
 from __future__ import annotations
 
@@ -116,9 +106,7 @@ def unpack_int4(packed: torch.Tensor, count: int) -> torch.Tensor:
 class ValueCodec(ABC):
     """How the values of one list travel: writes and reads its values block, sizes it, and sums a dense buffer.
 
-    One class per kind, chosen once by :func:`value_codec`: :class:`DtypeCodec` (the wire dtype, unchanged) and
-    :class:`QuantizedCodec` (int8 / int4 codes with per-group scales).
-
+    One class per kind, chosen once by :func:`value_codec`: :class:`DtypeCodec` and :class:`QuantizedCodec`.
     Attributes:
         format: the :class:`ValueFormat`.
         code: small integer naming the format in wire headers (0 dtype, 8, 4): ranks on different formats fail
@@ -170,8 +158,7 @@ class ValueCodec(ABC):
 
 
 class DtypeCodec(ValueCodec):
-    """``dtype`` (an unresolved ``auto`` too): the values travel in the wire dtype, unchanged; the dense sum is the
-    backend's allreduce in that dtype."""
+    """``dtype`` (an unresolved ``auto`` too): the values travel in the wire dtype, unchanged."""
 
     def block_bytes(self, capacity: int, wire_dtype: torch.dtype) -> int:
         return align(int(capacity) * wire_dtype.itemsize)
@@ -197,7 +184,7 @@ class DtypeCodec(ValueCodec):
 
 
 class QuantizedCodec(ValueCodec):
-    """``int8`` / ``int4``: codes with one float32 scale per ``group`` values (module docstring); the dense sum is
+    """``int8`` / ``int4``: codes with one float32 scale per ``group`` values; the dense sum is
     :func:`~ds_dragonn.exchange.dense_quantized.quantized_allreduce`.
 
     Args:

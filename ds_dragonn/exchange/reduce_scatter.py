@@ -1,15 +1,9 @@
 """Sparse reduce-scatter to fixed owners: the exchange of ZeRO stage 1/2's gradient partitions.
 
 ZeRO partitions every flattened gradient bucket between the data-parallel ranks (DeepSpeed 0.19.8
-``runtime/zero/stage_1_and_2.py``, ``average_tensor``: ``rank_and_offsets``); each rank needs the
-averaged gradient of its own partition only. :class:`ReduceScatterExchange` is phase 1 of the partitioned
-exchange (:func:`~ds_dragonn.exchange.partitioned.sparse_reduce_scatter`) with the owners given by those
-ranges (:class:`RangeOwnership`) instead of a hash: each rank sends each selected pair to the rank that
-owns its offset, and each owner decodes the sum of the pairs it received. No second residual: the owner
-does not re-sparsify (its result goes into its own partition, which ZeRO's dense parameter all-gather
-then shares), so nothing is held back beyond the workers' residuals.
-
-Traffic per rank ≈ k(P−1)/P pairs, against ``(P−1)/P × n`` elements for the dense reduce-scatter.
+``runtime/zero/stage_1_and_2.py``, ``average_tensor``: ``rank_and_offsets``). :class:`ReduceScatterExchange` is
+phase 1 of the partitioned exchange (:func:`~ds_dragonn.exchange.partitioned.sparse_reduce_scatter`) with those
+ranges as owners (:class:`RangeOwnership`); no second residual. See docs/design.md, 'The exchange schemes'.
 """
 from __future__ import annotations
 

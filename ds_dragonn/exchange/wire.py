@@ -1,9 +1,8 @@
 """What goes on the wire, and what it costs: value dtype codes, block alignment, the clamp to a 16-bit wire
 dtype, bucket digests, and every byte model (dense ring collectives, sparse headers and blocks).
 
-One home for these numbers: the exchanges, the engine's dense-or-compressed decision, the telemetry and
-the benchmarks (``launch/``) all import them, so a model changes in one place. Byte models are per rank,
-sent bytes, ring algorithms (NCCL's and gloo's default for large buffers).
+One home for these numbers (exchanges, engine, telemetry, ``launch/`` benchmarks). Byte models are per rank,
+sent bytes, ring algorithms.
 """
 from __future__ import annotations
 
@@ -24,9 +23,8 @@ def align(nbytes: int) -> int:
 def to_wire(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``values`` in the wire dtype; finite values beyond its range are clamped to its largest finite value.
 
-    A residual accumulated in float32 can exceed fp16's 65504 although no gradient does: sent as Inf it
-    would poison the result (fp32 training has no loss scaler to catch it) and the residual would drop
-    it. Clamped, the excess stays in the residual. Non-finite values are sent as they are.
+    A float32 residual can exceed fp16's 65504 although no gradient does; clamped, the excess stays in the
+    residual instead of poisoning the result as Inf. Non-finite values are sent as they are.
     """
     if dtype not in (torch.float16, torch.bfloat16) or values.dtype == dtype:
         return values.to(dtype)
@@ -54,11 +52,8 @@ def block_bytes(count: int, idx_dtype: torch.dtype, wire_dtype: torch.dtype) -> 
     return align(count * idx_dtype.itemsize) + align(count * wire_dtype.itemsize)
 
 
-#: Positions travel packed: as 16-bit offsets inside chunks of ``2^CHUNK_BITS`` elements, after one int32
-#: count per chunk (absent when the buffer is a single chunk): 2 bytes a position plus ``4·ceil(n / 65536)``
-#: per block, instead of 4 for an int32 index, so a bf16 pair costs 4 bytes instead of 6. A block whose
-#: chunk counts would cost more than they save (a few positions in a huge buffer) stays plain int32/int64:
-#: every rank decides the same from the block's capacity and the buffer's length (:func:`packs`).
+#: Positions travel packed: 16-bit offsets inside chunks of ``2^CHUNK_BITS`` elements after one int32 count per
+#: chunk, where that is smaller than plain int32/int64 (:func:`packs`; docs/design.md, 'The data path of one bucket').
 CHUNK_BITS = 16
 _OFFSET_BIAS = 1 << (CHUNK_BITS - 1)  # offsets in [0, 2^16) stored as int16 offset − 2^15 (lossless)
 
