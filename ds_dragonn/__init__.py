@@ -38,15 +38,10 @@ _DEEPSPEED_INITIALIZE: Optional[Any] = None
 def enable() -> None:
     """Make ``deepspeed.initialize`` itself honour the ``"dragonn"`` block, for every caller in this process.
 
-    For frameworks that call ``deepspeed.initialize`` themselves: Hugging Face ``Trainer``
-    (``TrainingArguments(deepspeed=...)``), Accelerate (``DeepSpeedPlugin``) and Lightning
-    (``DeepSpeedStrategy``). Call it once, before the framework builds its engine (e.g. right after the
-    imports); ``deepspeed.initialize`` is then :func:`initialize`, with the same signature and return values.
-    Configs without an enabled ``"dragonn"`` block get DeepSpeed's engine untouched. Idempotent; undone by
-    :func:`disable`. It replaces the attribute of the ``deepspeed`` module: code that did
-    ``from deepspeed import initialize`` before this call keeps the original. Another wrapper around
-    ``deepspeed.initialize`` (before or after this call) keeps working: each wrapper calls the function it
-    wrapped, and an engine is hooked once.
+    For frameworks that call ``deepspeed.initialize`` themselves (Hugging Face ``Trainer``, Accelerate,
+    Lightning): call it once, before the framework builds its engine. Configs without an enabled ``"dragonn"``
+    block get DeepSpeed's engine untouched. Idempotent; undone by :func:`disable`. Code that did
+    ``from deepspeed import initialize`` before this call keeps the original. See docs/frameworks.md.
     """
     global _DEEPSPEED_INITIALIZE
     import functools
@@ -122,11 +117,10 @@ def _deepspeed_initialize() -> Any:
 def initialize(*args: Any, **kwargs: Any):
     """``deepspeed.initialize`` with DRAGONN gradient compression when the config enables it.
 
-    Takes and returns exactly what ``deepspeed.initialize`` does: ``(engine, optimizer,
-    training_dataloader, lr_scheduler)``. The ``"dragonn"`` block is read from the same config
-    (``args.deepspeed_config``, ``config=`` dict or JSON path) and validated before DeepSpeed starts.
-    With the block absent or ``"enabled": false`` the engine is returned untouched. ZeRO stage 0 hooks the
-    engine's gradient allreduce, stages 1 and 2 the ZeRO optimizer's gradient reduce-scatter.
+    Takes and returns exactly what ``deepspeed.initialize`` does: ``(engine, optimizer, training_dataloader,
+    lr_scheduler)``. The ``"dragonn"`` block is read from the same config and validated before DeepSpeed starts;
+    absent or ``"enabled": false``, the engine is returned untouched. See docs/design.md, 'Where it hooks into
+    DeepSpeed'.
 
     Raises:
         DragonnConfigError: the ``"dragonn"`` block has an unknown key or an invalid value.
@@ -272,9 +266,8 @@ def check_ranks_agree(cfg: Optional[DragonnConfig], zero_stage: int, group: Any 
     """Compare every rank's DRAGONN settings (one ``all_gather_object``); raise on every rank when they differ
     or when any rank refused its configuration.
 
-    Ranks that disagree would otherwise run different collectives (one compresses, another runs DeepSpeed's
-    allreduce) and hang; a rank that refuses its configuration alone would leave the others waiting in
-    DeepSpeed's start-up. Called by :func:`initialize` on every rank, also where compression is off.
+    Ranks that disagree would run different collectives and hang. Called by :func:`initialize` on every rank,
+    also where compression is off.
 
     Args:
         cfg: this rank's validated block (None when it was invalid: then ``refusal`` says why).

@@ -1,29 +1,11 @@
 """DRAGONN state in DeepSpeed's own checkpoints: one file per rank beside DeepSpeed's, in the tag folder.
 
-``engine.save_checkpoint(save_dir, tag)`` and ``engine.load_checkpoint(load_dir, tag)`` are wrapped on the
-engine *instance* (:func:`install`): every rank writes ``<save_dir>/<tag>/dragonn_rank<R>.pt`` before
-DeepSpeed saves (whose last act is to point ``latest`` at the tag, after a barrier), and reads it after
-DeepSpeed has loaded. No user code is needed, and nothing goes into ``client_state``,
-which DeepSpeed saves from rank 0 only (every rank would then load rank 0's residuals).
-
-A state file holds what ``engine/state.py`` describes (the residuals, the run they belong to) and is loaded
-by its rules (reset, fold or keep, each logged). The per-step hash seeds derive from ``dragonn.seed`` and
-DeepSpeed's ``global_steps``, which DeepSpeed restores itself, so a resumed run is the uninterrupted run
-bit for bit.
-
-After every load the ranks compare their global step (:func:`check_same_step`): ranks that resumed
-different tags fail at once instead of hanging later.
-
-Save and load are collective, like the config agreement: a rank that cannot write or read its state file
-makes every rank raise :class:`CheckpointError`, naming each failing rank and its file (:func:`agree`). A
-failed save leaves no trace: every rank writes ``dragonn_rank<R>.pt.tmp`` first, and the files are renamed
-to their final names only once every rank has written its own; otherwise the temporary files are removed,
-DeepSpeed's save is not run (``latest`` stays where it was), and a tag folder left empty is removed. A
-load where one rank's file is missing while the other ranks hold theirs, saved at this world size, is an
-incomplete checkpoint and fails the same way.
-
-Loading with ``load_optimizer_states=False`` or ``load_module_only=True`` (a warm start) leaves the
-residuals empty, like DeepSpeed's optimizer state.
+``engine.save_checkpoint`` / ``load_checkpoint`` are wrapped on the engine *instance* (:func:`install`): every
+rank writes ``<save_dir>/<tag>/dragonn_rank<R>.pt`` before DeepSpeed saves, and reads it after DeepSpeed has
+loaded (never through ``client_state``, which only rank 0 saves). Contents and load rules: ``engine/state.py``.
+Save and load are collective (:func:`agree`, :class:`CheckpointError`); after every load the ranks compare their
+global step (:func:`check_same_step`). A warm start (``load_optimizer_states=False`` / ``load_module_only=True``)
+leaves the residuals empty. See docs/design.md, 'Around the step' (Checkpoints).
 """
 from __future__ import annotations
 
@@ -82,8 +64,7 @@ def gather(hook: Any, value: Any) -> Tuple[list, int]:
 
 def check_same_step(hook: Any, tag: str = "") -> None:
     """One small allgather of ``(global_steps, digest of the loaded tag)`` over the data-parallel group after
-    a load: ranks that resumed different tags would otherwise take different dense/compressed branches
-    (warm-up, seeds) or hold residuals of different steps, or hang.
+    a load: ranks that resumed different tags would otherwise diverge or hang.
 
     Raises:
         CheckpointMismatchError: on every rank, naming each rank's step and tag.
@@ -124,9 +105,8 @@ def install(hook: Any) -> None:
     def save_checkpoint(*args, **kwargs):
         """This rank's DRAGONN state in the tag folder, then DeepSpeed's ``save_checkpoint``.
 
-        Written first: DeepSpeed's save starts with a barrier and ends by pointing ``latest`` at the tag, so
-        ``latest`` never names a tag whose DRAGONN files are still being written. Collective: if any rank
-        cannot write its file, every rank raises :class:`CheckpointError` and nothing is left behind."""
+        Written first: DeepSpeed's save ends by pointing ``latest`` at the tag. Collective: if any rank cannot
+        write its file, every rank raises :class:`CheckpointError` and nothing is left behind."""
         a = _bound(save, args, kwargs)
         tag = a.get("tag")
         tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"  # DeepSpeed's default

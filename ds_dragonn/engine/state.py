@@ -2,30 +2,12 @@
 loading it into another run (reset, fold or keep), with its validation. Files and collectives are
 ``engine/checkpoint.py``'s.
 
-A state holds this rank's residuals (the partitioned exchange's server residuals too), the buckets that
-may hold unsent gradient, the telemetry totals, and a description of the run: world size, rank, global
-step, the ``"dragonn"`` block, DeepSpeed's bucketing settings and the trainable parameters' names and
-shapes.
-
-Rules when the run differs from the saved one (:func:`compare`; every case logs a warning that names what
-differs, none is silent):
-
-* another world size or rank, other trainable parameters (names or shapes), another ZeRO stage, bucket
-  size or communication dtype: the residuals belong to other buckets or other ranks' gradients; another
-  ``gradient_predivide_factor`` or ``prescale_gradients``: they are in other units. They are **reset**
-  (start empty);
-* another ``compress`` mode (``gradient`` / ``momentum``) or ``sync`` mode: the residuals hold unsent gradients
-  in one and unsent momenta (or pseudo-gradients) in the other; reused, they would move the weights by many
-  learning rates in one step (docs/results.md). They are **reset**, with a warning naming both modes;
-* another exchange scheme: the partitioned exchange's server residuals are **folded** into this rank's
-  worker residuals at the indices it owned (exact: the same unsent sum goes out with the next
-  compressed reduction);
-* another density, compressor, kernel, selection (``advanced.selection``: global or chunk-wise), value format on the wire (``advanced.values``: the residuals hold its
-  rounding, which is unsent gradient like the rest), warm-up or policy: the residuals are unsent gradients (or
-  momenta) in the same units whatever those settings, so they are **kept**.
-
-Where the residuals are reset, the hook may still take what applies (:meth:`HookBase.restore_after_reset`:
-under local steps, ``θ_outer``, which every rank held alike).
+A state holds this rank's residuals (server residuals too), the buckets that may hold unsent gradient, the
+telemetry totals, and a description of the run (world size, rank, step, the ``"dragonn"`` block, bucketing,
+trainable parameters). When the run differs from the saved one (:func:`compare`) the residuals are **reset**,
+**folded** or **kept**, each with a warning naming what differs: see docs/design.md, 'Around the step'
+(Checkpoints). Another ``compress`` or ``sync`` mode also resets them: they would hold unsent momenta (or
+pseudo-gradients) where gradients are expected, and move the weights by many learning rates. Where they are reset, the hook may still take what applies (:meth:`HookBase.restore_after_reset`).
 """
 from __future__ import annotations
 
@@ -58,10 +40,9 @@ _HELD = {"gradient": "unsent gradients", "momentum": "unsent Adam momenta"}
 #: how a bucketing entry absent from a description reads (a flat run describes no node layout)
 _ABSENT = {"hierarchy": "flat"}
 
-#: The hook's stores a state holds beside the exchanges: the state's part -> the hook's attribute, which is None
-#: where the hook has none (the momentum and the variance freeze outside the momentum mode, the warm-up tracker
-#: without ``"warmup_steps": "auto"``): the part then holds None. Each store has ``state_dict()``; those of
-#: :data:`RESIDUALS` have ``reset()``, those loaded with the residuals ``load_state_dict(saved, device)``.
+#: The hook's stores a state holds beside the exchanges: the state's part -> the hook's attribute (None where the
+#: hook has none: the part then holds None). Each store has ``state_dict()``; those of :data:`RESIDUALS` have
+#: ``reset()``, those loaded with the residuals ``load_state_dict(saved, device)``.
 STORES = {"error_feedback": "error_feedback", "momentum": "momentum", "variance": "variance_freeze",
           "warmup": "warmup_tracker"}
 
@@ -303,8 +284,7 @@ def load_state_dict(hook: Any, state: dict, source: str = "the state") -> None:
 
 def fold_server_residuals(hook: Any, exchanges: list) -> None:
     """Add saved partitioned-exchange server residuals into the worker residuals of the same buckets, at
-    the indices this rank owned (the owner map of the saved world size, which equals this one; node-aware:
-    of the ranks that exchange this rank's shards, its cross-node group)."""
+    the indices this rank owned (node-aware: of its cross-node group)."""
     rank, world = hook.where()
     pipes = hook.pipelines
     cross = getattr(pipes[0], "cross", None) if pipes else None

@@ -1,30 +1,12 @@
 """Adam's bias-corrected variance frozen after the dense warm-up: the momentum mode's optimizer side (1-bit
 Adam, Tang et al., ICML 2021; DeepSpeed <= 0.19.7 ``runtime/fp16/onebit/adam.py``).
 
-Error feedback delivers what waited in a burst: an element that waits 100 steps arrives with ~100 steps of
-momentum. Adam would divide the burst by ``sqrt(v)``, and ``v`` grows with the burst's square, so the element
-would move about one learning rate once instead of a hundred times (docs/results/convergence/
-lm_defaults_trials.md). With the variance frozen, Adam's update is momentum SGD with a fixed per-element
-preconditioner, and delays stay linear.
-
 :class:`VarianceFreeze` registers a pre-step hook on the engine's innermost ``torch.optim.Optimizer`` (torch
-Adam/AdamW, DeepSpeed's FusedAdam/CPUAdam: per-parameter ``exp_avg``, ``exp_avg_sq``, ``step``). At the first
-step at or after ``freeze_step`` in which a bucket sent the momentum (:meth:`arm`) it records each tensor's
-``V̂ = v / (1 − β2^t)`` (floored, ``variance_math``) into Adam's own ``exp_avg_sq`` and zeroes ``exp_avg`` at
-the elements that have one: those are the known elements (``variance_math.known_mask``), and the freeze keeps
-no buffer of its own. Before every later step it applies ``lr · (g / c1) / (sqrt(V̂) + eps)`` to the known
-elements itself, ``g`` being the averaged momentum that arrived, and sets their gradient and moments so that
-Adam's step moves them by AdamW's decay only and leaves ``V̂`` in place (``variance_math.momentum_step_``). At
-ZeRO-3 the tensors are the fp32 sub-group flats (DeepSpeed 0.19.8 ``runtime/zero/stage3.py``:
-``fp32_partitioned_groups_flat``), each lent to its group for its own ``step()`` (one pre-hook call per
-sub-group): the same elementwise arithmetic. Elements without gradient through the warm-up and tensors that
-first get gradient after the freeze keep Adam's own update until a variance refresh gives them a variance.
-
-Variance refresh (``variance_refresh_steps``; 0/1 Adam, Lu et al., ICLR 2022): a frozen ``V̂`` drifts from
-Adam's, up to ~10x per tensor over a 2000-step run (``launch/variance_drift.py``). On a refresh step the hooks
-reduce the raw gradient densely, the pre-hook moves ``V̂ ← ρ·V̂ + (1 − ρ)·ḡ²`` and zeroes the gradient and
-``exp_avg``, so Adam applies no update (AdamW still decays the weights once). That step's momentum waits in
-the residual (``engine/base.py``): nothing is lost.
+Adam/AdamW, DeepSpeed's FusedAdam/CPUAdam). At the first step at or after ``freeze_step`` in which a bucket sent
+the momentum (:meth:`arm`) it records each tensor's ``V̂`` into Adam's own ``exp_avg_sq``; before every later
+step it applies the known elements' update itself (``variance_math``). At ZeRO-3 the tensors are the fp32
+sub-group flats (DeepSpeed 0.19.8 ``runtime/zero/stage3.py``: ``fp32_partitioned_groups_flat``). Variance
+refresh: 0/1 Adam, Lu et al., ICLR 2022. See docs/design.md, 'The data path of one bucket' (What is compressed).
 """
 from __future__ import annotations
 
@@ -196,9 +178,8 @@ class VarianceFreeze:
 
     def _record(self, optimizer) -> None:
         """Record ``V̂ = v / (1 − β2^t)`` (floored) into ``exp_avg_sq`` and zero ``exp_avg`` at the elements with a
-        variance, for every parameter with Adam state (every sub-group's at ZeRO-3, whose groups hold one
-        sub-group at a time: ``adam.optimizer_params``). Elements that hold a frozen ``V̂`` already
-        (``known_mask``: after a load that reset the freeze but kept or restored such a state) keep it as it is."""
+        variance, for every parameter with Adam state (every sub-group's at ZeRO-3). Elements that hold a frozen
+        ``V̂`` already (``known_mask``) keep it."""
         self.params, self._index = [], {}
         self._cover.clear()
         total = quiet = 0

@@ -1,15 +1,8 @@
 """The arithmetic of the momentum mode's frozen Adam variance, one pure function per step (``engine/variance.py``
-holds the optimizer hook).
+holds the optimizer hook). See docs/design.md, 'The data path of one bucket' (What is compressed).
 
-``V̂`` (Adam's bias-corrected variance, recorded at the end of the dense warm-up, then moved by variance
-refreshes) lives in Adam's own ``exp_avg_sq``, and the elements it is frozen for are those whose ``exp_avg`` is
-kept at 0 (:func:`known_mask`): the freeze stores nothing of its own. Before each step the pre-hook applies the
-frozen elements' update itself (:func:`momentum_step_`) and sets their moments so that Adam's step applies none
-and leaves ``V̂`` in place (:func:`before_decay`). The other elements had no gradient before the freeze (a rare
-token's embedding row, a layer or expert that first gets gradient later): they have no variance to divide by.
-Dividing their momentum by the floor would move them by hundreds of learning rates per step, where Adam's own
-update stays near one (docs/results.md). They keep Adam's own update, its own moments following what arrives
-(bounded like Adam's), until a variance refresh gives them an estimate (:func:`refresh_`).
+``V̂`` lives in Adam's own ``exp_avg_sq``; the frozen elements are those whose ``exp_avg`` is kept at 0
+(:func:`known_mask`). Elements without a variance keep Adam's own update until a refresh (:func:`refresh_`).
 """
 from __future__ import annotations
 
@@ -18,16 +11,13 @@ from typing import Iterator, Optional
 
 import torch
 
-#: each tensor's frozen ``sqrt(V̂)`` is at least this fraction of its mean over the known elements (the former
-#: ``variance_floor`` key's default; a floor of 0 gave the same LM result, docs/results.md)
+#: each tensor's frozen ``sqrt(V̂)`` is at least this fraction of its mean over the known elements
 VARIANCE_FLOOR = 0.01
 
-#: elements per chunk of the freeze's elementwise work: its temporaries are a few float32 copies of a chunk (4 MB),
-#: not of the largest tensor
+#: elements per chunk of the freeze's elementwise work (its temporaries are a few float32 copies of a chunk)
 CHUNK = 1 << 20
 
-#: the least weight the frozen variance keeps at a refresh: one step's g² is a one-sample estimate, so it gets
-#: at most 10 % (a smaller floor measured worse on the LM: docs/results.md)
+#: the least weight the frozen variance keeps at a refresh (one step's g² is a one-sample estimate)
 DEFAULT_DECAY_FLOOR = 0.9
 
 
@@ -43,7 +33,7 @@ def slices(numel: int, chunk: int = CHUNK) -> Iterator[slice]:
 
 
 def flat(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a 1-D view (its elements in place; ValueError for a tensor that has no such view)."""
+    """``t`` as a 1-D view (ValueError for a tensor that has no such view)."""
     if not t.is_contiguous():
         raise ValueError(f"the variance freeze needs contiguous optimizer tensors; got one of shape {tuple(t.shape)} "
                          f"with strides {t.stride()}")
@@ -51,11 +41,8 @@ def flat(t: torch.Tensor) -> torch.Tensor:
 
 
 def known_mask(state: dict) -> torch.Tensor:
-    """Bool mask of the elements whose variance is frozen, from Adam's own state (nothing of ours is stored):
-    ``exp_avg == 0`` (a frozen element's first moment is kept at 0: its update is applied by the pre-hook) and
-    ``exp_avg_sq > 0`` (it has a variance). An element on Adam's own update has a non-zero first moment; should
-    it reach exactly 0 (underflow after thousands of steps without gradient) it joins with its own variance,
-    as a refresh would let it."""
+    """Bool mask of the elements whose variance is frozen, from Adam's own state: ``exp_avg == 0`` and
+    ``exp_avg_sq > 0``."""
     return (state["exp_avg"] == 0) & (state["exp_avg_sq"] > 0)
 
 
@@ -66,9 +53,7 @@ def bias_correction2(beta2: float, t: float, corrected: bool) -> float:
 
 def before_decay(vhat: torch.Tensor, beta2: float) -> torch.Tensor:
     """``v`` such that Adam's ``v·β2`` (``exp_avg_sq.mul_(β2)``, the gradient being 0) lands on ``vhat``: the
-    quotient, moved one ulp where its product rounds past ``vhat``. Exact except just below a power of two,
-    where products of consecutive values are 2 ulps apart (``vhat`` then moves by 1 ulp, once), and where the
-    quotient overflows (``vhat`` within ``β2`` of the dtype's largest value: it then decays once)."""
+    quotient, moved one ulp where its product rounds past ``vhat`` (exact except just below a power of two)."""
     v = vhat / beta2
     back = v * beta2
     up = torch.nextafter(v, torch.full_like(v, math.inf))
@@ -124,9 +109,8 @@ def floor_variance_(v: torch.Tensor, floor: float, chunk: int = CHUNK) -> torch.
 def momentum_step_(p: torch.Tensor, state: dict, g: torch.Tensor, every: bool, beta2: float, c1: float, lr: float,
                    eps: float, decay: float, chunk: int = CHUNK) -> None:
     """Apply ``lr · (g / c1) / (sqrt(V̂) + eps)`` to the known elements of ``p`` now, and leave Adam nothing to do
-    there: their gradient is zeroed (with ``exp_avg`` at 0 Adam's update is 0) and ``exp_avg_sq`` is set to
-    :func:`before_decay` of ``V̂``, so that Adam's step puts ``V̂`` back. The other elements keep Adam's own
-    update. Chunk by chunk (``chunk`` elements): the temporaries are a few copies of a chunk, not of ``p``.
+    there (gradient zeroed, ``exp_avg_sq`` set to :func:`before_decay` of ``V̂``). The other elements keep Adam's
+    own update. Chunk by chunk.
 
     Args:
         p: the parameter Adam steps (fp32 master at ZeRO), changed in place; contiguous, as ``state``'s and ``g``.
@@ -159,13 +143,10 @@ def momentum_step_(p: torch.Tensor, state: dict, g: torch.Tensor, every: bool, b
 
 def refresh_(state: dict, g: torch.Tensor, beta2: float, c2: float, rho: float,
              floor: float = VARIANCE_FLOOR, chunk: int = CHUNK) -> int:
-    """A variance refresh from the dense raw gradient ``g``, then no update. The known elements move
-    ``V̂ ← ρ·V̂ + (1 − ρ)·g²``; an element on Adam's own update with a variance (``exp_avg_sq > 0``: momentum
-    arrived for it) joins them with ``V̂ = max(own, g²)``, ``own = exp_avg_sq / c2`` its bias-corrected
-    variance (one step's ``g²`` alone is often ~0 for a rare element); the known elements are floored at
-    ``floor`` of their mean ``sqrt(V̂)``. The gradient and ``exp_avg`` are zeroed and ``exp_avg_sq`` set to
-    :func:`before_decay` of ``V̂``, so that Adam applies no update (AdamW still decays the weights once) and
-    its step puts ``V̂`` back. Two passes, chunk by chunk. Returns how many elements joined.
+    """A variance refresh from the dense raw gradient ``g``, then no update: known elements move
+    ``V̂ ← ρ·V̂ + (1 − ρ)·g²``; an element on Adam's own update with a variance joins them with
+    ``V̂ = max(exp_avg_sq / c2, g²)``; floored at ``floor`` of the mean ``sqrt(V̂)``. Gradient and ``exp_avg``
+    are zeroed and ``exp_avg_sq`` set to :func:`before_decay` of ``V̂``. Returns how many elements joined.
 
     Args:
         c2: ``1 − β2^t`` of Adam's step count so far (its own bias correction of the joining elements).
