@@ -1,18 +1,10 @@
 """Decode: sum every rank's (index, value) pairs into one dense buffer, then average.
 
-Pairs from different ranks that hit the same index are
-*summed* (``index_add_``), and the sum is scaled afterwards exactly as DeepSpeed's dense path scales its
-allreduced sum. Ranks are added one after another: within a rank indices are distinct, so even the GPU's
-atomic ``index_add_`` is deterministic and every rank decodes bit-identical results.
-
-Step budget: :class:`SparseDecoder` keeps one persistent output buffer per bucket that is zero except at
-the positions the previous step decoded; it clears those (``P × k`` positions) instead of zeroing the
-whole buffer, and scales only the decoded positions. A step therefore costs O(P·k), not O(n), unless
-somebody wrote into the returned buffer (its ``_version`` changed): then it is zeroed in full once.
-
-fp16: the sum of P ranks' values can exceed 65504 although each value and the average do not (4 ranks of
-30000.0). fp16 buckets are therefore summed in a float32 buffer and scaled there, and only the average is
-rounded to fp16 (DeepSpeed's dense fp16 allreduce sums in fp16 and overflows in that case).
+Pairs from different ranks that hit the same index are *summed* (``index_add_``), rank after rank
+(deterministic, bit-identical on every rank), and the sum is scaled as DeepSpeed's dense path scales its
+allreduced sum. :class:`SparseDecoder` clears and scales only the previous step's ``P × k`` positions (O(P·k),
+not O(n), unless somebody wrote into its buffer). fp16 buckets are summed in float32 and only the average is
+rounded (a sum of P values can exceed 65504 where the average does not).
 """
 from __future__ import annotations
 

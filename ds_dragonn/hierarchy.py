@@ -1,27 +1,11 @@
 """The node-aware compressed allreduce (``hierarchy: node``): dense inside the node, compressed across nodes.
 
-With N nodes of L ranks (``comm/topology.py``), per bucket of n elements, on every rank:
-
-1. sum the bucket densely inside the node (fp32 for 16-bit buckets; the fast link) and keep this rank's
-   shard, ``ceil(n / L)`` elements: local rank ``l`` owns ``[l·s, (l+1)·s)``;
-2. compensate, select and keep the residual on that shard only (:class:`~ds_dragonn.pipeline.CompressedAllreduce`
-   over the N ranks that share this local index): selection work and residuals shrink to 1/L per rank;
-3. exchange the shard's pairs among those N ranks (``allgather`` or ``partitioned``): what crosses the slow
-   link is one shard's pairs per rank, a node's L shards together one bucket's;
-4. decode into the shard (in place where the wire dtype is the shard's, fp32) and gather the L shards back
-   inside the node.
-
+With N nodes of L ranks (``comm/topology.py``), per bucket: sum densely inside the node and keep this rank's
+``ceil(n / L)`` shard; compensate, select and exchange that shard among the N ranks of this local index
+(:class:`~ds_dragonn.pipeline.CompressedAllreduce`); decode it and gather the L shards back inside the node.
 HiTopKComm (Shi et al., MLSys'21) and ZeRO++ qgZ (DeepSpeed ``runtime/comm/coalesced_collectives.py``
-``all_to_all_quant_reduce``: an all-to-all inside the node, then one across nodes among ranks of the same
-local index) do the same with top-k and int4. Against the flat scheme a node receives ~1/L of the pairs with
-``partitioned`` and ~1/L² with ``allgather`` (each of its L ranks gathers N shards instead of N·L buckets).
-
-The momentum mode needs nothing more: the node's sum of local momenta is the momentum of the node's summed
-gradient (it is linear), so the shard's momentum is kept like its residual. Nothing is lost: what the
-shard's owners applied, times the world size, plus every owner's residual, is the sum of every rank's
-gradients (``tests/test_hierarchy.py``, float64). Step 1 is an allreduce inside the node, not a
-reduce-scatter: twice a reduce-scatter's bytes, on the fast link, through the four collectives every
-transport has (``comm/base.py``).
+``all_to_all_quant_reduce``) do the same with top-k and int4. The momentum mode needs nothing more (the node's
+sum of local momenta is linear). See docs/design.md, 'The exchange schemes' (Across nodes).
 """
 from __future__ import annotations
 

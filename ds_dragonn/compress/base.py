@@ -56,9 +56,8 @@ def index_dtype(numel: int) -> torch.dtype:
 def trim(sel: Selection, cap: int) -> Selection:
     """``sel`` cut to its ``cap`` largest magnitudes (non-finite first); pairs keep their order.
 
-    Equal magnitudes are decided by position in the selection: for DRAGONN that is the hash-table slot,
-    so the kept ties are a hashed (not a positional) subset of the tied elements. Deterministic, so every
-    kernel and every rank cut the same way. What is cut stays in the residual.
+    Equal magnitudes are decided by position in the selection (for DRAGONN the hash-table slot):
+    deterministic, so every kernel and every rank cut the same way. What is cut stays in the residual.
     """
     c = sel.count
     if c <= cap:
@@ -79,8 +78,7 @@ def segment_seed(seed: int, s: int) -> int:
 def magnitude(flat: torch.Tensor) -> torch.Tensor:
     """|flat| in float32, with NaN and ±Inf mapped to +Inf: non-finite entries always rank first.
 
-    Sending non-finite entries reproduces what the dense allreduce does (they reach every rank, where
-    DeepSpeed's overflow check sees them) instead of hiding them in the residual.
+    Sending non-finite entries reproduces the dense allreduce (DeepSpeed's overflow check sees them).
     """
     mag = flat.abs().float()
     return torch.nan_to_num(mag, nan=math.inf, posinf=math.inf)

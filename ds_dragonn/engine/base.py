@@ -1,13 +1,8 @@
 """What the hook points share: the compressor, the residual store, the pipelines and the step transaction.
 
-Each hook point (``stage0.py``: ZeRO stage 0, ``stage_1_and_2.py``: ZeRO stage 1/2, ``stage3.py``: ZeRO stage 3)
-receives DeepSpeed's gradient buckets at a different method and hands them to the one decision sequence,
-:class:`~ds_dragonn.engine.reducer.BucketReducer` (``reducer.py``); as that reducer's stage adapter it supplies
-only what differs there: the bucket's tensors and key, DeepSpeed's dense path, the averaging, the owners and
-where the result goes. The ZeRO 1-3 hooks share their choice of exchange (:class:`ZeroPartitionHook`). Beside
-the hook: the dense-or-compressed decision (``decision.py``), the logs and monitor events (``reporting.py``)
-and the state (``state.py``). The compress → exchange → decode → error-feedback order lives in
-``ds_dragonn.pipeline`` alone.
+Each hook point (``stage0.py``, ``stage_1_and_2.py``, ``stage3.py``) hands DeepSpeed's gradient buckets to the one
+decision sequence, :class:`~ds_dragonn.engine.reducer.BucketReducer`, as its stage adapter. The compress →
+exchange → decode → error-feedback order lives in ``ds_dragonn.pipeline`` alone.
 """
 from __future__ import annotations
 
@@ -103,9 +98,8 @@ class HookBase(FollowsOptimizer, HookState):
 
     def install(self) -> "HookBase":
         """Patch DeepSpeed's reduction (:meth:`_patch`), carry the residuals in ``engine.save_checkpoint`` /
-        ``load_checkpoint`` and log the start-up line. The transport of the data-parallel group is built first,
-        so that a wrong launch (e.g. an MPI world that is not the data-parallel group) fails at initialize,
-        not after the warm-up steps."""
+        ``load_checkpoint`` and log the start-up line. The transport is built first, so that a wrong launch fails
+        at initialize."""
         self.pipeline(self._dp_group())
         self._patch()
         self.engine.dragonn = self
@@ -168,9 +162,8 @@ class HookBase(FollowsOptimizer, HookState):
 
     def age_clock(self, step: int) -> int:
         """The age bound's clock at ``step`` (``compress/age_bound.py``): its compressed index
-        (``DensitySchedule.compressed_index``) less the compressed steps DeepSpeed skipped on overflow, whose
-        blocks were rolled back with their residuals and go out at the next compressed step instead. Never below
-        0: a resume that shortened the warm-up or the refresh period may have counted more than it now has."""
+        (``DensitySchedule.compressed_index``) less the compressed steps DeepSpeed skipped on overflow. Never
+        below 0 (a resume may have shortened the warm-up or the refresh period)."""
         return max(0, self.schedule.compressed_index(step) - self.steps.skipped_ticks)
 
     def settle(self) -> None:

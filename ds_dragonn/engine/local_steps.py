@@ -1,30 +1,12 @@
 """``sync: local_steps``: ranks train alone between syncs and exchange a compressed pseudo-gradient every H
 optimizer steps (DiLoCo, Douillard et al. 2023; SparseLoCo, 2025), at ZeRO stage 0.
 
-Hook points (DeepSpeed 0.19.8 ``runtime/engine.py``), overridden on the engine *instance*:
-
-* ``allreduce_gradients``: DeepSpeed's own during the dense ``warmup_steps``; afterwards nothing, so each
-  rank's optimizer steps on its own gradients (accumulation and the LR schedule unchanged). On the node-aware
-  hierarchy each node is one worker instead: its ranks average their gradients inside the node every step, and
-  the outer step runs across nodes (``engine/local_nodes.py``);
-* ``clip_fp32_gradients`` (fp32) and the bf16/fp16 optimizer's overflow check: DeepSpeed's own during the
-  warm-up; afterwards each rank's own (its own gradient norm, its own overflow), because DeepSpeed's run an
-  allreduce over every rank per step, a round trip on the slow link that local steps exist to avoid;
-* ``step``: DeepSpeed's, then, once ``global_steps`` ends a round (every ``local_steps`` steps after the
-  warm-up; ``global_steps`` counts skipped steps too, so every rank agrees), the outer step on the fp32
-  master weights (the innermost optimizer's parameters: the model's own in fp32, ``FP16_Optimizer``'s flat
-  fp32 groups in bf16/fp16):
-
-  Δ = θ_outer − θ_local − e  →  e + Δ  →  DRAGONN selection at
-  ``density``  →  exchange (allgather or partitioned)  →  Δ̄ = Σ/P  →  ``OuterStep.apply_``  →  every
-  rank's masters (and low-precision weights) ← θ_outer − e, ``e`` the rank's residual after the exchange.
-
-The unsent Δ thus stays in the rank's own weights (error reset, CSER: Xie et al., NeurIPS 2020): the round that
-follows continues from the rank's progress instead of redoing it from ``θ_outer`` (docs/results.md). At density 1.0
-Δ goes out in a dense allreduce (uncompressed DiLoCo) and ``e`` is 0. Ranks end every round with bit-identical
-θ_outer (and, at density 1.0 or without error feedback, bit-identical weights); each keeps its own inner optimizer state, which is saved
-in its own state file with its weights (``engine/state.py``: DeepSpeed saves rank 0's only), so a resume is
-exact mid-round.
+Hook points (DeepSpeed 0.19.8 ``runtime/engine.py``), overridden on the engine *instance*: ``allreduce_gradients``
+(DeepSpeed's own during the dense warm-up, afterwards nothing; node-aware: the average inside the node,
+``engine/local_nodes.py``), ``clip_fp32_gradients`` and the overflow check (each rank's own after the warm-up), and
+``step`` (DeepSpeed's, then the outer step on the fp32 masters when a round ends). The unsent Δ stays in the
+rank's own weights (error reset, CSER: Xie et al., NeurIPS 2020). See docs/design.md, 'Local steps:
+``"sync": "local_steps"``'.
 """
 from __future__ import annotations
 
@@ -166,8 +148,7 @@ class LocalStepsHook(HookBase):
     @torch.no_grad()
     def _start_rounds(self) -> None:
         """θ_outer ← rank 0's master weights, on every rank, and every rank's weights ← θ_outer: the rounds start
-        from the same weights however the ranks got here (a warm start, weights set by hand on one rank,
-        ``no_sync`` through the warm-up)."""
+        from the same weights however the ranks got here."""
         masters = self.masters()
         if copy_rank0_(masters, self.pipeline(self.group).backend):
             self._masters_to_model()

@@ -1,16 +1,9 @@
 """ZeRO stage 0: the hook on the engine's gradient allreduce.
 
-Hook points: ``DeepSpeedEngine.allreduce_and_copy(small_bucket, dp_group, dp_world_size)`` and
-``allreduce_bucket(bucket, dp_group, dp_world_size)`` are overridden on the engine *instance*
-(DeepSpeed 0.19.8 ``runtime/engine.py``: ``allreduce_gradients`` → ``buffered_allreduce_fallback`` →
-``allreduce_no_retain`` → ``allreduce_and_copy`` → ``allreduce_bucket``, then a copy of the flat result
-into the gradients). Both receive same-dtype buckets of the ZeRO stage-0 path and must apply DeepSpeed's
-averaging (``gradient_predivide_factor``, ``prescale_gradients``) themselves, which
-:func:`reduction_scales` reproduces. ``allreduce_and_copy`` lets the compressed path decode straight
-into the gradients (no flat result, no copy back); ``allreduce_bucket`` serves every other caller.
-Warm-up steps and small buckets call DeepSpeed's own ``allreduce_bucket``. Every rank takes the same
-branch: the decision depends only on the step, the bucket size, the config and the auto policy's
-agreed state.
+Hook points (DeepSpeed 0.19.8 ``runtime/engine.py``): ``DeepSpeedEngine.allreduce_and_copy(small_bucket, dp_group,
+dp_world_size)`` and ``allreduce_bucket(bucket, dp_group, dp_world_size)``, overridden on the engine *instance*.
+Both must apply DeepSpeed's averaging (``gradient_predivide_factor``, ``prescale_gradients``) themselves, which
+:func:`reduction_scales` reproduces. See docs/design.md, 'Where it hooks into DeepSpeed'.
 """
 from __future__ import annotations
 
@@ -83,9 +76,8 @@ class Stage0Hook(HookBase):
     def allreduce_and_copy(self, small_bucket, dp_group, dp_world_size=None):
         """Drop-in for ``DeepSpeedEngine.allreduce_and_copy``: reduces and writes the gradients.
 
-        Where the pipeline can, the compressed result is decoded straight into the gradients (zeroed in the
-        compensation pass), which saves DeepSpeed's copy of a flat result back into them; otherwise the
-        flat result is copied exactly as DeepSpeed does.
+        Where the pipeline can, the compressed result is decoded straight into the gradients; otherwise the flat
+        result is copied exactly as DeepSpeed does.
         """
         out = self.reducer.reduce((small_bucket, dp_group, dp_world_size, True))
         if out is not None:
@@ -115,9 +107,8 @@ class Stage0Hook(HookBase):
         return b.call[0], b.local.scales.prescale
 
     def prepare(self, b: Bucket, step: int) -> Send:
-        """No flatten: the pipeline compensates the gradients straight into the persistent residual; it decodes
-        into the gradients themselves (from ``allreduce_and_copy``, where it can), or returns its persistent
-        decode buffer, which is unflattened and copied into them."""
+        """No flatten: the pipeline compensates the gradients straight into the persistent residual, and decodes
+        into the gradients (where it can) or into its decode buffer, unflattened and copied into them."""
         bucket, _, _, into = b.call
         self._dense.prepare(b)
         return Send(bucket, *b.local.scales, into=into and b.pipeline.can_reduce_into(bucket, b.dtype),
@@ -133,9 +124,8 @@ class Stage0Hook(HookBase):
 
     def _layout(self, bucket) -> str:
         """Digest of the bucket's layout: its parameters' names (matched by gradient storage), or the
-        gradients' shapes where a gradient is not a parameter's ``.grad``. Part of the residual's key, so
-        that when the set of trainable parameters changes, one tensor's residual is never applied to
-        another of the same size (each layout keeps its own residual, resumed when it returns)."""
+        gradients' shapes where a gradient is not a parameter's ``.grad``. Part of the residual's key: one
+        tensor's residual is never applied to another of the same size."""
         names = {}
         for name, p in self.engine.module.named_parameters():
             g = p.grad

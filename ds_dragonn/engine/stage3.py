@@ -1,32 +1,13 @@
 """ZeRO stage 3: the hook on the partitioned optimizer's gradient reduce-scatter.
 
 Hook point (DeepSpeed 0.19.8 ``runtime/zero/stage3.py``): ``DeepSpeedZeroOptimizer_Stage3.__avg_scatter_grads
-(params, communication_data_type)``, called by ``__reduce_and_partition_ipg_grads`` on every IPG bucket (the
-path of the default ``reduce_scatter: true``), is overridden on the optimizer *instance* (its mangled name
-``_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads``). DeepSpeed's method reduce-scatters the bucket's full
-gradients with ``reduce_scatter_coalesced`` (``runtime/comm/coalesced_collectives.py``): each gradient is cut
-into ``P`` chunks of ``ceil(numel / P)``, the chunks are laid out rank by rank (chunk ``r`` of every gradient,
-padded, then ``r + 1``…), divided by ``P`` and reduce-scattered, so rank ``r`` receives the mean of its chunks.
-
-The override lays the bucket out the same way and sends it through the shared pipeline with the sparse
-reduce-scatter exchange (:class:`~ds_dragonn.exchange.reduce_scatter.ReduceScatterExchange`): rank ``r`` owns
-the flat range of its chunks, each selected pair goes to the rank owning its offset, and every rank keeps the
-rest in its residual (error feedback, as at ZeRO 1/2). It returns the rank's chunks as DeepSpeed's method does
-(``partition_grads`` then accumulates them into the fp32 partition). What stays DeepSpeed's own: the dense
-warm-up, buckets below ``min_compress_numel``, the auto policy's dense choices, and the parameter
-all-gathers of the forward and backward passes (hpZ keeps them inside the node).
-
-The momentum mode (``compress: momentum``, as at ZeRO 1/2): each rank folds its full local gradients, in the
-rank-major layout, into its local momentum per bucket key (``1/P`` the prescale, as DeepSpeed divides), and the
-residual and the compressed exchange carry that momentum; what rank ``r`` gets back is its chunks of the
-averaged momentum, which ``partition_grads`` puts into ``grad_partitions_flat_buffer`` and the step into the
-fp32 sub-group flats' ``.grad``. Adam's variance freeze acts on those flats elementwise
-(``engine/variance.py``, ``adam.optimizer_params``), so no map from buckets to sub-groups is needed. Variance
-refresh steps reduce the raw gradient with DeepSpeed's own method, the step's momentum held in the residual.
-
-Several nodes (``hierarchy``): the rank-major bucket goes through the node-aware pipeline
-(:class:`~ds_dragonn.hierarchy.NodeAllreduce`: dense inside the node, the shard compressed across nodes with
-``exchange``, gathered inside the node) and each rank keeps its chunks, as at ZeRO 1/2.
+(params, communication_data_type)``, called by ``__reduce_and_partition_ipg_grads`` on every IPG bucket, is
+overridden on the optimizer *instance* (mangled name ``_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads``).
+The override lays the bucket out as ``reduce_scatter_coalesced`` (``runtime/comm/coalesced_collectives.py``)
+does, rank by rank, and sends it through the pipeline with
+:class:`~ds_dragonn.exchange.reduce_scatter.ReduceScatterExchange` (node-aware: ``hierarchy.NodeAllreduce``);
+it returns the rank's chunks as DeepSpeed's method does. The momentum mode, its variance freeze on the fp32
+sub-group flats, and what stays dense: see docs/design.md, 'Where it hooks into DeepSpeed'.
 """
 from __future__ import annotations
 

@@ -1,33 +1,13 @@
 """ZeRO stage 1 and 2: the hook on the ZeRO optimizer's gradient reduce-scatter.
 
-Hook point (DeepSpeed 0.19.8 ``runtime/zero/stage_1_and_2.py``): ``DeepSpeedZeroOptimizer.average_tensor
-(tensor, communication_data_type)``, called by ``reduce_ipg_grads`` on every flattened IPG bucket (at
-each micro step for stage 2, at the accumulation boundary for stage 1), is overridden on the optimizer
-*instance*. With ``reduce_scatter`` on (the default), DeepSpeed's method divides the bucket by the world
-size, works out which rank owns each gradient slice (``rank_and_offsets``: ZeRO's partitions) and reduces
-the slices, by default with a dense allreduce of the bucket after which each owner keeps its slices
-(``allreduce_and_scatter``, ``use_multi_rank_bucket_allreduce``), otherwise with a reduce to each owner
-(``allreduce_no_retain(..., rank=dst)``); the owner copies the sum into the bucket and adds it to its
-compact fp32 gradient partition where there is one.
-
-The override runs DeepSpeed's own method with its two reduction calls (``allreduce_no_retain``,
-``allreduce_and_scatter``) replaced by recorders, so DeepSpeed itself applies the averaging and computes
-the owners; then the bucket goes through the shared pipeline with the sparse reduce-scatter exchange
-(:class:`~ds_dragonn.exchange.reduce_scatter.ReduceScatterExchange`: each selected pair goes to the rank
-owning its offset), and each owner writes the decoded sum of its slices exactly where DeepSpeed's
-``allreduce_and_copy`` writes it. Slices a rank does not own keep the rank's local values, as after
-DeepSpeed's ``reduce``. Anything else in the recording (multi-rank slices of Muon, MoE expert groups)
-is replayed through DeepSpeed's own methods: dense, never wrong.
-
-Several nodes (``hierarchy: node``, ``engine/pipelines.py``): the bucket goes through the node-aware pipeline
-(:class:`~ds_dragonn.hierarchy.NodeAllreduce`: dense inside the node, the shard compressed across nodes with
-``exchange``, the shards gathered inside the node), and each owner takes its slices from the node's result, as
-from DeepSpeed's default ``allreduce_and_scatter``. ZeRO's partitions then decide nothing on the slow link:
-each rank sends one shard's pairs to the ranks of its local index, whoever owns them.
-
-What stays dense: ZeRO's parameter all-gather after the optimizer step (the same bytes as the dense
-gradient reduce-scatter), warm-up steps, buckets below ``min_compress_numel``, and the auto policy's
-dense choices.
+Hook point (DeepSpeed 0.19.8 ``runtime/zero/stage_1_and_2.py``): ``DeepSpeedZeroOptimizer.average_tensor(tensor,
+communication_data_type)``, overridden on the optimizer *instance*. The override runs DeepSpeed's own method with
+its reductions (``allreduce_no_retain``, ``allreduce_and_scatter``) replaced by recorders, so DeepSpeed applies
+the averaging and computes the owners (``rank_and_offsets``); the bucket then goes through the pipeline with
+:class:`~ds_dragonn.exchange.reduce_scatter.ReduceScatterExchange` (node-aware: ``hierarchy.NodeAllreduce``),
+and each owner writes the sum where DeepSpeed's ``allreduce_and_copy`` would. Anything else
+recorded (Muon, MoE expert groups) is replayed through DeepSpeed's own methods. See docs/design.md, 'Where it
+hooks into DeepSpeed'.
 """
 from __future__ import annotations
 
@@ -147,11 +127,9 @@ class Stage12Hook(ZeroPartitionHook):
         """(this rank's (start, slice, output) triples, (start, length, owner) ranges, whether a call asked for
         something this hook does not model).
 
-        DeepSpeed asks in one of two forms: ``allreduce_and_scatter([(copy_ranks, slice, output), ...])``
-        (``use_multi_rank_bucket_allreduce``, the default: a dense allreduce of the bucket, after which each
-        rank in ``copy_ranks`` keeps its slices) or ``allreduce_no_retain(slices, rank=dst,
-        output_bucket=outputs)`` (a reduce to ``dst``). A slice with one consumer rank is that rank's; slices
-        shared by several ranks (Muon) or reduced in another process group (MoE experts) are not modelled.
+        DeepSpeed asks as ``allreduce_and_scatter([(copy_ranks, slice, output), ...])`` (the default) or
+        ``allreduce_no_retain(slices, rank=dst, output_bucket=outputs)``. A slice with one consumer rank is that
+        rank's; slices shared by several ranks (Muon) or reduced in another process group (MoE) are not modelled.
         """
         base, size = tensor.data_ptr(), tensor.element_size()
         dp = self.optimizer.dp_process_group

@@ -7,7 +7,8 @@ telemetry totals, and a description of the run (world size, rank, step, the ``"d
 trainable parameters). When the run differs from the saved one (:func:`compare`) the residuals are **reset**,
 **folded** or **kept**, each with a warning naming what differs: see docs/design.md, 'Around the step'
 (Checkpoints). Another ``compress`` or ``sync`` mode also resets them: they would hold unsent momenta (or
-pseudo-gradients) where gradients are expected, and move the weights by many learning rates. Where they are reset, the hook may still take what applies (:meth:`HookBase.restore_after_reset`).
+pseudo-gradients) where gradients are expected. Where they are reset, the hook may still take what applies
+(:meth:`HookBase.restore_after_reset`).
 """
 from __future__ import annotations
 
