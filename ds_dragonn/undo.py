@@ -1,18 +1,10 @@
 """How a store's buffers come back from a step DeepSpeed skipped: one strategy per store, chosen when it is built.
 
-A store (the residuals of :class:`~ds_dragonn.feedback.ErrorFeedback`, the momenta of
-:class:`~ds_dragonn.momentum.LocalMomentum`, the partitioned exchange's server residuals) keeps a dict of persistent
-(n,) buffers by key. During a step it asks its strategy which buffer to write (:meth:`StepUndo.open`) and tells it
-what is about to change (:meth:`StepUndo.save`) and what was sent (:meth:`StepUndo.sent`); at the end of the step
-(``engine/steps.py`` says whether DeepSpeed applied it) :meth:`StepUndo.end_step` keeps or undoes it:
-
-* :class:`StepUndo`: nothing is undone (steps that are never skipped);
-* :class:`WorkingCopies` (exact): the step writes a second buffer per key, which becomes the buffer when the step
-  is applied (a swap, no copy) and is discarded when it is skipped. Memory: a second buffer per key;
-* :class:`SavedValues` (exact, for sparse writes): the old values of every entry about to change, restored newest
-  first. Memory: O(changed entries) for the open step;
-* :class:`ReturnSent` (O(k), in place): what the step sent is added back (its finite values) and the non-finite
-  entries of the buffers it wrote are reset to 0; the rest of the step (its finite gradient) stays.
+A store (residuals, local momenta, the partitioned exchange's server residuals) keeps a dict of persistent (n,)
+buffers by key. During a step it asks its strategy which buffer to write (:meth:`StepUndo.open`) and tells it what
+is about to change (:meth:`StepUndo.save`) and what was sent (:meth:`StepUndo.sent`); :meth:`StepUndo.end_step`
+keeps or undoes the step. Strategies: :class:`StepUndo` (nothing undone), :class:`WorkingCopies`,
+:class:`SavedValues`, :class:`ReturnSent`. See docs/design.md, 'Around the step' (Skipped steps).
 """
 from __future__ import annotations
 

@@ -1,24 +1,11 @@
 """Map an MPI launcher's environment to the variables ``torch.distributed`` reads, before DeepSpeed starts.
 
-Under ``mpirun``/``mpiexec`` a process has no ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/
-``MASTER_PORT``, so ``deepspeed.init_distributed()`` runs its MPI discovery, which sets ``MASTER_ADDR``
-from ``hostname -I`` (the machine's *external* interface). :func:`setup_mpi_env` presets the five
-variables from the launcher's own ones so discovery is skipped and a single-node run stays on loopback:
-
-=============================  ======================  ==================================
-launcher                       rank / size             local rank / local size
-=============================  ======================  ==================================
-MPICH, Intel MPI (Hydra)       PMI_RANK / PMI_SIZE     MPI_LOCALRANKID / MPI_LOCALNRANKS
-Open MPI                       OMPI_COMM_WORLD_RANK /  OMPI_COMM_WORLD_LOCAL_RANK /
-                               OMPI_COMM_WORLD_SIZE    OMPI_COMM_WORLD_LOCAL_SIZE
-=============================  ======================  ==================================
-
-Variables already set are kept (e.g. by ``deepspeed --launcher mpich``, which exports ``MASTER_ADDR``),
-but a ``RANK``/``WORLD_SIZE`` that contradicts the launcher's is an error. ``MASTER_ADDR`` defaults to
-``127.0.0.1`` only when the launcher says every rank is on this node. When ranks span several nodes and
-``MASTER_ADDR`` is unset (``deepspeed --launcher openmpi`` does not export it), ``MASTER_ADDR`` and
-``MASTER_PORT`` are left unset, so DeepSpeed's MPI discovery supplies rank 0's first ``hostname -I``
-address, which is what a multi-node job needs. Outside MPI nothing is touched.
+Under ``mpirun``/``mpiexec`` a process has no ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT``,
+so DeepSpeed's MPI discovery would set ``MASTER_ADDR`` from ``hostname -I`` (the external interface).
+:func:`setup_mpi_env` presets them from the launcher's own variables (Hydra's ``PMI_*``, Open MPI's
+``OMPI_COMM_WORLD_*``; docs/mpi.md) so a single-node run stays on loopback. Variables already set are kept, but a
+contradicting ``RANK``/``WORLD_SIZE`` is an error. Across several nodes without ``MASTER_ADDR`` the rendezvous is
+left to DeepSpeed's discovery. Outside MPI nothing is touched.
 """
 from __future__ import annotations
 

@@ -20,8 +20,7 @@ from .variance import VarianceFreeze
 
 
 class GradientMode:
-    """``compress: gradient``: every reduction sends the gradients themselves; nothing is folded into a momentum,
-    held, frozen or refused. The hook's mode (``HookBase.mode``), chosen once from ``compress`` (:data:`MODES`);
+    """``compress: gradient``: every reduction sends the gradients themselves. The hook's mode (``HookBase.mode``);
     :class:`MomentumMode` has the same methods, documented there."""
 
     momentum = variance_freeze = None  # (the hook's ``momentum`` and ``variance_freeze``)
@@ -80,9 +79,8 @@ class MomentumMode(GradientMode):
         return freeze is not None and freeze.active and self.schedule.refresh(step)
 
     def sends_momentum(self, step: int) -> bool:
-        """After the dense warm-up every reduction of ``step``, dense ones included, sends the local momentum
-        (the optimizer applies what arrives as the momentum itself): from now on Adam's variance may be frozen
-        (the freeze is armed)."""
+        """After the dense warm-up every reduction of ``step``, dense ones included, sends the local momentum:
+        the variance freeze is armed."""
         sends = not self.schedule.dense(step)
         if sends and self.variance_freeze is not None:
             self.variance_freeze.arm()
@@ -99,9 +97,8 @@ class MomentumMode(GradientMode):
         hook.pending.add(key)
 
     def track(self, pipeline: CompressedAllreduce, key: Hashable, dtype: torch.dtype, local: Callable) -> None:
-        """The dense warm-up: fold the local gradients (``local()``: ``(tensors, prescale)``, built in this mode
-        only) into the local momentum (sent from the first compressed step on, so that it does not start from
-        zero)."""
+        """The dense warm-up: fold the local gradients (``local()``: ``(tensors, prescale)``) into the local
+        momentum, so that it does not start from zero."""
         tensors, prescale = local()
         if tensors:
             skey, tensors, prescale = _shard_view(pipeline, key, tensors, prescale)

@@ -67,10 +67,9 @@ def _exchange(exchange: Any, hook: Any) -> Any:
 
 
 class FlatLayout:
-    """The flat pipeline over the whole data-parallel group with the hook's flat exchange (``_flat_exchange``,
-    ``flat_exchange_name``, ``flat_scheme``: ZeRO 1-3's sparse reduce-scatter, else ``exchange``); under local
-    steps each rank is one worker, stepping alone between syncs, its outer residual its own. :class:`NodeAware`
-    has the same methods: a hook asks its ``topology`` instead of testing for a node layout."""
+    """The flat pipeline over the whole data-parallel group with the hook's flat exchange; under local steps each
+    rank is one worker. :class:`NodeAware` has the same methods: a hook asks its ``topology`` instead of testing
+    for a node layout."""
 
     layout: Optional[NodeLayout] = None  # (``hook.layout``)
 

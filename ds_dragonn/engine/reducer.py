@@ -1,21 +1,9 @@
 """Where a bucket's fate is decided: the one decision sequence every ZeRO stage runs.
 
-A hook point (``stage0.py``, ``stage_1_and_2.py``, ``stage3.py``) receives one of DeepSpeed's gradient buckets
-and hands it to :meth:`BucketReducer.reduce`, which runs, in this order:
-
-1. begin the step: settle the last one (applied or skipped), follow the loss scale, the online end of the
-   learning-rate warm-up and the optimizer's β1;
-2. refresh (momentum mode): on a variance-refresh step the raw gradient goes dense through DeepSpeed, and the
-   step's momentum waits in the residual;
-3. choose: dense (``min_compress_numel``, the warm-up, pairs costlier than dense, the auto policy) or compressed;
-4. dense: DeepSpeed's own reduction of the raw gradients (the momentum mode folds them into its momentum);
-5. flush: a bucket that has been compressed goes dense, its residual (and momentum) sent now;
-6. compressed: the pipeline (compensate, select, exchange, decode, error feedback).
-
-What differs between the stages is the adapter's (:class:`StageAdapter`): the bucket's tensors, layout and key,
-DeepSpeed's dense path for that stage, the averaging scales, who owns which slice, and where the result goes.
-Every rank takes the same branches: they depend only on the step, the bucket, the config and the auto policy's
-agreed state.
+A hook point (``stage0.py``, ``stage_1_and_2.py``, ``stage3.py``) hands each of DeepSpeed's gradient buckets to
+:meth:`BucketReducer.reduce`, which runs the numbered steps below (begin, refresh, choose, dense, flush,
+compressed). What differs between the stages is the adapter's (:class:`StageAdapter`). Every rank takes the same
+branches: they depend only on the step, the bucket, the config and the auto policy's agreed state.
 """
 from __future__ import annotations
 
