@@ -1,24 +1,11 @@
 """Local momentum before error feedback: what the momentum mode (``"compress": "momentum"``) compresses.
 
 1-bit Adam (Tang et al., ICML 2021; DeepSpeed <= 0.19.7 ``runtime/fp16/onebit/adam.py``) and DGC's momentum
-correction (Lin et al., ICLR 2018) compress the momentum, not the gradient: each rank keeps its own momentum
-``M ← β1·M + (1 − β1)·g`` of its local gradient, the residual accumulates ``M`` (error feedback on the
-momentum), and what the ranks exchange is the averaged sparse momentum, which the optimizer then applies
-with its variance frozen (``engine/adam.py``). Delays then act on the update itself: an element that waits
-100 steps arrives with 100 steps of momentum, applied once, linearly, instead of being divided away by an
-Adam variance inflated by the burst.
-
-Per optimizer step the residual grows by exactly ``M_t``, whatever the gradient accumulation: the first
-reduction of a bucket in a step decays and adds (``M ← β1·M + c·g``, residual += ``M``), later reductions
-of the same step (ZeRO stage 2 reduces at every micro step) only add (``M += c·g``, residual += ``c·g``),
-with ``c = (1 − β1) × prescale``. Invariant (tests check it in float64): everything applied plus all
-residuals equals the sum over steps of the ranks' averaged momenta.
-
-Skipped steps (``ds_dragonn.undo``): ``transactional``, as for the residuals, the step's momentum is computed into
-a second persistent buffer and becomes the momentum only when DeepSpeed applies the step (:meth:`end_step`,
-:class:`~ds_dragonn.undo.WorkingCopies`). Otherwise a skipped step's gradient stays in the momentum, its non-finite
-entries reset to 0 (:class:`~ds_dragonn.undo.ReturnSent`: nothing is sent from a momentum).
-Memory: one fp32 buffer per bucket element (two when transactional), beside the residual.
+correction (Lin et al., ICLR 2018) compress the momentum, not the gradient: each rank keeps its own
+``M ← β1·M + (1 − β1)·g``, the residual accumulates ``M``, and the optimizer applies the averaged sparse momentum
+with its variance frozen. Per optimizer step the residual grows by exactly ``M_t``, whatever the gradient
+accumulation (later reductions of a step only add ``c·g``, ``c = (1 − β1) × prescale``). Skipped steps:
+``ds_dragonn.undo``. See docs/design.md, 'The data path of one bucket' (What is compressed).
 """
 from __future__ import annotations
 

@@ -1,14 +1,10 @@
 """The outer step of local-step training: ``θ_outer`` and the outer SGD (DiLoCo's outer optimizer).
 
-In ``sync: local_steps`` every rank runs H optimizer steps on its own gradients, starting from the
-shared ``θ_outer``. The round's pseudo-gradient is ``Δ = θ_outer − θ_local`` (what the rank's steps moved,
-negated, so that it points like a gradient); its average over the ranks, ``Δ̄``, is applied by a plain outer
-SGD step, ``θ_outer ← θ_outer − lr·Δ̄``, and every rank restarts from ``θ_outer``. DiLoCo (Douillard et al.,
-2023) adds outer Nesterov momentum; SparseLoCo (2025) drops it (lr = 1) and compresses Δ with top-k and error
-feedback instead, as here: outer momentum made compressed local steps worse (docs/results.md). The compression
-is DRAGONN selection plus the pipeline's
-residual (``ds_dragonn.pipeline``), which runs between :meth:`OuterStep.pseudo_gradient` and
-:meth:`OuterStep.apply_`. Everything is fp32 (the master weights'), whatever the model's dtype.
+Every rank runs H optimizer steps from the shared ``θ_outer``; the round's pseudo-gradient ``Δ = θ_outer − θ_local``,
+averaged over the ranks, is applied by a plain outer SGD step ``θ_outer ← θ_outer − lr·Δ̄`` (DiLoCo, Douillard et
+al., 2023, without its outer Nesterov momentum, as SparseLoCo, 2025). The compression (``ds_dragonn.pipeline``) runs
+between :meth:`OuterStep.pseudo_gradient` and :meth:`OuterStep.apply_`. Everything is fp32. See docs/design.md,
+'Local steps: ``"sync": "local_steps"``'.
 """
 from __future__ import annotations
 
@@ -102,8 +98,8 @@ class OuterStep:
             raise ValueError(f"saved {what} holds NaN or Inf")
 
 
-#: ``outer_lr: "auto"`` for a compressed Δ (density < 1) is at least this: at 2 workers, density 0.1 with int4
-#: values, 2 beat √2 at both learning rates measured (docs/results.md, "A compressed Δ at density 0.1").
+#: ``outer_lr: "auto"`` for a compressed Δ (density < 1) is at least this (docs/results.md, "A compressed Δ at
+#: density 0.1").
 COMPRESSED_MIN_OUTER_LR = 2.0
 
 
@@ -111,9 +107,8 @@ def outer_lr_for(setting: Union[str, float], workers: int, density: float = 1.0)
     """The outer learning rate of an ``outer_lr`` setting: a number as given; ``"auto"``: √(workers), and at
     least :data:`COMPRESSED_MIN_OUTER_LR` where the Δ is compressed (``density`` < 1).
 
-    Averaging W workers' Adam steps, each normalized by its own noisier second moment, shrinks the consensus step
-    where noise dominates; √W undid most of it on the LM at every learning rate measured (docs/results.md, "Where
-    local steps lose steps"). A sparse Δ takes a larger step still (what was not sent waits in the weights).
+    √W undoes most of the shrinking of the consensus step that averaging W workers' Adam steps causes (docs/results.md,
+    "Where local steps lose steps"); a sparse Δ takes a larger step still.
 
     Raises:
         ValueError: ``workers`` < 1, or a setting that is neither ``"auto"`` nor a number > 0.

@@ -1,24 +1,10 @@
 """The age bound (``advanced.max_age``): every entry of a bucket is sent at least once every ``max_age``
 compressed steps.
 
-At density 0.001 an entry whose accumulated residual stays below the threshold waits ~1/density = 1000 steps
-for its turn, and then arrives as one burst (DGC's answer at that density is a density warm-up
-and momentum correction, not a bound). The bound here costs no memory and no extra pass: the bucket is cut into
-``max_age`` contiguous blocks of ``ceil(n / max_age)`` entries, and the compressed step of index ``c`` also sends
-block ``c mod max_age`` whole, whatever its magnitudes. Every rank sends the same block, so the block rides as the
-selection's ``whole`` tail (:class:`~ds_dragonn.compress.base.Selection`): the allgather exchange sends its
-values without positions (``exchange/allgather.py``); the other exchanges send it as ordinary pairs. What the
-block sends leaves the residual like any selected entry (error feedback, nothing lost).
-
-The clock ``c`` counts compressed steps, not optimizer steps (``DensitySchedule.compressed_index``): a variance
-refresh sends the raw gradient and leaves the residual unsent, so if it used up a block, a refresh period that
-aliases with the block order would skip the same block again and again (with the optimizer step as the clock and
-``max_age`` equal to the refresh period, one block would never be sent). Every other dense step (the policy's)
-flushes the whole residual. So an entry waits at most ``max_age`` compressed steps, plus the refreshes between
-them. Local steps count rounds. A step that DeepSpeed skips on overflow (fp16, bf16 with ``check_grad_overflow``)
-is rolled back with its residuals (engine/steps.py) and gives its index back: the hook's clock is the compressed
-index less those steps (``HookBase.age_clock``, checkpointed with the residuals, 0 when they start empty), so
-the next compressed step sends the block it did not.
+The bucket is cut into ``max_age`` contiguous blocks of ``ceil(n / max_age)`` entries, and the compressed step of
+index ``c`` also sends block ``c mod max_age`` whole, as the selection's ``whole`` tail
+(:class:`~ds_dragonn.compress.base.Selection`). The clock counts compressed steps, not optimizer steps
+(``HookBase.age_clock``). See docs/design.md, 'The age bound'.
 """
 from __future__ import annotations
 

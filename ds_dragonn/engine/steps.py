@@ -1,24 +1,9 @@
 """Residuals that follow the steps DeepSpeed actually applies: skipped (overflow) steps and the fp16 loss scale.
 
-DeepSpeed looks for Inf/NaN in the reduced gradients only after every bucket is reduced, and then skips the
-step (``engine.skipped_steps`` grows): fp16 always, bf16 and fp32 where :func:`may_skip_steps` says. A residual
-updated during that step would keep the unsent part of a gradient whose sent part was discarded.
-:class:`StepGuard` ends each step when the engine has moved to the next one and tells every store whether it was
-applied. Two ways to undo a skipped step (``plan.step_transaction``, ``advanced.exact_skipped_steps``):
-
-- exact (the fp16 loss scaler, whose skips are routine): the step's residual and momentum updates are a
-  transaction (``ErrorFeedback(transactional=True)``, ``LocalMomentum(transactional=True)``: working copies,
-  4 bytes per parameter each) and the residuals are exactly as before the skipped step;
-- O(k) (bf16 and fp32, which skip only on a non-finite gradient): what the step sent returns to the residuals
-  (``ErrorFeedback(undo_sent=True)``), so nothing sent is lost; its finite gradient stays in the residuals and
-  the momenta (sent later), and their non-finite entries are reset to 0.
-
-The partitioned exchange undoes its owners' server residuals exactly either way (an O(k) log of old values).
-
-fp16 gradients reach the hook multiplied by the dynamic loss scale S, and so do the residuals made from
-them. When S changes (halved after an overflow, doubled after ``loss_scale_window`` clean steps) the
-residuals are multiplied by S_new / S_old before the next compensation, so they stay in the units of the
-gradients they are added to (a power-of-two factor: exact). bf16 and fp32 have no loss scale (S = 1).
+DeepSpeed checks the reduced gradients for Inf/NaN only after every bucket is reduced, and then skips the step.
+:class:`StepGuard` ends each step when the engine has moved on and tells every store whether it was applied (exact
+or O(k): ``plan.step_transaction``). When the fp16 loss scale S changes, the residuals are multiplied by
+S_new / S_old before the next compensation. See docs/design.md, 'Around the step'.
 """
 from __future__ import annotations
 

@@ -1,30 +1,14 @@
 """Orderly teardown at interpreter exit, so that a training script exits 0 on every rank.
 
-The abort this prevents: ``terminate called without an active exception`` (rc -6), rare, under load, after
-a script's last line. Its cause is upstream. ``destroy_process_group`` stops the worker threads of a gloo
-process group only when nothing else references the group, and DeepSpeed's engines, ZeRO optimizers and
-``deepspeed.utils.groups`` keep references to theirs. So those threads live on into interpreter
-finalization. There, a gloo worker thread that drops the last reference to a tensor whose Python object
-torch keeps alive (e.g. a temporary of ``all_gather_object``) must take the GIL to release it. CPython
-≤ 3.13 answers a thread that takes the GIL during finalization with ``pthread_exit``, whose forced unwind
-through a ``noexcept`` C++ frame calls ``std::terminate``. Upstream: pytorch/pytorch#38228 (the
-mechanism), pytorch/pytorch#190489 (the decref guard in ``PyInterpreter.cpp`` checks ``Py_IsInitialized``
-only), pytorch/pytorch PR #179291 (an atexit ``destroy_process_group``, abandoned), python/cpython
-gh-87135 (3.14 blocks such threads instead). Seen here in the test harness (``tests/multiproc.py``
-``DS_DRAGONN_RANK_DEBUG``) and in user-style scripts.
+The abort this prevents: ``terminate called without an active exception`` (rc -6) after a script's last line. gloo
+worker threads outlive ``destroy_process_group`` while DeepSpeed still references their groups; a thread that
+takes the GIL during finalization gets ``pthread_exit`` (CPython ≤ 3.13), whose unwind through a ``noexcept`` frame
+calls ``std::terminate``. Upstream: pytorch/pytorch#38228, pytorch/pytorch#190489, pytorch/pytorch PR #179291,
+python/cpython gh-87135.
 
-:func:`register` (called by ``ds_dragonn.initialize``) adds one ``atexit`` handler. ``atexit`` handlers
-run while the interpreter is still whole. The handler:
-
-1. destroys the process groups if the script did not (torch's registry; groups that nothing else
-   references stop their threads now);
-2. collects garbage, so that unreferenced engines release their groups;
-3. waits, with the GIL released, until every gloo worker thread (``pt_gloo_runloop``) is blocked, i.e.
-   idle, at most :data:`SETTLE_S` seconds. A worker that was descheduled between finishing a collective
-   and releasing it then releases it while Python can still run its decref.
-
-Everything is best effort and bounded. It never raises, and it never blocks on another rank: no collective
-runs at exit, so a rank whose peers died still exits.
+:func:`register` (called by ``ds_dragonn.initialize``) adds one ``atexit`` handler, which (1) destroys the process
+groups, (2) collects garbage, (3) waits, GIL released, until every gloo worker thread (``pt_gloo_runloop``) is idle,
+at most :data:`SETTLE_S` seconds. Best effort and bounded: it never raises and runs no collective.
 
 :func:`unhook` takes a live engine back to DeepSpeed's own (``ds_dragonn.disable(engine)``).
 """

@@ -1,24 +1,11 @@
 """``"warmup_steps": "auto"``: the dense warm-up ends after the learning-rate warm-up.
 
-The momentum mode freezes Adam's variance at the end of the dense warm-up, and from then on an element waits
-~1/density steps for its turn. Both cost most while the loss falls fastest, inside and just after the
-learning-rate warm-up, so a dense warm-up that outlasts the learning-rate warm-up closes most of the gap to
-dense (docs/results.md, "At a better-tuned learning rate"). So ``auto`` is ``max(AUTO_MIN_STEPS, AUTO_FACTOR * w)``, where ``w`` is the
-engine's learning-rate warm-up, read from:
-
-* DeepSpeed's ``WarmupLR`` / ``WarmupDecayLR`` / ``WarmupCosineLR`` (``warmup_num_steps``,
-  deepspeed/runtime/lr_schedules.py);
-* a ``torch.optim.lr_scheduler.LambdaLR`` (Hugging Face's ``get_*_schedule_with_warmup``): the steps its
-  multiplier rises before it first stops rising.
-
-Where none of these is there (no scheduler in the engine: a framework may step its own outside DeepSpeed, as
-Hugging Face's Trainer does with its own optimizer; or a scheduler of another type), the hook follows the
-learning rate the optimizer actually holds (the largest over its groups), step by step
-(:class:`LrWarmupTracker`): the rise ends at the first step from step 2 on at which the learning rate does not
-rise, ``r`` is the last step it rose before that, and the warm-up ends at step ``max(AUTO_MIN_STEPS,
-AUTO_FACTOR * r)``. That is the rule read from a ``LambdaLR`` (its first non-rise), so a later rise (a cyclic
-schedule's next cycle, a restart) does not extend it; a constant learning rate gives ``AUTO_MIN_STEPS``.
-Local steps (``sync: local_steps``) read the scheduler only (else ``AUTO_MIN_STEPS``, with a warning).
+``auto`` is ``max(AUTO_MIN_STEPS, AUTO_FACTOR * w)``, ``w`` the engine's learning-rate warm-up, read from DeepSpeed's
+``WarmupLR`` / ``WarmupDecayLR`` / ``WarmupCosineLR`` (``warmup_num_steps``, deepspeed/runtime/lr_schedules.py) or a
+``torch.optim.lr_scheduler.LambdaLR`` (the steps its multiplier first rises). Without a readable scheduler the hook
+follows the optimizer's learning rate step by step (:class:`LrWarmupTracker`, the same first-non-rise rule). Local
+steps read the scheduler only (else ``AUTO_MIN_STEPS``, with a warning). See docs/design.md, 'The data path of one
+bucket' (Schedule).
 """
 from __future__ import annotations
 
@@ -117,9 +104,8 @@ class LrWarmupTracker:
     def observe(self, step: int, lr: Optional[float], skipped: int = 0) -> Optional[int]:
         """Record ``lr`` (None: unknown) of optimizer step ``step`` (``engine.global_steps`` at its first
         reduction; later reductions of the same step are ignored); returns :attr:`end` (None: still dense).
-        ``skipped``: DeepSpeed's count of steps skipped on overflow (``engine.skipped_steps``). DeepSpeed does
-        not step the scheduler on a skipped step (0.19.8 ``runtime/engine.py`` ``_take_model_step``), so the
-        learning rate after one is flat without having peaked: that step is not read as a peak."""
+        ``skipped``: DeepSpeed's count of steps skipped on overflow; DeepSpeed does not step the scheduler on one
+        (0.19.8 ``runtime/engine.py`` ``_take_model_step``), so that step is not read as a peak."""
         if self.end is not None or step == self.last_step:
             return self.end
         self.last_step = step
