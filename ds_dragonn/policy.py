@@ -1,20 +1,9 @@
 """The ``"auto"`` compression decision: compress a bucket only where it is faster than the dense allreduce.
 
-The DRAGONN paper's premise is that compression must cost less than the communication it saves; on a
-fast link, or for a small bucket, it does not. Per bucket, on the real link (cf. PowerSGD's
-``min_compression_rate``, which decides from sizes alone):
-
-1. **probe dense**: ``probe_steps`` reductions through DeepSpeed's dense allreduce, timed (warm-up steps
-   count as such probes);
-2. **probe compressed**: ``probe_steps`` compressed reductions, timed (compress + exchange + decode);
-3. **decide**: the ranks sum their medians with one small allreduce, so every rank reads the same numbers
-   and takes the same decision (every rank keeps running the same collectives); compress iff the
-   compressed time is below the dense time. Logged on rank 0.
-4. **re-check** after ``recheck_interval`` reductions of the bucket (0: never): back to 1.
-
-The state advances only with the count of reductions of the bucket, which every rank sees identically,
-so ranks never disagree on the phase. Times include waiting for the slowest rank (that is what the step
-pays).
+Per bucket, on the real link (cf. PowerSGD's ``min_compression_rate``, which decides from sizes alone): probe
+dense, probe compressed, then the ranks sum their medians with one small allreduce and every rank takes the same
+decision; re-checked after ``recheck_interval`` reductions. The state advances only with the count of reductions
+of the bucket, so ranks never disagree on the phase. See docs/design.md, 'The auto policy'.
 """
 from __future__ import annotations
 

@@ -1,20 +1,10 @@
 """When a bucket is compressed, and at which density: the dense warm-up, then DGC's density warm-up.
 
-Step ``t`` (DeepSpeed's ``global_steps``, the same on every rank):
-
-* ``t < warmup_steps``: dense (DeepSpeed's allreduce), as the DRAGONN paper's 200 warm-up iterations;
-* then, for ``density_warmup_steps`` steps (global steps, whether a bucket was compressed in them or not;
-  ``"auto"``: ``max(AUTO_DENSITY_MIN_STEPS, AUTO_DENSITY_FACTOR * warmup_steps)``), the density falls
-  exponentially from
-  ``density_warmup_start`` to ``density``: ``d(j) = start · (density / start)^(j / W)`` at step
-  ``warmup_steps + j`` (DGC, Lin et al., ICLR 2018, Sec. 3.3: 25 %, 6.25 %, 1.5625 %, ... per epoch);
-* then ``density``.
-
-Momentum mode (``compress: momentum``): every ``refresh_steps`` steps after the warm-up, one step is a
-variance refresh (:meth:`DensitySchedule.refresh`: a dense reduction of the raw gradient, ``engine/adam.py``).
-
-The error-feedback residual is what makes a sudden drop in density harmful early in training (it holds
-many steps of small gradients at once); the warm-up keeps it small while the weights move fastest.
+Step ``t`` (DeepSpeed's ``global_steps``): dense while ``t < warmup_steps`` (as the DRAGONN paper's 200 warm-up
+iterations); then for ``density_warmup_steps`` steps the density falls exponentially,
+``d(j) = start · (density / start)^(j / W)`` (DGC, Lin et al., ICLR 2018, Sec. 3.3); then ``density``. Momentum
+mode: every ``refresh_steps`` steps after the warm-up, one step is a variance refresh (:meth:`DensitySchedule.refresh`).
+See docs/design.md, 'The data path of one bucket' (Schedule).
 """
 from __future__ import annotations
 
@@ -84,9 +74,7 @@ class DensitySchedule:
 
     def compressed_index(self, step: int) -> int:
         """The index of ``step`` among the steps after the dense warm-up that are not variance refreshes (0 at the
-        first): the age bound's clock (``compress/age_bound.py``). A refresh sends the raw gradient and leaves the
-        residual unsent, so it must not use up a block; every other dense step flushes the residual whole.
-        Steps before the end of the warm-up give 0."""
+        first): the age bound's clock (``compress/age_bound.py``). Steps before the end of the warm-up give 0."""
         j = max(0, step - self.warmup_steps)
         return j - (j // self.refresh_steps if self.refresh_steps else 0)
 

@@ -1,11 +1,9 @@
 """Which ranks share a node: the layout the node-aware exchange (``hierarchy: node``) is built on.
 
-The deepspeed launcher runs ``LOCAL_SIZE`` ranks per node and numbers them node by node: node ``i`` holds
-ranks ``i·L … i·L + L − 1`` with ``LOCAL_RANK = rank − i·L`` (``launcher/launch.py``; torchrun exports
-``LOCAL_WORLD_SIZE``, Open MPI ``OMPI_COMM_WORLD_LOCAL_SIZE``, MPICH ``MPI_LOCALNRANKS``). Hostnames are not
-used: ranks in network namespaces of one machine share one. Every rank's view is gathered and checked, so a
-rank never builds groups the others do not (a hang); a layout that is not ``N`` equal nodes numbered node by
-node is refused (``hierarchy: node``) or falls back to the flat exchange (``auto``), with the reason.
+The deepspeed launcher runs ``LOCAL_SIZE`` ranks per node, numbered node by node (``launcher/launch.py``; torchrun
+exports ``LOCAL_WORLD_SIZE``, Open MPI ``OMPI_COMM_WORLD_LOCAL_SIZE``, MPICH ``MPI_LOCALNRANKS``). Hostnames are not
+used (ranks in network namespaces of one machine share one). Every rank's view is gathered and checked; a layout
+that is not ``N`` equal nodes numbered node by node is refused (``node``) or falls back to flat (``auto``).
 """
 from __future__ import annotations
 

@@ -1,23 +1,9 @@
 """Chunk-wise selection: every fixed-size chunk of a bucket sends its own top-k (``advanced.selection: chunked``).
 
-One threshold over a whole bucket sends where the gradient mass is; a layer whose gradients are small in absolute
-terms waits, up to ~1/density steps at a time. SparseLoCo (Sarfi et al. 2025) instead cuts the buffer into chunks
-of 4096 entries and sends the top-k of each chunk, so no part of the model waits longer than any other. Here the
-chunks are the segments of a :class:`ChunkLayout` (for DRAGONN (Wang et al., ICML 2022) one threshold and one hash
-table per chunk, in one pass with no sort), with two rules of their own:
-
-* **Budget.** Chunk ``c`` of ``[b_c, e_c)`` gets ``k_c = T(e'_c) − T(b'_c)`` with ``T(x) = ceil(density · x)``
-  over the chunks' cumulative lengths in an order rotated by the call's seed (:func:`chunk_ks`): ``Σ k_c =
-  ceil(density · n)``, the global selection's ``k`` (the same bytes), and each ``k_c`` is ``density × length``
-  rounded down or up. Where ``density × length < 1`` the chunks take turns (the rotation changes every step).
-* **Cap.** A chunk sends at most its ``k_c`` pairs: the largest magnitudes, ties to the earlier table slot
-  (``base.trim``'s order). So a buffer never sends more than ``k`` pairs.
-
-DRAGONN per chunk (:func:`chunk_rank`): the threshold is the ``r``-th largest of ``CHUNK_SAMPLE`` (64) sampled
-magnitudes, with ``r`` chosen so that the threshold lands above the chunk's ``k_c``-th largest magnitude in at
-most ``CHUNK_MISS`` (1 %) of chunks: it deliberately lets several times ``k_c`` candidates through. That costs
-scan time only: a collision keeps the larger magnitude, so an element among a chunk's top ``k_c`` loses its slot
-only to a larger one, whatever the number of smaller candidates, and the cap keeps the ``k_c`` largest winners.
+SparseLoCo (Sarfi et al. 2025) cuts the buffer into chunks of 4096 entries and sends the top-k of each, so no part
+of the model waits longer than any other. Here each chunk of a :class:`ChunkLayout` gets DRAGONN (Wang et al., ICML
+2022) selection of its own: a budget ``k_c`` (:func:`chunk_ks`, ``Σ k_c = k``), a threshold rank
+(:func:`chunk_rank`), and a cap of ``k_c`` pairs. See docs/design.md, 'Chunk-wise selection'.
 """
 from __future__ import annotations
 

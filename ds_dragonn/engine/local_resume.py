@@ -1,13 +1,9 @@
 """Local steps' own state (each rank's replica), and a resume at another world size or node layout: every rank
 restarts from the last synchronised weights.
 
-Each rank's state file holds its own replica (its mid-round weights and inner optimizer state:
-:func:`replica_state`) and θ_outer, the weights of the last outer step, which every rank held alike. At
-another world size the replicas do not map onto the ranks (and DeepSpeed loads rank 0's module weights into
-every rank), nor at another node layout (``hierarchy``: a node's ranks share one replica, flat ranks each hold
-their own), so :func:`keep_outer` keeps θ_outer and the round count from a state that is otherwise reset, and
-:func:`restart_from_outer` (collective, after every rank applied its file) gives every rank rank 0's θ_outer,
-the ranks that had no file included.
+Each rank's state file holds its own replica (:func:`replica_state`) and θ_outer. At another world size or node
+layout the replicas do not map onto the ranks, so :func:`keep_outer` keeps θ_outer and the round count from a state
+that is otherwise reset, and :func:`restart_from_outer` (collective) gives every rank rank 0's θ_outer.
 """
 from __future__ import annotations
 
