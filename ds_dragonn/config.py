@@ -5,14 +5,9 @@ unknown top-level keys in ``engine.config``)::
 
     "dragonn": {"enabled": true, "density": 0.01}
 
-Validation follows DeepSpeed's ``runtime/config_utils.DeepSpeedConfigModel``: unknown keys are rejected,
-every field is typed and bounded, choices are enums; the checks across fields are the ``config`` rows of
-``ds_dragonn.plan.RULES`` (the one table of refused combinations), raised here as ``ValueError``.
-Errors surface as :class:`DragonnConfigError`, whose message names the bad key, the value given and what
-is allowed.
-
-Fifteen keys a user sets, and one ``"advanced"`` object of benchmark and research settings; internal settings
-are constants (``constants.py``; docs/config.md).
+Validation follows DeepSpeed's ``runtime/config_utils.DeepSpeedConfigModel``: unknown keys are rejected, every field
+is typed and bounded; the checks across fields are the ``config`` rows of ``ds_dragonn.plan.RULES``. Errors
+surface as :class:`DragonnConfigError`, naming the key, the value given and what is allowed. See docs/config.md.
 """
 from __future__ import annotations
 
@@ -119,17 +114,14 @@ class AdvancedConfig(BaseModel):
 
     values: ValueFormat = ValueFormat.auto
     """How the selected values travel: ``dtype`` (the communication dtype), or ``int8`` / ``int4``: symmetric codes,
-    round to nearest, one float32 absmax scale per 64 values (ZeRO++ qgZ; SparseLoCo); the rounding stays in the
-    residual. Per pair with a packed position: bf16 4 bytes, int8 3.06, int4 2.56 (exchange/quantize.py).
-    ``auto``: ``int4`` at density <= 0.1, else ``dtype`` (``plan.resolve_defaults``)."""
+    one float32 absmax scale per 64 values (ZeRO++ qgZ; SparseLoCo); the rounding stays in the residual
+    (exchange/quantize.py). ``auto``: ``int4`` at density <= 0.1, else ``dtype`` (``plan.resolve_defaults``)."""
 
     dense_values: ValueFormat = ValueFormat.auto
-    """ZeRO stage 0, ``sync: every_step``: how the dense steps' gradients travel (the dense warm-up, the variance
-    refreshes, small buckets, the auto policy's dense choices). ``dtype``: DeepSpeed's allreduce in the
-    communication dtype; ``int8`` / ``int4``: a quantized reduce-scatter and allgather (ZeRO++ qgZ), one float32
-    scale per 64 values, the rounding kept in a residual: 0.53x / 0.28x of a bf16 allreduce's bytes
-    (exchange/dense_quantized.py). ``auto``: ``dtype`` (int4 dense steps cost the GPT +3.0 % on one seed of two:
-    docs/results.md, "Defaults that follow the density")."""
+    """ZeRO stage 0, ``sync: every_step``: how the dense steps' gradients travel. ``dtype``: DeepSpeed's allreduce
+    in the communication dtype; ``int8`` / ``int4``: a quantized reduce-scatter and allgather (ZeRO++ qgZ), the
+    rounding kept in a residual (exchange/dense_quantized.py). ``auto``: ``dtype`` (int4 dense steps cost the GPT
+    +3.0 % on one seed of two: docs/results.md, "Defaults that follow the density")."""
 
     selection: SelectionMode = SelectionMode.global_
     """``global``: one threshold over each bucket. ``chunked``: every chunk of ``constants.CHUNK_SIZE`` (4096) entries
@@ -138,18 +130,13 @@ class AdvancedConfig(BaseModel):
 
     max_age: Union[Literal["auto"], StrictInt] = "auto"
     """Age bound: every entry of a bucket is sent at least once every ``max_age`` compressed steps (local steps:
-    rounds; variance refreshes in between do not count), whatever its magnitude: each compressed step also sends
-    one of ``max_age`` contiguous blocks of the bucket whole, in turn; the allgather exchange sends that block's
-    values without positions (compress/age_bound.py). Costs ``1 / max_age`` of the bucket's values per step.
-    0: no bound. ``auto``: ``round(0.3 / density)`` at density <= 0.002 with ``sync: every_step`` (300 at 0.001),
-    else 0."""
+    rounds): each compressed step also sends one of ``max_age`` contiguous blocks whole (compress/age_bound.py).
+    0: no bound. ``auto``: ``round(0.3 / density)`` at density <= 0.002 with ``sync: every_step``, else 0."""
 
     exact_skipped_steps: Optional[bool] = Field(None, strict=True)
-    """What a step DeepSpeed skips on overflow leaves. ``true``: nothing (every residual and local momentum has a
-    working copy for the step: 4 bytes per parameter each). ``false``: what the step sent returns to the residuals
-    (an O(k) log), its finite gradient stays in them (sent later), its non-finite entries are dropped. ``None``
-    (default): ``true`` under the fp16 loss scaler, whose skips are routine; ``false`` for bf16 and fp32, which
-    skip only on a non-finite gradient (steps.py)."""
+    """What a step DeepSpeed skips on overflow leaves. ``true``: nothing (working copies of every residual and
+    local momentum). ``false``: what the step sent returns to the residuals (an O(k) log). ``None`` (default):
+    ``true`` under the fp16 loss scaler, else ``false`` (steps.py; docs/design.md, 'Around the step')."""
 
     @field_validator("max_age", mode="before")
     @classmethod
@@ -250,10 +237,8 @@ class DragonnConfig(DeepSpeedConfigModel):
 
     hierarchy: Hierarchy = Hierarchy.auto
     """``node``: sum each bucket densely inside the node, compress one shard per rank across nodes, gather it
-    back inside the node (ZeRO 0-2). Under ``sync: local_steps`` each node is one worker: its ranks average
-    their gradients inside the node every step, and the outer step runs node-aware across nodes. ``flat``:
-    every rank exchanges with every rank. ``auto``: ``node`` on several nodes of several ranks (the launcher's
-    ``LOCAL_SIZE``), else ``flat`` (logged)."""
+    back inside the node (under ``sync: local_steps`` each node is one worker). ``flat``: every rank exchanges with
+    every rank. ``auto``: ``node`` on several nodes of several ranks, else ``flat`` (logged)."""
 
     comm_backend: CommBackendName = CommBackendName.torch
     """Collectives: ``torch`` (deepspeed.comm; NCCL on GPU, gloo on CPU) or ``mpi`` (mpi4py)."""
@@ -275,9 +260,7 @@ class DragonnConfig(DeepSpeedConfigModel):
 
     outer_lr: Union[Literal["auto"], float] = "auto"
     """``sync: local_steps``: the outer SGD's learning rate on the averaged pseudo-gradient, 0 < lr <= 10.
-    ``"auto"``: the square root of the workers (ranks; under ``hierarchy: node`` the nodes), which undoes the
-    shrinking of averaged per-worker Adam steps, and at least 2 for a compressed Δ (density < 1; outer.py;
-    docs/results.md; SparseLoCo and DiLoCo use 1.0 and 0.7)."""
+    ``"auto"``: the square root of the workers, at least 2 for a compressed Δ (density < 1; outer.py)."""
 
     advanced: AdvancedConfig = Field(default_factory=AdvancedConfig)
     """Benchmark and research settings (:class:`AdvancedConfig`)."""

@@ -1,10 +1,8 @@
 """Counters of what gradient synchronisation cost, logged in DeepSpeed's style and sent to its monitor.
 
-Monitor events (``engine.monitor``: TensorBoard, W&B, CSV, Comet; written on rank 0 by DeepSpeed's
-``MonitorMaster``) go out on every reduction, on DeepSpeed's own x-axis, the global sample count of the
-step (as its ``Train/Samples/*`` series). Per reduction: ``Train/dragonn/compressed`` (1 compressed,
-0 dense: warm-up, small bucket or the auto policy's choice), the snapshot of the step (kept/k, bytes
-ratio, ms of each phase) and running totals (bytes sent, dense-equivalent bytes, achieved density).
+Monitor events (``engine.monitor``, written on rank 0 by DeepSpeed's ``MonitorMaster``) go out on every reduction,
+on DeepSpeed's x-axis (the global sample count, as its ``Train/Samples/*`` series). See docs/usage.md, 'Logs,
+telemetry, monitor events'.
 """
 from __future__ import annotations
 

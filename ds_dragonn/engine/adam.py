@@ -26,10 +26,8 @@ def optimizer_params(engine: Any, optimizer: Optional[torch.optim.Optimizer] = N
     """The innermost optimizer's parameters per parameter group, in order, as DeepSpeed holds them (at ZeRO 0-2
     its ``param_groups``' ``params``: the fp32 partitions at ZeRO 1/2).
 
-    ZeRO-3 (DeepSpeed 0.19.8 ``runtime/zero/stage3.py`` ``_optimizer_step``) keeps each group's ``params`` empty
-    and puts one fp32 sub-group flat (``fp32_partitioned_groups_flat[i]``, 1-D, this rank's partition of the
-    sub-group's parameters) into its group (``sub_group_to_group_id[i]``) for that sub-group's ``step()``
-    only: there the lists are those flats, grouped by ``sub_group_to_group_id``."""
+    ZeRO-3 (DeepSpeed 0.19.8 ``runtime/zero/stage3.py`` ``_optimizer_step``) lends each group one fp32 sub-group
+    flat at a time: there the lists are ``fp32_partitioned_groups_flat``, grouped by ``sub_group_to_group_id``."""
     opt = base_optimizer(engine) if optimizer is None else optimizer
     groups = getattr(opt, "param_groups", None) or []
     zero = getattr(engine, "optimizer", None)
@@ -89,12 +87,9 @@ def decoupled(optimizer: Any, group: dict) -> bool:
 def momentum_refusal(engine: Any) -> Optional[str]:
     """Why the momentum mode cannot serve this engine's optimizer (a sentence fragment naming it), or None.
 
-    It needs Adam's update exactly (Adam, AdamW, DeepSpeed's FusedAdam/CPUAdam; not NAdam, RAdam, Adamax:
-    they apply the moments differently), one β1 in (0, 1) for every parameter group (the local momentum's,
-    and the first moment is set through it), β2 in (0, 1) (the frozen variance is set through it), no
-    amsgrad, no ``maximize``, and weight decay that is decoupled (AdamW) or zero: coupled L2 decay would
-    enter the first moment once per step, not accumulated as Adam does. Every ZeRO stage: at ZeRO-3 the freeze
-    acts on the fp32 sub-group flats elementwise (:func:`optimizer_params`)."""
+    It needs Adam's update exactly (Adam, AdamW, FusedAdam/CPUAdam; not NAdam, RAdam, Adamax), one β1 in (0, 1) for
+    every group, β2 in (0, 1), no amsgrad, no ``maximize``, and decoupled (AdamW) or zero weight decay (coupled L2
+    decay would enter the first moment once per step, not accumulated as Adam does)."""
     opt = base_optimizer(engine)
     name = type(opt if opt is not None else getattr(engine, "optimizer", None)).__name__
     groups = getattr(opt, "param_groups", None) or []

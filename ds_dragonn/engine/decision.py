@@ -64,9 +64,8 @@ class BucketDecision:
 
     def _pairs_cost_more(self, key: Hashable, numel: int, pipeline: CompressedAllreduce, dtype: torch.dtype,
                          dense_bytes: Optional[int]) -> bool:
-        """Whether this rank's pairs may cost more bytes than the dense collective (at most
-        ``max_pairs(k)`` pairs through the exchange, e.g. bf16 values + packed 16-bit positions at density
-        1.0: ~2.2x a bf16 allreduce). Decided once per bucket and logged on rank 0."""
+        """Whether this rank's pairs may cost more bytes than the dense collective (at most ``max_pairs(k)`` pairs
+        through the exchange). Decided once per bucket and logged on rank 0."""
         hit = self._costly.get(key)
         if hit is None:
             world = pipeline.backend.world_size

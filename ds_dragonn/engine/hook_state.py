@@ -63,15 +63,11 @@ class HookState:
         state.reset_state(self, why)
 
     def load_state_dict(self, saved: dict, source: str = "the state") -> None:
-        """Restore :meth:`state_dict` of this rank, by the rules of ``engine/state.py``: residuals saved by
-        another rank, world size, model, bucketing or gradient scaling are reset, server residuals saved
-        under another exchange are folded into the worker residuals, other setting changes keep them; each
-        case logs a warning naming what differs. Any open step transaction is dropped and bucket ordinals
-        count from 0 again (a load in the middle of a run starts a fresh round).
+        """Restore :meth:`state_dict` of this rank, by the rules of ``engine/state.py`` (reset, fold or keep, each
+        logged). Any open step transaction is dropped and bucket ordinals count from 0 again.
 
         Raises:
-            ValueError: ``saved`` is not a valid DRAGONN state (:func:`~ds_dragonn.engine.state.validate`:
-                a missing or malformed part, a newer format, a residual that is not a finite 1-D float tensor
-                of its bucket's length and residual dtype), naming ``source`` and what is wrong.
+            ValueError: ``saved`` is not a valid DRAGONN state (:func:`~ds_dragonn.engine.state.validate`), naming
+                ``source`` and what is wrong.
         """
         state.load_state_dict(self, saved, source)

@@ -1,16 +1,8 @@
 """``sync: local_steps`` on the node-aware hierarchy: each node is one DiLoCo worker (INTELLECT-1's hybrid).
 
-With N nodes of L ranks (``hierarchy: node``, or ``auto`` on several nodes of several ranks):
-
-* between syncs the L ranks of a node average their gradients densely every step, over the node's group
-  only (the fast link; :func:`node_average_`), so they step alike and nothing crosses nodes; clipping and the
-  overflow check stay each rank's own (``engine/local_norms.py``), which after the node's average is the node's;
-* every H steps the outer step runs through :class:`~ds_dragonn.hierarchy.NodeAllreduce`: the node sums its L
-  identical pseudo-gradients (L·Δ_node), each local rank compresses its 1/L shard of that sum and exchanges it
-  with the ranks of its local index on the other nodes, and the postscale 1/(N·L) makes the result the mean of
-  the N nodes' Δ; the node then gathers the shards.
-
-The dense warm-up before the rounds is DeepSpeed's allreduce over every rank, as in the flat case.
+Between syncs the L ranks of a node average their gradients densely every step over the node's group only
+(:func:`node_average_`); every H steps the outer step runs through :class:`~ds_dragonn.hierarchy.NodeAllreduce`
+across nodes. See docs/design.md, 'Local steps: ``"sync": "local_steps"``'.
 """
 from __future__ import annotations
 

@@ -1,17 +1,9 @@
 """Fast implementations of the DRAGONN selection steps, and the dispatcher that picks one.
 
-Three implementations of threshold sampling, table building and table gathering give identical
-results for the same input, threshold and seed (tests/test_kernels.py checks them element by element):
-
-``reference``  the pure-PyTorch functions of ``ds_dragonn.compress.reference`` (any device, any float dtype).
-``cpu``        ``cpu_table``: a C++ library (one pass, vectorised integer compare, only selected elements
-               hashed and stored with an atomic max), CPU tensors of fp32/fp16/bf16/fp64.
-``triton``     ``triton_table``: Triton kernels, one program per block of elements, ``tl.atomic_max`` into
-               the int64 table; the threshold is read on the device (no host sync), no sort, no
-               ``nonzero`` over the buffer. CUDA tensors; CPU tensors under ``TRITON_INTERPRET=1`` (tests).
-
-``auto`` resolves per buffer: ``triton`` for CUDA tensors when Triton imports, ``cpu`` for CPU tensors
-when the C++ library builds, else ``reference``.
+``reference`` (``ds_dragonn.compress.reference``), ``cpu`` (``cpu_table``, the C++ library) and ``triton``
+(``triton_table``, CUDA; CPU under ``TRITON_INTERPRET=1``) give identical results for the same input, threshold and
+seed (tests/test_kernels.py). ``auto`` resolves per buffer: ``triton`` for CUDA tensors when Triton imports, ``cpu``
+for CPU tensors when the C++ library builds, else ``reference``. See docs/kernels.md.
 """
 from __future__ import annotations
 
