@@ -1,9 +1,8 @@
 """``sync: local_steps``: each rank's fp32 master weights, and the pseudo-gradient they hold back.
 
-Below density 1.0 with error feedback (error reset, CSER: Xie et al., NeurIPS 2020) a rank's
-masters hold ``θ_outer − e`` after a compressed round, ``e`` the rank's outer residual (what the round did not
-send): the next round continues from the rank's own progress. These helpers keep that bookkeeping out of
-:class:`~ds_dragonn.engine.local_steps.LocalStepsHook`, which calls them around its outer step.
+Below density 1.0 with error feedback (error reset, CSER: Xie et al., NeurIPS 2020) a rank's masters hold
+``θ_outer − e`` after a compressed round, ``e`` the rank's outer residual; these helpers keep that bookkeeping out
+of :class:`~ds_dragonn.engine.local_steps.LocalStepsHook`.
 """
 from __future__ import annotations
 

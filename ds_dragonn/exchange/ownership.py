@@ -8,14 +8,10 @@ inverse are O(1) per index and computed, never stored.
   are cheap, but a gradient whose large entries sit together loads one owner: Ok-Topk measured max/mean
   1.4–5.1 on contiguous regions. ZeRO's own partitions are :class:`~ds_dragonn.exchange.reduce_scatter.RangeOwnership`.
 * :class:`HashedOwnership` (the ``partitioned`` exchange): contiguous ranges of a *permuted* index,
-  ``p(i) = a·i mod n`` with ``a ≈ n/φ`` (φ the golden ratio) and ``gcd(a, n) = 1``. This is a bijection
-  with an exact inverse ``i = a⁻¹·p mod n``, every owner holds ⌊n/P⌋ or ⌈n/P⌉ indices, and — unlike a
-  hash into P bins — the owner's slot needs no table. A run of consecutive indices (a layer whose
-  gradient is large) maps to a Weyl sequence ``{i·a/n}``, which the three-distance theorem spreads over
-  the P ranges more evenly than random; strided patterns (one column of every row) are spread unless
-  ``stride·a/n`` is close to a fraction with denominator ≤ P. Zen (OSDI'25) balances owners with a
-  shared hash for the same reason; the imbalance measured on real and skewed gradients is in
-  ``docs/results/scaling/exchanges_by_world_size.txt``.
+  ``p(i) = a·i mod n`` with ``a ≈ n/φ`` (φ the golden ratio) and ``gcd(a, n) = 1``: a bijection with an exact
+  inverse, balanced sizes, and no table for the slot. A run of consecutive indices maps to a Weyl sequence
+  ``{i·a/n}``, which the three-distance theorem spreads over the P ranges more evenly than random (Zen, OSDI'25,
+  balances owners with a shared hash for the same reason; measured imbalance: docs/results.md, 'Many ranks').
 """
 from __future__ import annotations
 
