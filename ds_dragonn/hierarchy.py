@@ -5,7 +5,9 @@ With N nodes of L ranks (``comm/topology.py``), per bucket: sum densely inside t
 (:class:`~ds_dragonn.pipeline.CompressedAllreduce`); decode it and gather the L shards back inside the node.
 HiTopKComm (Shi et al., MLSys'21) and ZeRO++ qgZ (DeepSpeed ``runtime/comm/coalesced_collectives.py``
 ``all_to_all_quant_reduce``) do the same with top-k and int4. The momentum mode needs nothing more (the node's
-sum of local momenta is linear). See docs/design.md, 'The exchange schemes' (Across nodes).
+sum of local momenta is linear). The node's sum is an allreduce, not a reduce-scatter: twice the bytes, on the
+fast link, through the four collectives every transport has (``comm/base.py``). Nothing is lost
+(``tests/test_hierarchy.py``, float64). See docs/design.md, 'The exchange schemes' (Across nodes).
 """
 from __future__ import annotations
 
