@@ -72,7 +72,8 @@ def disable(engine: Any = None) -> None:
     Args:
         engine: also take this engine back to DeepSpeed's own: every method ds_dragonn replaced on it, its
             optimizer and overflow checker is removed (``engine/teardown.py`` ``unhook``), so its next
-            steps reduce densely; the hook's residuals are dropped. Call it between steps, on every rank.
+            steps reduce densely; the hook's residuals are dropped. Call it between steps, on every rank. Under
+            ``sync: local_steps`` every rank first takes rank 0's weights and optimizer state (collective).
             Without it, engines built meanwhile keep their compression.
 
     Raises:
@@ -87,6 +88,8 @@ def disable(engine: Any = None) -> None:
         from deepspeed.utils import logger
 
         from .engine.teardown import unhook
+        if getattr(engine, "dragonn", None) is not None:
+            engine.dragonn.before_disable()  # (local steps: the ranks take rank 0's weights and optimizer state)
         removed = unhook(engine)
         if removed:
             logger.info(f"DRAGONN: disabled on this engine; DeepSpeed's own again: {', '.join(removed)}")

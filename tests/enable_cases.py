@@ -66,6 +66,32 @@ def _train_plain(cfg: dict, rank: int, disable: bool = False):
             "compressed": None if hook is None else hook.telemetry.compressed_reductions}
 
 
+#: local steps with Adam in bf16: between syncs each rank holds its own weights, masters and Adam state
+LOCAL = dict(engine_config({"enabled": True, "sync": "local_steps", "warmup_steps": 1, "local_steps": 2}, bf16=True),
+             optimizer={"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}})
+
+
+def _local_steps_then_disable(rank: int, before: int = 4, after: int = 2) -> dict:
+    """``before`` steps under local steps (the last one local: the ranks differ), ``disable(engine)``, then
+    ``after`` dense steps: the weights after each step."""
+    import ds_dragonn
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(LAYERS[0], LAYERS[1]), torch.nn.Tanh(),
+                                torch.nn.Linear(LAYERS[1], LAYERS[2]))
+    engine = ds_dragonn.initialize(model=model, model_parameters=model.parameters(), config=LOCAL)[0]
+    g = torch.Generator().manual_seed(rank)
+    weights = []
+    for step in range(before + after):
+        if step == before:
+            ds_dragonn.disable(engine)
+        x = torch.randn(8, LAYERS[0], generator=g).to(torch.bfloat16)
+        y = torch.randint(0, LAYERS[2], (8,), generator=g)
+        engine.backward(torch.nn.functional.cross_entropy(engine(x).float(), y))
+        engine.step()
+        weights.append(torch.cat([p.detach().float().reshape(-1) for p in engine.module.parameters()]))
+    return {"weights": weights, "left": _patched(engine)}
+
+
 def enabled_runs(rank: int, world: int, out_dir: str) -> None:
     init_distributed()
     import deepspeed
@@ -94,5 +120,6 @@ def enabled_runs(rank: int, world: int, out_dir: str) -> None:
         out[f"s{stage}_disabled_engine"] = _train_plain(RUNS[f"s{stage}_d001"], rank, disable=True)
     out["s0_momentum_disabled_engine"] = _train_plain(MOMENTUM, rank, disable=True)
     out["s0_momentum_dense"] = _train_plain(MOMENTUM_DENSE, rank)
+    out["local_steps_disabled"] = _local_steps_then_disable(rank)
     torch.save(out, Path(out_dir) / f"enable_rank{rank}.pt")
     torch.distributed.destroy_process_group()

@@ -70,6 +70,16 @@ def test_disable_of_an_engine_removes_every_patch_and_trains_as_deepspeed(runs, 
         assert all(torch.equal(a, b) for a, b in zip(got["params"], runs[r][dense]["params"]))
 
 
+def test_disable_under_local_steps_brings_the_ranks_back_to_one_state(runs):
+    """Between syncs each rank holds its own weights and Adam state; after ``disable(engine)`` the ranks take rank
+    0's, so the dense steps that follow keep them identical (without it they stay apart for good)."""
+    a, b = runs[0]["local_steps_disabled"], runs[1]["local_steps_disabled"]
+    assert not torch.equal(a["weights"][3], b["weights"][3])  # a local step: the ranks differ before disable
+    for wa, wb in zip(a["weights"][4:], b["weights"][4:]):
+        assert torch.isfinite(wa).all() and torch.equal(wa, wb)
+    assert a["left"] == [] and b["left"] == []
+
+
 def test_python_m_ds_dragonn_prints_the_environment_report():
     import subprocess
     import sys

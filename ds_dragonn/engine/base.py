@@ -171,6 +171,10 @@ class HookBase(FollowsOptimizer, HookState):
         if self.steps.finished(int(self.engine.global_steps)):
             self.steps.end()
 
+    def before_disable(self) -> None:
+        """Called on every rank by ``ds_dragonn.disable(engine)`` before the hook is removed; nothing here (the
+        ranks hold the same weights)."""
+
     def pipeline(self, group: Any) -> CompressedAllreduce:
         """The (cached) pipeline of a data-parallel process group."""
         key = id(group)

@@ -191,6 +191,18 @@ class LocalStepsHook(HookBase):
         self._masters_to_model()
         self.reporter.outer(steps, numel, sent, stats, clock.lap())
 
+    @torch.no_grad()
+    def before_disable(self) -> None:
+        """Collective: once the rounds have started each rank holds its own weights (its unsent Δ in them) and
+        optimizer state; every rank takes rank 0's, as a restart from rank 0's checkpoint would, so the dense steps
+        that follow start from one state. The other ranks' progress since the last sync is dropped."""
+        if self.outer.started:
+            masters = self.masters()
+            state = [t for m in masters for t in self.optimizer.state.get(m, {}).values()
+                     if torch.is_tensor(t) and t.is_floating_point()]
+            if copy_rank0_(masters + state, self.pipeline(self.group).backend):
+                self._masters_to_model()
+
     # -- state (engine/state.py) -------------------------------------------------------------------
     def extra_state(self) -> dict:
         """θ_outer and the outer velocity (``outer``), and this rank's replica (``local_resume.replica_state``)."""
