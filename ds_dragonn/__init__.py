@@ -285,8 +285,9 @@ def check_ranks_agree(cfg: Optional[DragonnConfig], zero_stage: int, group: Any 
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group=group) == 1:
         return
-    mine = {"settings": None if cfg is None else {k: v for k, v in _flat(cfg.model_dump(mode="json"), "dragonn")
-                                                  if k not in _LOCAL_KEYS},
+    # (the block's own keys: the top-level views of 'advanced' keys would name each mismatch twice)
+    dump = None if cfg is None else cfg.model_dump(mode="json", exclude=set(type(cfg).model_computed_fields))
+    mine = {"settings": None if cfg is None else {k: v for k, v in _flat(dump, "dragonn") if k not in _LOCAL_KEYS},
             "enabled": bool(cfg is not None and cfg.enabled), "stage": zero_stage,
             "ds": {k: (ds_config or {}).get(k) for k in _DS_AGREED},
             "refusal": None if refusal is None else f"{type(refusal).__name__}: {refusal}"}
