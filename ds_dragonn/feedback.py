@@ -194,7 +194,7 @@ class ErrorFeedback:
         """Free ``key``'s buffers; what its residual held is dropped (nothing to do where it holds none)."""
         held = [store.pop(key, None) for store in (self.residuals, self._scratch)]
         if any(buf is not None for buf in held):
-            self.undo.forget(key)
+            self.undo.forget(key, held[0])  # (exact steps: back if this step is skipped)
             self._views = {slot: v for slot, v in self._views.items() if slot[0] != key}
 
     def state_dict(self) -> dict:

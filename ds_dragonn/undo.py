@@ -44,8 +44,8 @@ class StepUndo:
         """The step ended, applied or skipped; ``buffers`` is the store's dict (key -> buffer)."""
         self.clear()
 
-    def forget(self, key: Hashable) -> None:
-        """``key``'s buffer was released."""
+    def forget(self, key: Hashable, buf: Optional[torch.Tensor] = None) -> None:
+        """``key``'s buffer (``buf``) was released in the open step: dropped."""
         self.opened.discard(key)
 
     def clear(self) -> None:
@@ -55,11 +55,13 @@ class StepUndo:
 
 
 class WorkingCopies(StepUndo):
-    """Exact: the step works on a second persistent buffer per key (module docstring)."""
+    """Exact: the step works on a second persistent buffer per key, swapped in when it is applied; a buffer
+    released during the step comes back when it is skipped."""
 
     def __init__(self):
         super().__init__()
         self._work: Dict[Hashable, torch.Tensor] = {}
+        self._released: Dict[Hashable, torch.Tensor] = {}  # buffers released in the open step (back if skipped)
 
     def open(self, key: Hashable, base: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(working buffer, base)`` on the step's first write of ``key``, then ``(working, working)``."""
@@ -77,15 +79,21 @@ class WorkingCopies(StepUndo):
         if applied:
             for key in self.opened:
                 buffers[key], self._work[key] = self._work[key], buffers[key]
+        else:
+            buffers.update(self._released)
+        self._released.clear()
         self.opened.clear()  # (the working buffers stay: the next step writes them again)
 
-    def forget(self, key: Hashable) -> None:
+    def forget(self, key: Hashable, buf: Optional[torch.Tensor] = None) -> None:
+        if buf is not None:
+            self._released[key] = buf
         self._work.pop(key, None)
         self.opened.discard(key)
 
     def clear(self) -> None:
         super().clear()
         self._work.clear()
+        self._released.clear()
 
 
 class SavedValues(StepUndo):

@@ -126,3 +126,23 @@ def test_rescale_one_key_leaves_the_others():
     ef.rescale_(0.5, key="missing")
     ef.rescale_(2.0)
     assert ef.residuals["a"].tolist() == [1.0, -2.0] and ef.residuals["b"].tolist() == [8.0]
+
+
+@pytest.mark.parametrize("applied", [True, False])
+def test_exact_steps_bring_back_a_residual_released_in_a_skipped_step(applied):
+    """``transactional``: a buffer released during a step (stage 0's warm-up rounding, freed at the first compressed
+    step) comes back bit for bit when DeepSpeed skips that step, and stays released when it applies it."""
+    ef = ErrorFeedback(transactional=True)
+    g = torch.randn(7, dtype=torch.float64)
+    buf = ef.compensate_("dense", [g], torch.float64)
+    kept = buf[[1, 4]].clone()
+    ef.commit("dense", torch.tensor([1, 4]), kept, kept / 3)
+    ef.end_step(True)
+    before = ef.residuals["dense"].clone()
+    ef.compensate_("grad", [torch.randn(5, dtype=torch.float64)], torch.float64)
+    ef.release("dense")
+    ef.end_step(applied)
+    if applied:
+        assert "dense" not in ef.residuals
+    else:
+        assert torch.equal(ef.residuals["dense"], before)
