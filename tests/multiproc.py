@@ -64,6 +64,20 @@ GDB_BT = ["-ex", "set pagination off", "-ex", "thread apply all bt"]
 USED_PORTS: set = set()
 
 
+def remove_shm_files(port: int) -> None:
+    """Remove DeepSpeed's CPU allreduce files of ``port`` (``deepspeed_allreduce_buffer_*_<addr>_<port>_<rank>`` in
+    /dev/shm, 69 MB per rank, never unlinked by DeepSpeed) once the launch that used the port has ended: a suite
+    killed later (out of memory, a timeout) leaves at most its running launch's files."""
+    shm = Path("/dev/shm")
+    for path in shm.glob(f"deepspeed_allreduce_buffer_*_{port}_*") if shm.is_dir() else ():
+        parts = path.name.split("_")
+        if len(parts) >= 3 and parts[-2] == str(port):
+            try:
+                path.unlink()
+            except OSError:  # removed meanwhile
+                pass
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -132,6 +146,7 @@ def _run_once(target: str, world_size: int, out_dir: Path, timeout: float, env: 
                 p.kill()
             p.wait()
             log.close()
+        remove_shm_files(port)  # the ranks are gone: their DeepSpeed /dev/shm files go with the launch
     failures = []
     for rank, (p, _) in enumerate(procs):
         rc = p.returncode
