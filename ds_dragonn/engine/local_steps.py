@@ -193,9 +193,8 @@ class LocalStepsHook(HookBase):
 
     @torch.no_grad()
     def before_disable(self) -> None:
-        """Collective: once the rounds have started each rank holds its own weights (its unsent Δ in them) and
-        optimizer state; every rank takes rank 0's, as a restart from rank 0's checkpoint would, so the dense steps
-        that follow start from one state. The other ranks' progress since the last sync is dropped."""
+        """Collective: between syncs each rank holds its own weights (its unsent Δ) and optimizer state; all take
+        rank 0's (as a restart from its checkpoint would), so the dense steps that follow start from one state."""
         if self.outer.started:
             masters = self.masters()
             state = [t for m in masters for t in self.optimizer.state.get(m, {}).values()
