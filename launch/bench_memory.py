@@ -30,7 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from launch.bench.common import free_port, format_table, pyplot, save_figure, write_json  # noqa: E402
+from launch.bench.common import free_port, format_table, pyplot, remove_shm, save_figure, write_json  # noqa: E402
 
 MODES = ("dense", "gradient", "momentum")
 
@@ -145,11 +145,17 @@ def launch(case_list: list, layers, steps: int, warmup: int, world: int, per_nod
         procs.append(subprocess.Popen([sys.executable, __file__, "--worker", str(rank), str(world), str(spec)],
                                       env=env, stdout=log, stderr=subprocess.STDOUT))
     deadline = time.time() + timeout
-    for p in procs:
-        try:
+    try:
+        for p in procs:
             p.wait(timeout=max(1.0, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            p.kill()
+    except subprocess.TimeoutExpired:
+        pass
+    finally:  # also when the caller is interrupted: no rank outlives the launch, nor its /dev/shm files
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        remove_shm(port)
     if any(p.returncode for p in procs):
         raise RuntimeError(f"ranks failed, see {tmp}/rank*.log:\n" + (tmp / "rank0.log").read_text()[-3000:])
     return json.loads((tmp / "rank0.json").read_text())
