@@ -183,10 +183,10 @@ def _engine_facts(engine: Any, facts: plan_mod.Facts, cfg: DragonnConfig) -> pla
     from .engine.adam import momentum_refusal
     from .engine.hooks import hook_row
     from .engine.steps import may_skip_steps
-    opt = engine.optimizer
+    opt, stage = engine.optimizer, engine.zero_optimization_stage()
     serves = cfg.compress != CompressTarget.gradient and cfg.sync != SyncMode.local_steps
-    return facts.updated(stage=engine.zero_optimization_stage(), optimizer=type(opt).__name__,
-                         **hook_row(cfg.sync.value, engine.zero_optimization_stage()).optimizer_facts(opt),
+    return facts.updated(stage=stage, optimizer=type(opt).__name__,
+                         **hook_row(cfg.sync.value, stage).optimizer_facts(opt),
                          momentum_refusal=(momentum_refusal(engine) or "") if serves else None,
                          bf16_optimizer=isinstance(opt, BF16_Optimizer),
                          may_skip_steps=may_skip_steps(engine), loss_scaler=bool(engine.fp16_enabled()),

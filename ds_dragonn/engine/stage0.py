@@ -51,11 +51,14 @@ class Stage0Hook(HookBase):
         self._dense_allreduce_bucket = engine.allreduce_bucket  # DeepSpeed's bound method
         # how the dense steps go (advanced.dense_values): DeepSpeed's allreduce, or quantized where that costs less
         self._deepspeed = self._dense = _DeepSpeedDense(self)
-        self.dense_codec = None  # the quantized dense steps' codec (None: DeepSpeed's allreduce only)
         codec = value_codec(cfg.dense_values)
         if codec.quantized:
-            self.dense_codec = codec
             self._dense = (_QuantizedWarmup if self.momentum is not None else _QuantizedDense)(self, codec)
+
+    @property
+    def dense_codec(self):
+        """The quantized dense steps' codec (``advanced.dense_values``); None: DeepSpeed's allreduce only."""
+        return None if self._dense is self._deepspeed else self._dense.codec
 
     def _dp_group(self):
         from deepspeed.utils import groups
