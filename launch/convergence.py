@@ -74,6 +74,7 @@ RUNS = {
     "local_auto": {"sync": "local_steps"},
     # the same without the shared dense warm-up (candidate default of "warmup_steps" under local steps)
     "local_auto_w0": {"sync": "local_steps", "warmup_steps": 0},
+    "local_auto_w30": {"sync": "local_steps", "warmup_steps": 30},
     # the defaults before the value formats and the age bound followed the density (and 0.001's 300-step ramp)
     "dtype_0.01": {"density": 0.01, "advanced": {"values": "dtype", "dense_values": "dtype", "max_age": 0}},
     "dtype_0.001": {"density": 0.001, "density_warmup_steps": 300,
