@@ -216,6 +216,11 @@ def warm_starts(rank: int, world: int, out_dir: str) -> None:
             p.fill_(0.5)
     train(engine, micro_batches(rank, 2, torch.float32))
     out["by_hand"] = {"init": init, "after": weights(engine)}
+    # saved mid-round (step 7), resumed with a longer dense warm-up (10): the dense steps start from one state
+    longer = build(config({"density": 0.05, "warmup_steps": 10}, bf16=True))
+    longer.load_checkpoint(ckpt, tag="mid")
+    train(longer, batches[7:10])
+    out["longer_warmup"] = weights(longer)
     torch.save(out, Path(out_dir) / f"warm_rank{rank}.pt")
     torch.distributed.destroy_process_group()
 

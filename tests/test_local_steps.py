@@ -251,6 +251,8 @@ def test_rounds_start_from_rank_0s_weights_at_the_first_local_step(tmp_path):
     assert len(rounds[0]) >= 2
     for a, b in zip(*rounds):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
+    longer = [r["longer_warmup"] for r in ranks]  # dense steps after a resume into a longer warm-up
+    assert all(torch.equal(x, y) for x, y in zip(*longer))
     for r in ranks:  # trained from the weights set by hand (0.5), not from the initial ones
         after, init = r["by_hand"]["after"], r["by_hand"]["init"]
         moved = max(float((w - 0.5).abs().max()) for w in after)

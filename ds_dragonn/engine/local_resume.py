@@ -109,4 +109,17 @@ def restart_from_outer(hook: Any, saved_worlds: List[Optional[int]], moved: Opti
                      f"the next outer step comes at step {nxt} (a round of {nxt - steps} steps)")
 
 
-__all__ = ["keep_outer", "load_replica", "replica_state", "restart_from_outer"]
+def dense_again(hook: Any) -> None:
+    """Collective. A resume inside this run's dense warm-up from a checkpoint whose rounds had started (a longer
+    ``warmup_steps`` now): the ranks hold different replicas, and dense steps need one state, so every rank takes
+    rank 0's weights and optimizer state (``before_disable``), with a note. Nothing happens otherwise."""
+    steps = int(hook.engine.global_steps)
+    if not hook.outer.started or steps >= hook.cfg.warmup_steps:
+        return
+    hook.before_disable()
+    state.note(hook, f"[rank {hook.where()[0]}] DRAGONN: local steps resumed at step {steps}, inside this run's "
+                     f"dense warm-up of {hook.cfg.warmup_steps} steps, from a checkpoint whose rounds had started: "
+                     f"every rank takes rank 0's weights and optimizer state for the dense steps")
+
+
+__all__ = ["dense_again", "keep_outer", "load_replica", "replica_state", "restart_from_outer"]

@@ -24,7 +24,7 @@ from .base import HookBase
 from .bucket import OUTER, BucketKey, bucket_seed
 from .checkpoint import install as install_checkpointing
 from .local_norms import install_local_norms
-from .local_resume import keep_outer, load_replica, replica_state, restart_from_outer
+from .local_resume import dense_again, keep_outer, load_replica, replica_state, restart_from_outer
 from .local_weights import (copy_rank0_, holds_in_weights, kept_in_weights, masters_of, masters_to_model,
                             shapes_digest, subtract_)
 
@@ -237,6 +237,7 @@ class LocalStepsHook(HookBase):
         (``local_resume.restart_from_outer``)."""
         moved, self._moved = self._moved, None
         restart_from_outer(self, saved_worlds, moved)
+        dense_again(self)
 
 
 def _check_optimizer(engine: Any, optimizer: Any, masters: Any) -> None:
