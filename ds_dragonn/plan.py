@@ -140,7 +140,8 @@ def _bf16_fp32_accum(f: Facts) -> bool:
         return True
     block = f.ds_config.get("bf16") or {}
     bf16 = flag(block.get("enabled"), False) if isinstance(block, Mapping) else False
-    accum = str((f.ds_config.get("data_types") or {}).get("grad_accum_dtype", "")).lower().replace("torch.", "")
+    types = f.ds_config.get("data_types")  # (not an object: DeepSpeed refuses it itself)
+    accum = str(types.get("grad_accum_dtype", "") if isinstance(types, Mapping) else "").lower().replace("torch.", "")
     return f.stage == 1 and bf16 and accum in ("fp32", "float32", "float") and not f.zero.get("offload_optimizer")
 
 
@@ -250,7 +251,7 @@ RULES: Tuple[Rule, ...] = (
                       f"'zero_optimization.contiguous_gradients' is false (DeepSpeed then reduces gradient lists "
                       f"through another path, which would stay dense). Remove the key or set it to true"),
     Rule("zero3_quantized_gradients", ("start",),
-         lambda c, f: f.stage == 3 and f.zero.get("zero_quantized_gradients"),
+         lambda c, f: f.stage == 3 and flag(f.zero.get("zero_quantized_gradients"), False),
          lambda c, f: _zero3("'zero_optimization.zero_quantized_gradients' (qgZ compresses the same "
                              "reduce-scatter)")),
     Rule("zero3_zenflow", ("start",),

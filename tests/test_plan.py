@@ -278,3 +278,17 @@ def test_layout_choice_is_flat_for_one_rank_per_node_or_one_node_and_refuses_nod
         layout_choice("node", 4, 4, "")
     with pytest.raises(ValueError, match="Set 'advanced.ranks_per_node'"):
         layout_choice("node", None, 4, "the launcher did not export LOCAL_SIZE")
+
+
+@pytest.mark.parametrize("value", ["false", 0, "off", False])
+def test_zero3_quantized_gradients_switched_off_as_deepspeed_reads_it_is_not_refused(value):
+    facts = _ds(zero_optimization={"stage": 3, "zero_quantized_gradients": value})
+    assert refusal(_cfg({}), facts, "start") is None
+    assert refusal(_cfg({}), _ds(zero_optimization={"stage": 3, "zero_quantized_gradients": "true"}),
+                   "start")[0].name == "zero3_quantized_gradients"
+
+
+@pytest.mark.parametrize("types", ["fp32", ["fp32"], 3])
+def test_a_data_types_that_is_not_an_object_is_left_to_deepspeed(types):
+    facts = _ds(zero_optimization={"stage": 1}, bf16={"enabled": True}, data_types=types)
+    assert refusal(_cfg({}), facts, "start") is None  # (DeepSpeed refuses it by name)
