@@ -342,6 +342,11 @@ class DragonnConfig(DeepSpeedConfigModel):
         odd = [k for k in block if not isinstance(k, str)]
         if odd:
             raise DragonnConfigError(f"'{DRAGONN_KEY}' keys are strings; got the key {odd[0]!r} ({type(odd[0]).__name__})")
+        clash = [k for k in ("strict", "self") if k in block]  # the names of __init__'s own arguments
+        if clash:
+            raise DragonnConfigError(f"invalid 'dragonn' config block:\n  '{DRAGONN_KEY}.{clash[0]}': unknown key "
+                                     f"(value {block[clash[0]]!r}); allowed keys: "
+                                     + ", ".join(sorted(DragonnConfig.model_fields)))
         try:
             return cls(strict=True, **dict(block))
         except ValidationError as err:

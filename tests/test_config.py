@@ -77,7 +77,8 @@ def test_visible_keys_and_advanced():
 
 
 @pytest.mark.parametrize("key", ["seed", "table_factor", "outer_momentum", "outer_feedback_decay", "compress_1d",
-                                 "tensor_min_compress_numel", "lr_weighted_residual"])
+                                 "tensor_min_compress_numel", "lr_weighted_residual",
+                                 "strict", "self"])  # (the names of the model's own __init__ arguments)
 def test_keys_the_block_does_not_have_are_refused_by_name(key):
     """Internal constants and keys of earlier drafts are unknown keys: the message names the key and its place."""
     with pytest.raises(DragonnConfigError, match=f"'dragonn.{key}': unknown key"):
