@@ -494,8 +494,12 @@ def resolve_defaults(cfg: Any, stage: int) -> Tuple[Any, Dict[str, str]]:
         reasons["max_age"] = (f"density {density}" if on else
                               "off: sync local_steps" if local else f"off: density {density} > {AGE_MAX_DENSITY}")
     if cfg.density_warmup_steps == "auto":
-        reasons["density_warmup_steps"] = ("no effect under sync local_steps" if local else
-                                           f"max(100, 3 x warmup_steps, {element_wait(density)})")
+        reasons["density_warmup_steps"] = (
+            "no effect under sync local_steps" if local else
+            f"none: density {density} >= density_warmup_start {cfg.density_warmup_start}"
+            if density >= cfg.density_warmup_start else f"max(100, 3 x warmup_steps, {element_wait(density)})")
+    if local and density >= 1.0:  # (a value format shapes a selection; a Δ at density 1.0 is not selected)
+        reasons["values"] = "not used: the Δ at density 1.0 goes in a dense allreduce"
     if not updates and not advanced:
         return cfg, reasons
     out = cfg.model_copy(deep=True)
@@ -512,7 +516,7 @@ def resolve(cfg: Any, facts: Facts, defaults: Optional[Mapping[str, str]] = None
     compress, compress_why = resolve_compress(cfg, facts)
     reasons: Dict[str, str] = {"compress": compress_why, **(defaults or {})}
     if cfg.warmup_steps == "auto":
-        reasons["warmup_steps"] = "ends after the learning-rate warm-up, read by the hook"
+        reasons["warmup_steps"] = "twice the learning-rate warm-up, at least 30 (the hook logs the number)"
     if _v(cfg.hierarchy) == "auto":
         reasons["layout"] = "node-aware on several nodes of several ranks, resolved with the group"
     skip, reasons["transactional"] = step_transaction(cfg.exact_skipped_steps, facts.may_skip_steps,

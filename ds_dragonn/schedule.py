@@ -100,12 +100,12 @@ class DensitySchedule:
         parts = [f"{self.warmup_steps} dense warm-up steps" if self.warmup_steps != UNDECIDED else
                  "dense warm-up steps until twice the step at which the learning rate stops rising (at least 30)"]
         if self.auto_steps and self.warmup_steps == UNDECIDED and self.steps:
-            parts.append(f"density {self.start:g} -> {self.density:g} over {AUTO_DENSITY_FACTOR} times the dense "
+            parts.append(f"density {self.start:g} -> {self.density:.8g} over {AUTO_DENSITY_FACTOR} times the dense "
                          f"warm-up (at least {auto_density_warmup_steps(0, self.density)} steps, exponential)")
         elif self.steps:
             unit = "step" if self.steps == 1 else "steps"
-            parts.append(f"density {self.start:g} -> {self.density:g} over {self.steps} {unit} (exponential)")
-        parts.append(f"then density {self.density:g}")
+            parts.append(f"density {self.start:g} -> {self.density:.8g} over {self.steps} {unit} (exponential)")
+        parts.append(f"then density {self.density:.8g}")
         if self.refresh_steps:
             parts.append(f"Adam's variance refreshed every {self.refresh_steps} steps")
         return ", ".join(parts)

@@ -110,3 +110,17 @@ def test_reasons_print_the_density_as_given():
     assert why["values"] == "density 0.1000000001 > 0.1"
     _, why = resolve_defaults(DragonnConfig(enabled=True, sync="local_steps", advanced={"values": "dtype"}), 0)
     assert "int4" not in why["density"] and why["density_warmup_steps"].startswith("no effect")
+
+
+def test_reasons_say_what_runs_at_a_density_at_or_above_the_warm_up_start_and_for_a_dense_delta():
+    _, why = resolve_defaults(DragonnConfig(enabled=True, density=0.5), 0)
+    assert why["density_warmup_steps"].startswith("none: density 0.5 >= density_warmup_start 0.25")
+    _, why = resolve_defaults(DragonnConfig(enabled=True, density=0.01), 0)
+    assert why["density_warmup_steps"].startswith("max(100")
+    local = DragonnConfig(enabled=True, sync="local_steps", density=1.0, advanced={"values": "int8"})
+    _, why = resolve_defaults(local, 0)
+    assert why["values"].startswith("not used: the Δ at density 1.0")
+
+
+def test_the_schedule_line_gives_the_density_to_its_last_digit():
+    assert "then density 0.1000001" in DensitySchedule(0.1000001, 10, 0).describe()

@@ -122,6 +122,8 @@ def test_an_unread_scheduler_is_followed_online_or_falls_back_to_the_minimum(sch
     out = capsys.readouterr().out
     if scheduler:  # local steps: no online rule
         assert "warning" in out and "StepLR" in out and "'dragonn.warmup_steps'" in out
+    else:  # no scheduler: no learning-rate warm-up to read, and nothing to warn about
+        assert "warning" not in out and f"-> {AUTO_MIN_STEPS} dense warm-up steps" in out
 
 
 def _run_tracker(lrs, tracker=None, first=0):

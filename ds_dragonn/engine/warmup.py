@@ -72,7 +72,7 @@ def resolve_warmup_steps(cfg: DragonnConfig, engine: Any, follow: bool = True) -
                    f"rate: it ends at twice the last step at which the learning rate rose (before it first stopped "
                    f"rising), at least {AUTO_MIN_STEPS} steps", ranks=[0])
         return cfg
-    if lr_warmup is None or scheduler is None:
+    if lr_warmup is None:  # a scheduler this module cannot read (no scheduler: no learning-rate warm-up)
         steps = AUTO_MIN_STEPS
         print_dist(f"DRAGONN: warning: 'warmup_steps': 'auto' cannot read a learning-rate warm-up ({what}); using "
                    f"{steps} dense warm-up steps. If the learning rate warms up, set 'dragonn.warmup_steps' to about "
