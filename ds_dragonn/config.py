@@ -243,9 +243,10 @@ class DragonnConfig(DeepSpeedConfigModel):
     comm_backend: CommBackendName = CommBackendName.torch
     """Collectives: ``torch`` (deepspeed.comm; NCCL on GPU, gloo on CPU) or ``mpi`` (mpi4py)."""
 
-    comm_timeout_s: Optional[float] = Field(None, gt=0.0, le=7 * 86400.0, strict=True)
+    comm_timeout_s: Optional[float] = Field(None, ge=1.0, le=7 * 86400.0, strict=True)
     """Seconds a collective may wait for the other ranks before it fails (a hung or dead rank ends the job).
-    None: DeepSpeed's/torch's default (30 min for gloo); under ``mpi`` it waits for ever. May differ per rank."""
+    None: DeepSpeed's/torch's default (30 min for gloo); under ``mpi`` it waits for ever. May differ per rank. At
+    least 1 s: below, the rendezvous itself times out (torch's error does not name this key)."""
 
     log_interval: int = Field(0, ge=0, strict=True)
     """A statistics line on rank 0 every this many compressed reductions (``sync: local_steps``: outer steps);

@@ -48,7 +48,8 @@ def test_reads_json_path(tmp_path):
     ({"min_compress_numel": 2.5}, ["dragonn.min_compress_numel", "2.5"]),
     ({"outer_lr": float("inf"), "sync": "local_steps"}, ["dragonn.outer_lr", "inf", "finite"]),
     ({"density": float("nan")}, ["dragonn.density", "nan"]),
-    ({"comm_timeout_s": 0}, ["dragonn.comm_timeout_s", "0", "greater than 0"]),
+    ({"comm_timeout_s": 0}, ["dragonn.comm_timeout_s", "0", "greater than or equal to 1"]),
+    ({"comm_timeout_s": 0.001}, ["dragonn.comm_timeout_s", "0.001", "greater than or equal to 1"]),
     ({"comm_timeout_s": "10"}, ["dragonn.comm_timeout_s", "10", "number"]),
     ({"comm_timeout_s": True}, ["dragonn.comm_timeout_s", "True"]),
 ])
